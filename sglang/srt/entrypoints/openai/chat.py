@@ -1,0 +1,191 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator, Optional
+
+from fastapi.responses import ORJSONResponse, StreamingResponse
+
+from sglang.srt.entrypoints.openai.common import (
+    SSE_DONE,
+    as_list,
+    build_usage,
+    error_response,
+    finish_reason_of,
+    sampling_params_from,
+    sse_error,
+    sse_json,
+)
+from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, now
+from sglang.srt.managers.generate_input import GenerateReqInput
+
+
+class ChatHandler:
+    def __init__(self, tokenizer_manager, chat_template: Optional[str], generation_defaults: dict,
+                 served_model_name: str) -> None:
+        self.tm = tokenizer_manager
+        self.chat_template = chat_template
+        self.defaults = generation_defaults
+        self.model_name = served_model_name
+
+    def build_prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
+        tokenizer = self.tm.tokenizer
+        if tokenizer is None:
+            raise ValueError("Chat completions need a tokenizer; the server runs with --skip-tokenizer-init.")
+        messages = [self._message_dict(m) for m in req.messages]
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.tools and req.tool_choice != "none":
+            kwargs["tools"] = req.tools
+        continue_final = req.continue_final_message and messages[-1]["role"] == "assistant"
+        try:
+            ids = tokenizer.apply_chat_template(
+                messages, chat_template=self.chat_template, add_generation_prompt=not continue_final,
+                continue_final_message=continue_final, tokenize=True, return_dict=False, **kwargs,
+            )
+        except Exception as e:  # template errors (e.g. roles it rejects) are the client's to fix
+            raise ValueError(f"Failed to apply the chat template: {e}") from None
+        if isinstance(ids, dict):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    @staticmethod
+    def _message_dict(m) -> dict:
+        content = m.content
+        if isinstance(content, list):
+            kinds = {p.get("type") for p in content}
+            if kinds - {"text"}:
+                raise ValueError(f"This model does not accept {', '.join(sorted(kinds - {'text'}))} content.")
+            content = "".join(p["text"] for p in content)
+        d: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
+        for key in ("name", "tool_call_id", "tool_calls", "reasoning_content"):
+            val = getattr(m, key)
+            if val is not None:
+                d[key] = val
+        return d
+
+    def to_generate_input(self, req: ChatCompletionRequest) -> GenerateReqInput:
+        ids = self.build_prompt_ids(req)
+        max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        sp = sampling_params_from(req, max_new, self.defaults)
+        fmt = req.response_format
+        if fmt is not None and fmt.type == "json_object":
+            sp["json_schema"] = '{"type": "object"}'
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise ValueError("response_format.json_schema.schema is required for type 'json_schema'")
+            sp["json_schema"] = json.dumps(fmt.json_schema.schema_)
+        elif fmt is not None and fmt.type == "structural_tag":
+            sp["structural_tag"] = json.dumps({"structures": fmt.structures or [], "triggers": fmt.triggers or []})
+        want_logprobs = req.logprobs
+        return GenerateReqInput(
+            input_ids=ids, sampling_params=sp, stream=req.stream, rid=req.rid,
+            return_logprob=want_logprobs, top_logprobs_num=req.top_logprobs or 0 if want_logprobs else 0,
+            return_text_in_logprobs=True,
+        )
+
+    async def handle(self, req: ChatCompletionRequest):
+        try:
+            obj = self.to_generate_input(req)
+        except ValueError as e:
+            return error_response(str(e))
+        if req.stream:
+            return await self._stream(req, obj)
+        try:
+            outputs = as_list(await self.tm.generate_request(obj).__anext__())
+        except ValueError as e:
+            return error_response(str(e))
+        choices = []
+        for i, out in enumerate(outputs):
+            reason, matched = finish_reason_of(out["meta_info"])
+            choices.append({
+                "index": i,
+                "message": {"role": "assistant", "content": out["text"] or None, "reasoning_content": None,
+                            "tool_calls": None},
+                "logprobs": chat_logprobs(out["meta_info"]) if req.logprobs else None,
+                "finish_reason": reason,
+                "matched_stop": matched,
+            })
+        return ORJSONResponse({
+            "id": outputs[0]["meta_info"]["id"], "object": "chat.completion", "created": now(),
+            "model": req.model, "choices": choices, "usage": build_usage(outputs, req.n).model_dump(),
+        })
+
+    async def _stream(self, req: ChatCompletionRequest, obj: GenerateReqInput):
+        gen = self.tm.generate_request(obj)
+        try:
+            first = await gen.__anext__()
+        except ValueError as e:
+            return error_response(str(e))
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        created = now()
+        chunk_id = first["meta_info"]["id"]
+
+        def chunk(index: int, delta: dict, reason=None, matched=None, logprobs=None) -> bytes:
+            return sse_json({
+                "id": chunk_id, "object": "chat.completion.chunk", "created": created, "model": req.model,
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
+                             "matched_stop": matched}],
+                "usage": None,
+            })
+
+        async def events() -> AsyncIterator[bytes]:
+            sent_text: dict[int, int] = {}
+            sent_lp: dict[int, int] = {}
+            finals: dict[int, dict] = {}
+
+            async def all_outputs():
+                yield first
+                async for o in gen:
+                    yield o
+
+            try:
+                async for out in all_outputs():
+                    index = out.get("index", 0)
+                    if index not in sent_text:
+                        sent_text[index] = 0
+                        yield chunk(index, {"role": "assistant", "content": ""})
+                    text = out["text"]
+                    delta = text[sent_text[index]:]
+                    sent_text[index] = len(text)
+                    reason, matched = finish_reason_of(out["meta_info"])
+                    lp = None
+                    if req.logprobs:
+                        full = chat_logprobs(out["meta_info"])["content"]
+                        lp = {"content": full[sent_lp.get(index, 0):]}
+                        sent_lp[index] = len(full)
+                    if delta or lp and lp["content"]:
+                        yield chunk(index, {"content": delta}, None if include_usage else reason,
+                                    None if include_usage else matched, lp)
+                    if reason is not None:
+                        finals[index] = out
+                        yield chunk(index, {}, reason, matched)
+            except ValueError as e:
+                yield sse_error(str(e))
+                yield SSE_DONE
+                return
+            finally:
+                await gen.aclose()
+            if include_usage:
+                outputs = [finals[i] for i in sorted(finals)]
+                usage = build_usage(outputs, req.n).model_dump()
+                yield sse_json({"id": chunk_id, "object": "chat.completion.chunk", "created": created,
+                                "model": req.model, "choices": [], "usage": usage})
+            yield SSE_DONE
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def chat_logprobs(meta: dict) -> dict:
+    tokens = meta.get("output_token_logprobs") or []
+    tops = meta.get("output_top_logprobs") or [None] * len(tokens)
+    content = []
+    for (lp, _tid, text), top in zip(tokens, tops):
+        text = text or ""
+        content.append({
+            "token": text, "bytes": list(text.encode("utf-8")), "logprob": lp,
+            "top_logprobs": [
+                {"token": t or "", "bytes": list((t or "").encode("utf-8")), "logprob": v} for v, _i, t in (top or [])
+            ],
+        })
+    return {"content": content}

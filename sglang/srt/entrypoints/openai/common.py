@@ -1,0 +1,97 @@
+"""Pieces shared by the OpenAI chat and completions handlers."""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Optional
+
+import orjson
+from fastapi.responses import ORJSONResponse
+
+from sglang.srt.entrypoints.openai.protocol import ErrorResponse, SamplingExtras, UsageInfo
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def error_response(message: str, status: int = 400, err_type: str = "BadRequestError",
+                   param: Optional[str] = None) -> ORJSONResponse:
+    body = ErrorResponse(message=message, type=err_type, param=param, code=status)
+    return ORJSONResponse(body.model_dump(), status_code=status)
+
+
+def sse_json(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def sse_error(message: str, status: int = 400, err_type: str = "BadRequestError") -> bytes:
+    return sse_json({"error": ErrorResponse(message=message, type=err_type, code=status).model_dump()})
+
+
+def sampling_params_from(req: SamplingExtras, max_new_tokens: Optional[int], defaults: dict) -> dict:
+    """Map OpenAI + SGLang-extra request fields onto native sampling_params."""
+
+    def pick(name: str, fallback: Any) -> Any:
+        val = getattr(req, name)
+        return val if val is not None else defaults.get(name, fallback)
+
+    sp: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "temperature": pick("temperature", 1.0),
+        "top_p": pick("top_p", 1.0),
+        "top_k": pick("top_k", -1),
+        "min_p": pick("min_p", 0.0),
+        "repetition_penalty": pick("repetition_penalty", 1.0),
+        "frequency_penalty": req.frequency_penalty,
+        "presence_penalty": req.presence_penalty,
+        "min_new_tokens": req.min_tokens,
+        "stop": req.stop,
+        "stop_token_ids": req.stop_token_ids,
+        "regex": req.regex,
+        "ebnf": req.ebnf,
+        "ignore_eos": req.ignore_eos,
+        "no_stop_trim": req.no_stop_trim,
+        "skip_special_tokens": req.skip_special_tokens,
+        "logit_bias": req.logit_bias,
+        "n": req.n,
+    }
+    if req.seed is not None:
+        sp["sampling_seed"] = req.seed
+    return {k: v for k, v in sp.items() if v is not None or k == "max_new_tokens"}
+
+
+def finish_reason_of(meta: dict) -> tuple[Optional[str], Any]:
+    """(OpenAI finish_reason, matched_stop) from a native meta_info."""
+    reason = meta.get("finish_reason")
+    if reason is None:
+        return None, None
+    kind = reason.get("type")
+    if kind == "stop":
+        return "stop", reason.get("matched")
+    if kind == "length":
+        return "length", None
+    return "abort", None
+
+
+def build_usage(outputs: list[dict], n: int) -> UsageInfo:
+    """prompt_tokens over the first choice of each prompt, completion_tokens over all choices."""
+    prompt = sum(o["meta_info"]["prompt_tokens"] for i, o in enumerate(outputs) if i % n == 0)
+    completion = sum(o["meta_info"]["completion_tokens"] for o in outputs)
+    cached = sum(o["meta_info"].get("cached_tokens", 0) for i, o in enumerate(outputs) if i % n == 0)
+    return UsageInfo(
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+        prompt_tokens_details={"cached_tokens": cached} if cached > 0 else None,
+    )
+
+
+def as_list(out: Any) -> list[dict]:
+    return out if isinstance(out, list) else [out]
+
+
+async def stream_deltas(gen: AsyncIterator[dict]) -> AsyncIterator[tuple[int, str, dict]]:
+    """Turn cumulative native stream outputs into (index, new_text, output) triples."""
+    sent: dict[int, int] = {}
+    async for out in gen:
+        index = out.get("index", 0)
+        text = out.get("text", "")
+        start = sent.get(index, 0)
+        sent[index] = len(text)
+        yield index, text[start:], out

@@ -1,0 +1,149 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator, Optional
+
+from fastapi.responses import ORJSONResponse, StreamingResponse
+
+from sglang.srt.entrypoints.openai.common import (
+    SSE_DONE,
+    as_list,
+    build_usage,
+    error_response,
+    finish_reason_of,
+    sampling_params_from,
+    sse_error,
+    sse_json,
+)
+from sglang.srt.entrypoints.openai.protocol import CompletionRequest, now
+from sglang.srt.managers.generate_input import GenerateReqInput
+
+
+class CompletionHandler:
+    def __init__(self, tokenizer_manager) -> None:
+        self.tm = tokenizer_manager
+
+    def to_generate_input(self, req: CompletionRequest) -> GenerateReqInput:
+        sp = sampling_params_from(req, req.max_tokens, {})
+        if req.json_schema is not None:
+            sp["json_schema"] = req.json_schema
+        prompt = req.prompt
+        want_logprobs = req.logprobs is not None
+        kwargs = dict(
+            sampling_params=sp, stream=req.stream, rid=req.rid, return_logprob=want_logprobs,
+            top_logprobs_num=req.logprobs or 0, return_text_in_logprobs=True,
+            logprob_start_len=0 if (req.echo and want_logprobs) else -1,
+        )
+        if isinstance(prompt, str) or (isinstance(prompt, list) and isinstance(prompt[0], str)):
+            return GenerateReqInput(text=prompt, **kwargs)
+        return GenerateReqInput(input_ids=prompt, **kwargs)
+
+    def _prompt_texts(self, req: CompletionRequest) -> list[str]:
+        p = req.prompt
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p[0], str):
+            return list(p)
+        lists = [p] if isinstance(p[0], int) else p
+        return [self.tm.tokenizer.decode(ids) if self.tm.tokenizer else "" for ids in lists]
+
+    async def handle(self, req: CompletionRequest):
+        try:
+            obj = self.to_generate_input(req)
+        except ValueError as e:
+            return error_response(str(e))
+        if req.stream:
+            return await self._stream(req, obj)
+        try:
+            outputs = as_list(await self.tm.generate_request(obj).__anext__())
+        except ValueError as e:
+            return error_response(str(e))
+        prompts = self._prompt_texts(req) if req.echo else None
+        choices = []
+        for i, out in enumerate(outputs):
+            reason, matched = finish_reason_of(out["meta_info"])
+            text = out["text"]
+            if prompts is not None:
+                text = prompts[i // req.n] + text
+            choices.append({
+                "index": i, "text": text,
+                "logprobs": completion_logprobs(out["meta_info"], req.echo) if req.logprobs is not None else None,
+                "finish_reason": reason, "matched_stop": matched,
+            })
+        return ORJSONResponse({
+            "id": outputs[0]["meta_info"]["id"], "object": "text_completion", "created": now(), "model": req.model,
+            "choices": choices, "usage": build_usage(outputs, req.n).model_dump(),
+        })
+
+    async def _stream(self, req: CompletionRequest, obj: GenerateReqInput):
+        gen = self.tm.generate_request(obj)
+        try:
+            first = await gen.__anext__()
+        except ValueError as e:
+            return error_response(str(e))
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        created = now()
+        chunk_id = first["meta_info"]["id"]
+        prompts = self._prompt_texts(req) if req.echo else None
+
+        def chunk(index: int, text: str, reason: Optional[str], matched, logprobs=None) -> bytes:
+            return sse_json({
+                "id": chunk_id, "object": "text_completion", "created": created, "model": req.model,
+                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
+                             "matched_stop": matched}],
+                "usage": None,
+            })
+
+        async def events() -> AsyncIterator[bytes]:
+            sent: dict[int, int] = {}
+            finals: dict[int, dict] = {}
+
+            async def all_outputs():
+                yield first
+                async for o in gen:
+                    yield o
+
+            try:
+                async for out in all_outputs():
+                    index = out.get("index", 0)
+                    text = out["text"]
+                    delta = text[sent.get(index, 0):]
+                    if index not in sent and prompts is not None:
+                        delta = prompts[index // req.n] + delta
+                    sent[index] = len(text)
+                    reason, matched = finish_reason_of(out["meta_info"])
+                    if reason is not None:
+                        finals[index] = out
+                    if delta or reason is not None:
+                        yield chunk(index, delta, reason, matched)
+            except ValueError as e:
+                yield sse_error(str(e))
+                yield SSE_DONE
+                return
+            finally:
+                await gen.aclose()
+            if include_usage:
+                usage = build_usage([finals[i] for i in sorted(finals)], req.n).model_dump(exclude_none=True)
+                yield sse_json({
+                    "id": chunk_id, "object": "text_completion", "created": created, "model": req.model,
+                    "choices": [], "usage": usage})
+            yield SSE_DONE
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def completion_logprobs(meta: dict, echo: bool) -> dict:
+    tokens, tops = [], []
+    if echo:
+        tokens += meta.get("input_token_logprobs") or []
+        tops += meta.get("input_top_logprobs") or [None] * len(meta.get("input_token_logprobs") or [])
+    out_tokens = meta.get("output_token_logprobs") or []
+    tokens += out_tokens
+    tops += meta.get("output_top_logprobs") or [None] * len(out_tokens)
+    return {
+        "text_offset": [-1] * len(tokens),
+        "token_logprobs": [lp for lp, _i, _t in tokens],
+        "tokens": [t or "" for _lp, _i, t in tokens],
+        "top_logprobs": [None if top is None else {t or "": v for v, _i, t in top} for top in tops],
+    }

@@ -1,0 +1,48 @@
+"""Final hidden states -> float32 logits, only for the token rows that need them."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sglang.srt.forward_batch import ForwardBatch
+
+
+def select_logit_rows(hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    """The rows of hidden_states [T, hidden] whose logits are wanted.
+
+    `forward_batch.logits_indices` when set; otherwise the last token of every sequence, which in decode
+    mode is every row (so nothing is gathered).
+    """
+    if forward_batch.logits_indices is not None:
+        return hidden_states.index_select(0, forward_batch.logits_indices)
+    if forward_batch.forward_mode.is_decode() or hidden_states.shape[0] == forward_batch.batch_size:
+        return hidden_states
+    return hidden_states.index_select(0, forward_batch.last_token_indices())
+
+
+class LogitsProcessor(nn.Module):
+    """Projects the selected hidden states with the LM head (tied or separate) and returns float32 logits."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.vocab_size = int(config.vocab_size)
+        # Some checkpoints scale logits (e.g. Cohere-style configs); 1.0 for the families here.
+        self.logit_scale = float(getattr(config, "logit_scale", None) or 1.0)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        forward_batch: ForwardBatch,
+        lm_head_bias: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        selected = select_logit_rows(hidden_states, forward_batch)
+        # Matmul in the weight dtype (as the reference models do), then widen for sampling.
+        logits = F.linear(selected, lm_head_weight, lm_head_bias).float()
+        if self.logit_scale != 1.0:
+            logits.mul_(self.logit_scale)
+        return logits[:, : self.vocab_size] if logits.shape[1] > self.vocab_size else logits

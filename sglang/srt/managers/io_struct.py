@@ -1,0 +1,84 @@
+"""Typed messages exchanged over ZMQ between the tokenizer manager, scheduler and detokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenizedGenerateReqInput:
+    rid: str
+    input_text: Optional[str]
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    token_ids_logprob: Optional[list[int]] = None
+    stream: bool = False
+
+
+@dataclass
+class AbortReq:
+    rid: str = ""
+    abort_all: bool = False
+
+
+@dataclass
+class FlushCacheReq:
+    pass
+
+
+@dataclass
+class FlushCacheReqOutput:
+    success: bool
+
+
+@dataclass
+class GetInternalStateReq:
+    pass
+
+
+@dataclass
+class GetInternalStateReqOutput:
+    state: dict[str, Any]
+
+
+@dataclass
+class BatchTokenIDOutput:
+    """Scheduler -> detokenizer: per request, the output ids produced since the last message."""
+
+    rids: list[str]
+    finished_reasons: list[Optional[dict]]
+    new_output_ids: list[list[int]]
+    # All output ids so far are needed when a stop string must be trimmed or text re-decoded.
+    output_lens: list[int]
+    prompt_tokens: list[int]
+    cached_tokens: list[int]
+    retractions: list[int]
+    skip_special_tokens: list[bool]
+    spaces_between_special_tokens: list[bool]
+    no_stop_trim: list[bool]
+    stop_strs: list[Optional[list[str]]]
+    # Logprob increments (None for requests that did not ask for them).
+    logprobs: list[Optional[dict]]
+    # Ids whose text must not be emitted (a matched stop token that is trimmed).
+    trim_last_token: list[bool] = field(default_factory=list)
+
+
+@dataclass
+class BatchStrOutput:
+    """Detokenizer -> tokenizer manager: new text and ids per request."""
+
+    rids: list[str]
+    finished_reasons: list[Optional[dict]]
+    new_texts: list[str]
+    new_output_ids: list[list[int]]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    retractions: list[int]
+    logprobs: list[Optional[dict]]

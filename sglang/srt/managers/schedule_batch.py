@@ -1,0 +1,247 @@
+"""Request state in the scheduler (`Req`) and the set of requests run in one step (`ScheduleBatch`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+
+# Finish reasons serialize to the `meta_info.finish_reason` dicts of the native API.
+def finish_length(length: int) -> dict:
+    return {"type": "length", "length": length}
+
+
+def finish_matched(matched: int | str | None) -> dict:
+    return {"type": "stop", "matched": matched}
+
+
+def finish_abort(message: str = "Aborted", status_code: int | None = None, err_type: str | None = None) -> dict:
+    return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
+
+
+@dataclass
+class LogprobState:
+    """Logprob entries gathered so far; each value list is aligned with its token id list."""
+
+    input_token_val: list[Optional[float]] = field(default_factory=list)
+    input_token_idx: list[int] = field(default_factory=list)
+    input_top: list[Any] = field(default_factory=list)
+    input_ids_logprobs: list[Any] = field(default_factory=list)
+    output_token_val: list[float] = field(default_factory=list)
+    output_token_idx: list[int] = field(default_factory=list)
+    output_top: list[Any] = field(default_factory=list)
+    output_ids_logprobs: list[Any] = field(default_factory=list)
+
+
+class Req:
+    def __init__(
+        self,
+        rid: str,
+        origin_input_ids: list[int],
+        sampling_params: SamplingParams,
+        stop_token_ids: set[int],
+        sampling_seed: int,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        token_ids_logprob: Optional[list[int]] = None,
+        stream: bool = False,
+    ) -> None:
+        self.rid = rid
+        self.origin_input_ids = origin_input_ids
+        self.sampling_params = sampling_params
+        self.stop_token_ids = stop_token_ids
+        self.sampling_seed = sampling_seed
+        self.return_logprob = return_logprob
+        self.logprob_start_len = logprob_start_len
+        self.top_logprobs_num = top_logprobs_num
+        self.token_ids_logprob = token_ids_logprob
+        self.stream = stream
+
+        self.output_ids: list[int] = []
+        self.finished_reason: Optional[dict] = None
+        self.to_abort: Optional[dict] = None
+
+        # Memory: row in req_to_token, prefix from the radix tree, slots this request allocated.
+        self.req_pool_idx: Optional[int] = None
+        self.prefix_indices: torch.Tensor = torch.empty(0, dtype=torch.int64)
+        self.last_node: Any = None
+        self.cache_protected_len = 0
+        self.kv_allocated_len = 0
+        # Tokens whose K/V should exist after the current prefill (input + outputs, maybe a chunk of it).
+        self.fill_ids: list[int] = []
+        self.extend_input_len = 0
+        self.kv_committed_len = 0  # tokens of the row whose K/V are computed
+        self.is_chunked = False
+        self.penalty_state: Any = None
+        self.grammar: Any = None
+
+        # Accounting.
+        self.cached_tokens = 0
+        self.already_computed = 0
+        self.retractions = 0
+        self.logprobs = LogprobState() if return_logprob else None
+        self.sent_output_len = 0
+        self.created_time = time.monotonic()
+        self.first_token_time: Optional[float] = None
+        self.last_token_time: Optional[float] = None
+
+    # ---- state helpers -------------------------------------------------------------------------------
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    def all_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    def init_next_round_input(self) -> None:
+        self.fill_ids = self.origin_input_ids + self.output_ids
+
+    def input_logprob_start(self) -> int:
+        """First prompt position whose token gets an `input_token_logprobs` entry."""
+        n = len(self.origin_input_ids)
+        if self.logprob_start_len is None or self.logprob_start_len < 0:
+            return n - 1
+        return min(self.logprob_start_len, n - 1)
+
+    def max_prefix_len(self) -> int:
+        """How much of fill_ids may come from the cache: one token must run; input logprobs must be computed."""
+        limit = len(self.fill_ids) - 1
+        if self.return_logprob and not self.output_ids:
+            limit = min(limit, self.input_logprob_start())
+        return max(limit, 0)
+
+    def reset_for_retract(self) -> None:
+        self.prefix_indices = torch.empty(0, dtype=torch.int64)
+        self.last_node = None
+        self.cache_protected_len = 0
+        self.kv_allocated_len = 0
+        self.kv_committed_len = 0
+        self.req_pool_idx = None
+        self.extend_input_len = 0
+        self.is_chunked = False
+        self.penalty_state = None
+        self.already_computed = 0
+        self.retractions += 1
+
+    def max_new_tokens(self) -> int:
+        return self.sampling_params.max_new_tokens  # clamped by the scheduler at admission
+
+    def __repr__(self) -> str:
+        return f"Req(rid={self.rid}, input={len(self.origin_input_ids)}, output={len(self.output_ids)})"
+
+
+class OutOfKVMemory(RuntimeError):
+    """Slot allocation failed even after evicting the cache; the scheduler's budgets should prevent this."""
+
+
+@dataclass
+class MemoryPools:
+    """The three memory levels plus the prefix cache, shared by the scheduler and the model runner."""
+
+    req_to_token_pool: Any
+    allocator: Any
+    kv_pool: Any
+    tree_cache: Any
+
+    def alloc_slots(self, n: int) -> torch.Tensor:
+        if self.allocator.available_size() < n:
+            self.tree_cache.evict(n - self.allocator.available_size())
+        slots = self.allocator.alloc(n)
+        if slots is None:
+            raise OutOfKVMemory(f"cannot allocate {n} KV slots")
+        return slots
+
+    def available_tokens(self) -> int:
+        return self.allocator.available_size() + self.tree_cache.evictable_size()
+
+
+class ScheduleBatch:
+    """The requests of one forward step and the CPU-side inputs built for it."""
+
+    def __init__(self, reqs: list[Req], is_decode: bool) -> None:
+        self.reqs = reqs
+        self.is_decode = is_decode
+        self.input_ids: list[int] = []
+        self.prefix_lens: list[int] = []
+        self.extend_lens: list[int] = []
+        self.seq_lens: list[int] = []
+        self.out_cache_loc: Optional[torch.Tensor] = None
+        # Per request: flat token offsets (into input_ids) whose logits are needed, and which of them is the
+        # position that samples the next token (None for a chunk that does not finish the prompt).
+        self.logit_positions: list[list[int]] = []
+        self.sample_row: list[Optional[int]] = []
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def prepare_for_extend(self, mem: MemoryPools) -> None:
+        """Allocate rows and slots for each request's fill_ids beyond its cached prefix."""
+        table = mem.req_to_token_pool.req_to_token
+        total = 0
+        for req in self.reqs:
+            if req.req_pool_idx is None:
+                row = mem.req_to_token_pool.alloc()
+                if row is None:
+                    raise OutOfKVMemory("no free request row")
+                req.req_pool_idx = row
+                prefix_len = len(req.prefix_indices)
+                if prefix_len:
+                    table[row, :prefix_len] = req.prefix_indices
+                req.kv_allocated_len = prefix_len
+                req.kv_committed_len = prefix_len
+            prefix_len = req.kv_committed_len
+            ext = len(req.fill_ids) - prefix_len
+            req.extend_input_len = ext
+            self.prefix_lens.append(prefix_len)
+            self.extend_lens.append(ext)
+            self.seq_lens.append(prefix_len + ext)
+            self.input_ids.extend(req.fill_ids[prefix_len:])
+            total += ext
+        self.out_cache_loc = mem.alloc_slots(total)
+        offset = 0
+        for req, prefix_len, ext in zip(self.reqs, self.prefix_lens, self.extend_lens):
+            table[req.req_pool_idx, prefix_len : prefix_len + ext] = self.out_cache_loc[offset : offset + ext]
+            req.kv_allocated_len = prefix_len + ext
+            offset += ext
+        self._plan_extend_logits()
+
+    def _plan_extend_logits(self) -> None:
+        offset = 0
+        for req, prefix_len, ext in zip(self.reqs, self.prefix_lens, self.extend_lens):
+            end = prefix_len + ext
+            finishes_prompt = end == len(req.origin_input_ids) + len(req.output_ids)
+            positions: list[int] = []
+            if req.return_logprob and not req.output_ids:
+                # Input logprobs: logits at position p score token p+1 of the prompt.
+                first = max(prefix_len, req.input_logprob_start())
+                positions = list(range(first, min(end, len(req.origin_input_ids) - 1)))
+            sample = None
+            if finishes_prompt:
+                sample = len(positions)
+                positions.append(end - 1)
+            self.logit_positions.append([offset + p - prefix_len for p in positions])
+            self.sample_row.append(sample)
+            offset += ext
+
+    def prepare_for_decode(self, mem: MemoryPools) -> None:
+        self.out_cache_loc = mem.alloc_slots(len(self.reqs))
+        table = mem.req_to_token_pool.req_to_token
+        for i, req in enumerate(self.reqs):
+            pos = req.seqlen - 1
+            table[req.req_pool_idx, pos] = self.out_cache_loc[i]
+            req.kv_allocated_len = pos + 1
+            self.input_ids.append(req.output_ids[-1])
+            self.prefix_lens.append(pos)
+            self.extend_lens.append(1)
+            self.seq_lens.append(pos + 1)
+            self.logit_positions.append([i])
+            self.sample_row.append(0)

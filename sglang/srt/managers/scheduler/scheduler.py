@@ -1,0 +1,407 @@
+"""The scheduler process: receive requests, pick prefill or decode batches, run them, emit token ids."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Optional
+
+import torch
+import zmq
+
+from sglang.srt.managers.io_struct import (
+    AbortReq,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    TokenizedGenerateReqInput,
+)
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch, finish_abort
+from sglang.srt.managers.scheduler.output import (
+    build_output_message,
+    check_finished,
+    record_input_logprobs,
+    record_output_logprob,
+)
+from sglang.srt.managers.scheduler.policy import SchedulePolicy
+from sglang.srt.managers.scheduler.prefill_adder import PrefillAdder
+from sglang.srt.model_executor.model_runner import ModelRunner, StepOutput
+from sglang.srt.server_args import PortArgs, ServerArgs
+
+logger = logging.getLogger(__name__)
+
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.001
+
+
+class Scheduler:
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs, model_info: dict, tokenizer) -> None:
+        self.args = server_args
+        self.tokenizer = tokenizer
+        ctx = zmq.Context(2)
+        self.recv_from_tokenizer = ctx.socket(zmq.PULL)
+        self.recv_from_tokenizer.bind(port_args.scheduler_input_ipc_name)
+        self.send_to_detokenizer = ctx.socket(zmq.PUSH)
+        self.send_to_detokenizer.connect(port_args.detokenizer_ipc_name)
+
+        self.runner = ModelRunner(
+            model_dir=model_info["model_dir"],
+            hf_config=model_info["hf_config"],
+            dtype=model_info["dtype"],
+            device=server_args.device,
+            context_len=model_info["context_len"],
+            max_total_tokens=server_args.max_total_tokens,
+            mem_fraction_static=server_args.mem_fraction_static,
+            max_running_requests=server_args.max_running_requests,
+            disable_radix_cache=server_args.disable_radix_cache,
+        )
+        self.mem = self.runner.mem
+        self.context_len = model_info["context_len"]
+        self.max_total_num_tokens = self.runner.max_total_num_tokens
+        self.max_req_len = min(self.context_len - 1, self.max_total_num_tokens - 1)
+        self.max_req_input_len = self.max_req_len - 5
+        self.eos_token_ids = set(model_info["eos_token_ids"])
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(tokenizer.eos_token_id)
+        self.policy = SchedulePolicy(server_args.schedule_policy, self.mem.tree_cache, server_args.random_seed)
+        self.rng = random.Random(server_args.random_seed)
+
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Optional[Req] = None
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.forward_ct = 0
+        self.num_generated_tokens = 0
+        self.last_log_time = time.monotonic()
+        self.last_gen_throughput = 0.0
+        self.total_prompt_tokens = 0
+        self.total_cached_tokens = 0
+        self.invariant_error: Optional[str] = None
+
+    def info(self) -> dict:
+        return {
+            "max_total_num_tokens": self.max_total_num_tokens,
+            "max_req_input_len": self.max_req_input_len,
+            "max_running_requests": self.runner.max_running_requests,
+            "context_len": self.context_len,
+            "weight_bytes": self.runner.weight_bytes,
+            "kv_bytes": self.runner.kv_bytes,
+        }
+
+    # ---- main loop ------------------------------------------------------------------------------------
+    def event_loop(self) -> None:
+        while True:
+            self.recv_requests(block=self.is_idle())
+            self.process_aborts()
+            batch = self.get_next_batch()
+            if batch is None:
+                if self.is_idle():
+                    self.check_memory()
+                continue
+            result = self.runner.forward(batch)
+            finished_or_streamed = self.process_result(batch, result)
+            if finished_or_streamed:
+                self.send_to_detokenizer.send_pyobj(build_output_message(finished_or_streamed))
+
+    def is_idle(self) -> bool:
+        return not self.waiting and not self.running and self.chunked_req is None
+
+    def recv_requests(self, block: bool) -> None:
+        flags = 0 if block else zmq.NOBLOCK
+        while True:
+            try:
+                msg = self.recv_from_tokenizer.recv_pyobj(flags)
+            except zmq.ZMQError:
+                return
+            self.handle_message(msg)
+            flags = zmq.NOBLOCK
+
+    def handle_message(self, msg) -> None:
+        if isinstance(msg, TokenizedGenerateReqInput):
+            self.add_request(msg)
+        elif isinstance(msg, AbortReq):
+            self.abort(msg)
+        elif isinstance(msg, FlushCacheReq):
+            self.send_to_detokenizer.send_pyobj(FlushCacheReqOutput(self.flush_cache()))
+        elif isinstance(msg, GetInternalStateReq):
+            self.send_to_detokenizer.send_pyobj(GetInternalStateReqOutput(self.internal_state()))
+        else:
+            logger.error("Unknown message: %r", type(msg))
+
+    def add_request(self, msg: TokenizedGenerateReqInput) -> None:
+        params = msg.sampling_params
+        seed = params.sampling_seed if params.sampling_seed is not None else self.rng.randrange(1 << 62)
+        stop_ids = set(self.eos_token_ids) | set(params.stop_token_ids or ())
+        req = Req(
+            rid=msg.rid,
+            origin_input_ids=list(msg.input_ids),
+            sampling_params=params,
+            stop_token_ids=stop_ids,
+            sampling_seed=seed,
+            return_logprob=msg.return_logprob,
+            logprob_start_len=msg.logprob_start_len,
+            top_logprobs_num=msg.top_logprobs_num,
+            token_ids_logprob=msg.token_ids_logprob,
+            stream=msg.stream,
+        )
+        error = self._validate_length(req)
+        if error is not None:
+            req.finished_reason = finish_abort(error, status_code=400, err_type="BadRequestError")
+            self.send_to_detokenizer.send_pyobj(build_output_message([req]))
+            return
+        cap = self.max_req_len - len(req.origin_input_ids) - 1
+        if params.max_new_tokens is None or params.max_new_tokens > cap:
+            params.max_new_tokens = max(cap, 0)
+        self.waiting.append(req)
+
+    def _validate_length(self, req: Req) -> Optional[str]:
+        n = len(req.origin_input_ids)
+        if n > self.max_req_input_len:
+            if not self.args.allow_auto_truncate:
+                return (
+                    f"Input length ({n} tokens) exceeds the maximum allowed length ({self.max_req_input_len} "
+                    "tokens). Use a shorter input or enable --allow-auto-truncate."
+                )
+            req.origin_input_ids = req.origin_input_ids[: self.max_req_input_len]
+        if req.return_logprob and req.logprob_start_len is not None and req.logprob_start_len >= len(
+            req.origin_input_ids
+        ):
+            return (
+                f"logprob_start_len ({req.logprob_start_len}) is superior or equal to the length of the "
+                f"input ({len(req.origin_input_ids)} tokens)."
+            )
+        return None
+
+    # ---- aborts ---------------------------------------------------------------------------------------
+    def abort(self, msg: AbortReq) -> None:
+        def match(req: Req) -> bool:
+            return msg.abort_all or req.rid.startswith(msg.rid)
+
+        for req in [r for r in self.waiting if match(r)]:
+            self.waiting.remove(req)
+            req.finished_reason = finish_abort("Abort before prefill")
+            self.send_to_detokenizer.send_pyobj(build_output_message([req]))
+        for req in self.running + ([self.chunked_req] if self.chunked_req else []):
+            if match(req) and req.to_abort is None:
+                req.to_abort = finish_abort("Abort in waiting queue" if req.is_chunked else "Aborted by request")
+
+    def process_aborts(self) -> None:
+        aborted = [r for r in self.running if r.to_abort is not None]
+        if self.chunked_req is not None and self.chunked_req.to_abort is not None:
+            aborted.append(self.chunked_req)
+            self.chunked_req = None
+        if not aborted:
+            return
+        self.running = [r for r in self.running if r.to_abort is None]
+        for req in aborted:
+            req.finished_reason = req.to_abort
+            self.release(req)
+        self.send_to_detokenizer.send_pyobj(build_output_message(aborted))
+
+    def release(self, req: Req) -> None:
+        """Hand a request's KV to the prefix cache (or free it) and free its row."""
+        if req.req_pool_idx is not None:
+            self.mem.tree_cache.cache_finished_req(req)
+            req.req_pool_idx = None
+
+    # ---- batch selection ------------------------------------------------------------------------------
+    def get_next_batch(self) -> Optional[ScheduleBatch]:
+        if self.waiting or self.chunked_req is not None:
+            batch = self.get_prefill_batch()
+            if batch is not None:
+                return batch
+        if self.running:
+            return self.get_decode_batch()
+        return None
+
+    def get_prefill_batch(self) -> Optional[ScheduleBatch]:
+        adder = PrefillAdder(
+            self.mem, self.running, self.new_token_ratio, self.args.max_prefill_tokens,
+            self.args.chunked_prefill_size, self.runner.max_running_requests,
+        )
+        if self.chunked_req is not None:
+            if not adder.add_chunked(self.chunked_req):
+                return None
+        for req in self.policy.order(self.waiting):
+            if not adder.add(req):
+                break
+        if not adder.selected:
+            return None
+        chosen = {id(r) for r in adder.selected}
+        self.waiting = [r for r in self.waiting if id(r) not in chosen]
+        self.chunked_req = adder.new_chunked_req
+        batch = ScheduleBatch(adder.selected, is_decode=False)
+        batch.prepare_for_extend(self.mem)
+        cached = 0
+        for req, prefix_len in zip(batch.reqs, batch.prefix_lens):
+            if prefix_len > req.already_computed:
+                req.cached_tokens += prefix_len - req.already_computed
+                cached += prefix_len - req.already_computed
+            req.already_computed = len(req.fill_ids)
+        self.total_cached_tokens += cached
+        self.total_prompt_tokens += sum(batch.extend_lens) + cached
+        self._log_prefill(batch, cached)
+        return batch
+
+    def get_decode_batch(self) -> ScheduleBatch:
+        while self.mem.available_tokens() < len(self.running) and len(self.running) > 1:
+            self.retract_one()
+        self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+        batch = ScheduleBatch(list(self.running), is_decode=True)
+        batch.prepare_for_decode(self.mem)
+        return batch
+
+    def retract_one(self) -> None:
+        """Free the KV of the request with the least progress; it re-runs later from its tokens so far."""
+        victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
+        self.running.remove(victim)
+        self.release(victim)
+        victim.reset_for_retract()
+        self.waiting.insert(0, victim)
+        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
+        logger.info("Retract request %s (#running-req: %d)", victim.rid, len(self.running))
+
+    # ---- results --------------------------------------------------------------------------------------
+    def process_result(self, batch: ScheduleBatch, result: StepOutput) -> list[Req]:
+        self.forward_ct += 1
+        sampled = result.sample.next_token_ids.tolist() if result.sample is not None else []
+        sample_idx = 0
+        logit_row = 0
+        outputs: list[Req] = []
+        now = time.monotonic()
+        for i, req in enumerate(batch.reqs):
+            rows = batch.logit_positions[i]
+            sample_pos = batch.sample_row[i]
+            if not batch.is_decode:
+                req.kv_committed_len = len(req.fill_ids)
+                n_input_rows = len(rows) - (1 if sample_pos is not None else 0)
+                if req.return_logprob and not req.output_ids and result.input_logprobs is not None:
+                    first = max(batch.prefix_lens[i], req.input_logprob_start())
+                    record_input_logprobs(
+                        req, result.input_logprobs, list(range(logit_row, logit_row + n_input_rows)), first
+                    )
+                elif req.return_logprob and not req.output_ids and req.logprobs.input_token_idx == []:
+                    record_input_logprobs(req, torch.empty(0), [], 0)
+                if req.is_chunked:
+                    self.mem.tree_cache.cache_unfinished_req(req)
+                    logit_row += len(rows)
+                    continue
+            else:
+                req.kv_committed_len = req.seqlen
+            logit_row += len(rows)
+            token = sampled[sample_idx]
+            row_in_sample = sample_idx
+            sample_idx += 1
+            if req.sampling_params.max_new_tokens > 0 and req.to_abort is None:
+                req.output_ids.append(token)
+                self.num_generated_tokens += 1
+                if req.return_logprob:
+                    record_output_logprob(req, result.sample, row_in_sample, token)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                req.last_token_time = now
+            check_finished(req, self.tokenizer)
+            if req.finished():
+                if req in self.running:
+                    self.running.remove(req)
+                self.release(req)
+                outputs.append(req)
+            else:
+                if not batch.is_decode:
+                    self.running.append(req)
+                if req.stream and len(req.output_ids) - req.sent_output_len >= self._stream_interval(req):
+                    outputs.append(req)
+        if batch.is_decode:
+            self._maybe_log_decode()
+        return outputs
+
+    def _stream_interval(self, req: Req) -> int:
+        return req.sampling_params.stream_interval or self.args.stream_interval
+
+    # ---- cache control, invariants, state -------------------------------------------------------------
+    def flush_cache(self) -> bool:
+        if not self.is_idle():
+            return False
+        self.mem.tree_cache.reset()
+        self.mem.allocator.clear()
+        self.mem.req_to_token_pool.clear()
+        logger.info("Cache flushed successfully!")
+        return True
+
+    def check_memory(self) -> None:
+        """When idle, every slot is either free or held by the prefix cache, and nothing is locked."""
+        free = self.mem.allocator.available_size()
+        cached = self.mem.tree_cache.total_size()
+        protected = self.mem.tree_cache.protected_size()
+        rows_free = self.mem.req_to_token_pool.available_size()
+        rows_total = self.runner.max_running_requests + 1
+        if free + cached != self.max_total_num_tokens or protected != 0 or rows_free != rows_total:
+            self.invariant_error = (
+                f"memory leak: free={free} cached={cached} protected={protected} "
+                f"total={self.max_total_num_tokens} free_rows={rows_free}/{rows_total}"
+            )
+            logger.error(self.invariant_error)
+
+    def token_usage(self) -> float:
+        used = self.max_total_num_tokens - self.mem.available_tokens()
+        return used / self.max_total_num_tokens
+
+    def internal_state(self) -> dict:
+        if self.is_idle():
+            self.check_memory()
+        return {
+            **self.info(),
+            "last_gen_throughput": self.last_gen_throughput,
+            "num_running_reqs": len(self.running) + (self.chunked_req is not None),
+            "num_queue_reqs": len(self.waiting),
+            "token_usage": self.token_usage(),
+            "used_kv_tokens": self.max_total_num_tokens - self.mem.available_tokens(),
+            "cache_hit_rate": self.total_cached_tokens / max(1, self.total_prompt_tokens),
+            "evictable_size": self.mem.tree_cache.evictable_size(),
+            "free_kv_tokens": self.mem.allocator.available_size(),
+            "invariant_error": self.invariant_error,
+            "load": self.max_total_num_tokens - self.mem.available_tokens()
+            + sum(len(r.origin_input_ids) for r in self.waiting),
+        }
+
+    # ---- logging --------------------------------------------------------------------------------------
+    def _log_prefill(self, batch: ScheduleBatch, cached: int) -> None:
+        logger.info(
+            "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+            "#running-req: %d, #queue-req: %d",
+            len(batch), sum(batch.extend_lens), cached, self.token_usage(), len(self.running), len(self.waiting),
+        )
+
+    def _maybe_log_decode(self) -> None:
+        if self.forward_ct % self.args.decode_log_interval != 0:
+            return
+        now = time.monotonic()
+        self.last_gen_throughput = self.num_generated_tokens / max(now - self.last_log_time, 1e-6)
+        self.last_log_time, self.num_generated_tokens = now, 0
+        logger.info(
+            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
+            "#queue-req: %d",
+            len(self.running), self.max_total_num_tokens - self.mem.available_tokens(), self.token_usage(),
+            self.last_gen_throughput, len(self.waiting),
+        )
+
+
+def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, model_info: dict, pipe_writer) -> None:
+    """Entry point of the scheduler process."""
+    from sglang.srt.managers.process_utils import configure_child_process, load_tokenizer_for
+
+    configure_child_process(server_args, "scheduler")
+    if server_args.num_threads:
+        torch.set_num_threads(server_args.num_threads)
+    try:
+        tokenizer = load_tokenizer_for(server_args)
+        scheduler = Scheduler(server_args, port_args, model_info, tokenizer)
+    except Exception as e:  # report the failure to the parent instead of dying silently
+        logger.exception("Scheduler failed to start")
+        pipe_writer.send({"status": "error", "error": f"{type(e).__name__}: {e}"})
+        return
+    pipe_writer.send({"status": "ready", **scheduler.info()})
+    scheduler.event_loop()

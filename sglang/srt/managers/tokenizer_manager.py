@@ -1,0 +1,274 @@
+"""Tokenizer manager: validates and tokenizes requests, sends them to the scheduler, gathers outputs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional
+
+import zmq
+import zmq.asyncio
+
+from sglang.srt.managers.generate_input import GenerateReqInput
+from sglang.srt.managers.io_struct import (
+    AbortReq,
+    BatchStrOutput,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    TokenizedGenerateReqInput,
+)
+from sglang.srt.managers.logprob_format import LogprobFormatter
+from sglang.srt.metrics import ServerMetrics
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.server_args import PortArgs, ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ReqState:
+    """Outputs of one request gathered so far, and an event set whenever more arrive."""
+
+    rid: str
+    created: float
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    meta: dict = field(default_factory=dict)
+    logprobs: Optional[LogprobFormatter] = None
+    last_output_time: Optional[float] = None
+
+
+class TokenizerManager:
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs, tokenizer, model_info: dict,
+                 scheduler_info: dict) -> None:
+        self.server_args = server_args
+        self.tokenizer = tokenizer
+        self.model_info = model_info
+        self.scheduler_info = scheduler_info
+        self.context_len = model_info["context_len"]
+        self.vocab_size = model_info["hf_config"].vocab_size
+        self.preferred_sampling_params = (
+            json.loads(server_args.preferred_sampling_params) if server_args.preferred_sampling_params else {}
+        )
+        self.ctx = zmq.asyncio.Context(2)
+        self.send_to_scheduler = self.ctx.socket(zmq.PUSH)
+        self.send_to_scheduler.connect(port_args.scheduler_input_ipc_name)
+        self.recv_from_detokenizer = self.ctx.socket(zmq.PULL)
+        self.recv_from_detokenizer.bind(port_args.tokenizer_ipc_name)
+        self.rid_to_state: dict[str, ReqState] = {}
+        self.control_waiters: dict[type, asyncio.Queue] = {}
+        self.recv_task: Optional[asyncio.Task] = None
+        self.recv_loop_owner: Optional[asyncio.AbstractEventLoop] = None
+        self.metrics: Optional[ServerMetrics] = (
+            ServerMetrics(server_args.served_model_name) if server_args.enable_metrics else None
+        )
+
+    # ---- request path ---------------------------------------------------------------------------------
+    def tokenize_item(self, item: dict) -> TokenizedGenerateReqInput:
+        """Validate one expanded item (see GenerateReqInput.expand) and tokenize it. Raises ValueError."""
+        if "text" in item:
+            if self.tokenizer is None:
+                raise ValueError(
+                    "The engine initialized with skip_tokenizer_init=True cannot accept text prompts. Please "
+                    "provide input_ids or re-initialize the engine with skip_tokenizer_init=False."
+                )
+            input_text = item["text"]
+            input_ids = self.tokenizer.encode(input_text)
+        else:
+            input_text = None
+            input_ids = list(item["input_ids"])
+            bad = [t for t in input_ids if t < 0 or t >= self.vocab_size]
+            if bad:
+                raise ValueError(f"input_ids contains token id {bad[0]} outside the vocabulary [0, {self.vocab_size}).")
+        n = len(input_ids)
+        if n == 0:
+            raise ValueError("The input is empty after tokenization; provide a non-empty prompt.")
+        if n >= self.context_len:
+            raise ValueError(
+                f"The input ({n} tokens) is longer than the model's context length ({self.context_len} tokens)."
+            )
+        params = SamplingParams.from_dict({**self.preferred_sampling_params, **item["sampling_params"]})
+        params.normalize(self.tokenizer)
+        params.verify(self.vocab_size)
+        if params.max_new_tokens is not None and params.max_new_tokens + n >= self.context_len:
+            raise ValueError(
+                f"Requested token count exceeds the model's maximum context length of {self.context_len} tokens. "
+                f"You requested a total of {params.max_new_tokens + n} tokens: {n} tokens from the input messages "
+                f"and {params.max_new_tokens} tokens for the completion. Please reduce the number of tokens in "
+                "the input messages or the completion to fit within the limit."
+            )
+        tids = item["token_ids_logprob"]
+        if tids is not None and any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in tids):
+            raise ValueError(f"token_ids_logprob must hold token ids in [0, {self.vocab_size}).")
+        top = item["top_logprobs_num"]
+        if not isinstance(top, int) or top < 0:
+            raise ValueError(f"top_logprobs_num must be a non-negative integer, got {top}.")
+        return TokenizedGenerateReqInput(
+            rid=item["rid"], input_text=input_text, input_ids=input_ids, sampling_params=params,
+            return_logprob=item["return_logprob"], logprob_start_len=item["logprob_start_len"],
+            top_logprobs_num=top, token_ids_logprob=tids,
+        )
+
+    async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[Any]:
+        """Yield output dicts: for a single request, one per stream event (or one at the end); for a batch,
+        each yielded dict carries "index", and without streaming one final list is yielded instead."""
+        self._ensure_recv_loop()
+        items = obj.expand()
+        tokenized = [self.tokenize_item(it) for it in items]
+        single = obj.is_single() and len(items) == 1
+        for t in tokenized:
+            if t.rid in self.rid_to_state:
+                raise ValueError(f"Duplicate request id: {t.rid}")
+        states = []
+        for t in tokenized:
+            t.stream = obj.stream
+            state = ReqState(rid=t.rid, created=time.monotonic())
+            if t.return_logprob:
+                state.logprobs = LogprobFormatter(
+                    self.tokenizer if obj.return_text_in_logprobs else None, t.top_logprobs_num > 0,
+                    t.token_ids_logprob is not None,
+                )
+            self.rid_to_state[t.rid] = state
+            states.append(state)
+        for t in tokenized:
+            self.send_to_scheduler.send_pyobj(t)
+        try:
+            if single:
+                async for out in self._wait_one(states[0], obj.stream):
+                    yield out
+            elif obj.stream:
+                async for out in self._wait_many_stream(states):
+                    yield out
+            else:
+                outs = []
+                for s in states:
+                    async for out in self._wait_one(s, False):
+                        outs.append(out)
+                yield outs
+        finally:
+            for s in states:
+                if not s.finished:
+                    self.abort_request(s.rid)
+                self.rid_to_state.pop(s.rid, None)
+
+    async def _wait_one(self, state: ReqState, stream: bool) -> AsyncIterator[dict]:
+        while True:
+            await state.event.wait()
+            state.event.clear()
+            out = self._make_output(state)
+            if state.finished:
+                self._raise_if_error(state)
+                yield out
+                return
+            if stream:
+                yield out
+
+    async def _wait_many_stream(self, states: list[ReqState]) -> AsyncIterator[dict]:
+        pending = {i: s for i, s in enumerate(states)}
+        while pending:
+            waiters = {asyncio.ensure_future(s.event.wait()): i for i, s in pending.items()}
+            done, rest = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+            for f in rest:
+                f.cancel()
+            for f in done:
+                i = waiters[f]
+                state = pending[i]
+                state.event.clear()
+                out = self._make_output(state)
+                out["index"] = i
+                if state.finished:
+                    self._raise_if_error(state)
+                    del pending[i]
+                yield out
+
+    def _raise_if_error(self, state: ReqState) -> None:
+        reason = state.meta.get("finish_reason") or {}
+        if reason.get("type") == "abort" and reason.get("status_code") == 400:
+            raise ValueError(reason["message"])
+
+    def _make_output(self, state: ReqState) -> dict:
+        meta: dict[str, Any] = {"id": state.rid, "finish_reason": state.meta.get("finish_reason")}
+        meta["prompt_tokens"] = state.meta.get("prompt_tokens", 0)
+        meta["weight_version"] = self.server_args.weight_version
+        meta["total_retractions"] = state.meta.get("retractions", 0)
+        if state.logprobs is not None:
+            meta.update(state.logprobs.to_meta())
+        meta["completion_tokens"] = state.meta.get("completion_tokens", 0)
+        meta["cached_tokens"] = state.meta.get("cached_tokens", 0)
+        if state.finished:
+            meta["e2e_latency"] = time.monotonic() - state.created
+        if self.tokenizer is None:
+            return {"output_ids": list(state.output_ids), "token_ids": list(state.output_ids), "meta_info": meta}
+        return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
+
+    # ---- receiving ------------------------------------------------------------------------------------
+    def _ensure_recv_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self.recv_task is None or self.recv_task.done() or self.recv_loop_owner is not loop:
+            self.recv_task = loop.create_task(self._recv_loop())
+            self.recv_loop_owner = loop
+
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = await self.recv_from_detokenizer.recv_pyobj()
+            if isinstance(msg, BatchStrOutput):
+                self._handle_outputs(msg)
+            else:
+                queue = self.control_waiters.get(type(msg))
+                if queue is not None:
+                    queue.put_nowait(msg)
+
+    def _handle_outputs(self, msg: BatchStrOutput) -> None:
+        for i, rid in enumerate(msg.rids):
+            state = self.rid_to_state.get(rid)
+            if state is None:
+                continue
+            now = time.monotonic()
+            if self.metrics is not None:
+                self.metrics.on_output(state.created, state.last_output_time, len(msg.new_output_ids[i]), now)
+                if msg.finished_reasons[i] is not None:
+                    self.metrics.on_finish(state.created, msg.prompt_tokens[i], msg.completion_tokens[i])
+            if msg.new_output_ids[i]:
+                state.last_output_time = now
+            state.text += msg.new_texts[i]
+            state.output_ids.extend(msg.new_output_ids[i])
+            state.meta.update(
+                finish_reason=msg.finished_reasons[i], prompt_tokens=msg.prompt_tokens[i],
+                completion_tokens=msg.completion_tokens[i], cached_tokens=msg.cached_tokens[i],
+                retractions=msg.retractions[i],
+            )
+            if state.logprobs is not None and msg.logprobs[i] is not None:
+                state.logprobs.extend(msg.logprobs[i])
+            if msg.finished_reasons[i] is not None:
+                state.finished = True
+                reason = msg.finished_reasons[i]
+                if reason.get("type") == "abort" and reason.get("message") == "Abort before prefill":
+                    state.meta.update(prompt_tokens=0, completion_tokens=0)
+            state.event.set()
+
+    # ---- control --------------------------------------------------------------------------------------
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        if not abort_all and rid not in self.rid_to_state:
+            return
+        self.send_to_scheduler.send_pyobj(AbortReq(rid=rid, abort_all=abort_all))
+
+    async def _control(self, req: Any, reply_type: type) -> Any:
+        self._ensure_recv_loop()
+        queue = self.control_waiters.setdefault(reply_type, asyncio.Queue())
+        self.send_to_scheduler.send_pyobj(req)
+        return await queue.get()
+
+    async def flush_cache(self) -> bool:
+        out: FlushCacheReqOutput = await self._control(FlushCacheReq(), FlushCacheReqOutput)
+        return out.success
+
+    async def get_internal_state(self) -> dict:
+        out: GetInternalStateReqOutput = await self._control(GetInternalStateReq(), GetInternalStateReqOutput)
+        return out.state

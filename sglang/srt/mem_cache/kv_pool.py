@@ -1,0 +1,52 @@
+"""Per-layer K/V buffers addressed by KV slot index."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    """K and V buffers for every layer: `[size + 1, kv_heads, head_dim]` each.
+
+    Slot 0 is a reserved dummy slot (padded tokens may write there); the allocator hands out
+    slots 1..size.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        v_head_dim: int | None = None,
+    ) -> None:
+        self.size = size
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.v_head_dim = v_head_dim or head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.k_buffer = [
+            torch.zeros(size + 1, num_kv_heads, head_dim, dtype=dtype, device=self.device)
+            for _ in range(num_layers)
+        ]
+        self.v_buffer = [
+            torch.zeros(size + 1, num_kv_heads, self.v_head_dim, dtype=dtype, device=self.device)
+            for _ in range(num_layers)
+        ]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * head_dim * itemsize
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffer[layer_id], self.v_buffer[layer_id]
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k/v of shape [num_tokens, kv_heads, head_dim] at slots `loc`."""
+        self.k_buffer[layer_id][loc] = k.to(self.dtype)
+        self.v_buffer[layer_id][loc] = v.to(self.dtype)

@@ -1,0 +1,332 @@
+"""Llama-style decoder (pre-norm, RoPE, GQA, SwiGLU); Qwen2 and Qwen3 reuse it with a few switches.
+
+Parameter names mirror the Hugging Face checkpoints except that q/k/v and gate/up are fused into `qkv_proj`
+and `gate_up_proj`; `load_weights` slices checkpoint tensors into those fused matrices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+from sglang.srt.forward_batch import ForwardBatch
+from sglang.srt.layers.activation import SiluAndMul
+from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.logits_processor import LogitsProcessor
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb, get_rope
+
+CosSin = tuple[torch.Tensor, torch.Tensor]
+
+# Buffers some checkpoints carry that are derived from the config, not learned.
+_DERIVED_BUFFER_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+@dataclass(frozen=True)
+class DecoderOptions:
+    """The differences between the families that share this decoder."""
+
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+
+class MergedLinear(nn.Linear):
+    """Several projections of the same input in one matmul; the output rows are the shards, in order."""
+
+    def __init__(
+        self,
+        in_features: int,
+        shards: list[tuple[str, int]],
+        bias: bool,
+        dtype: Optional[torch.dtype],
+        device: Optional[torch.device | str],
+    ) -> None:
+        super().__init__(in_features, sum(size for _, size in shards), bias=bias, dtype=dtype, device=device)
+        # checkpoint module name (e.g. "k_proj") -> (first output row, number of rows)
+        self.shard_rows: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for shard_name, size in shards:
+            self.shard_rows[shard_name] = (offset, size)
+            offset += size
+
+    def load_shard(self, param_name: str, shard_name: str, tensor: torch.Tensor, checkpoint_name: str) -> None:
+        start, size = self.shard_rows[shard_name]
+        target = getattr(self, param_name).data.narrow(0, start, size)
+        _copy_checked(target, tensor, checkpoint_name)
+
+
+def _copy_checked(target: torch.Tensor, tensor: torch.Tensor, checkpoint_name: str) -> None:
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise ValueError(
+            f"Checkpoint weight {checkpoint_name} has shape {tuple(tensor.shape)}, "
+            f"the model expects {tuple(target.shape)}"
+        )
+    target.copy_(tensor)
+
+
+def load_checkpoint_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], tied_aliases: Optional[dict[str, str]] = None
+) -> None:
+    """Copy checkpoint tensors into `model`, slicing q/k/v and gate/up into their fused modules.
+
+    `tied_aliases` maps a checkpoint name onto the parameter it shares storage with (lm_head -> embeddings);
+    it is used only when the target itself is absent from the checkpoint. Raises ValueError naming every
+    missing or unexpected checkpoint weight.
+    """
+    tied_aliases = tied_aliases or {}
+    params = dict(model.named_parameters())
+    shard_targets: dict[str, tuple[MergedLinear, str, str]] = {}
+    fused_param_names: set[str] = set()
+    for prefix, module in model.named_modules():
+        if not isinstance(module, MergedLinear):
+            continue
+        parent = prefix.rsplit(".", 1)[0] if "." in prefix else ""
+        for leaf, _ in module.named_parameters(recurse=False):
+            fused_param_names.add(f"{prefix}.{leaf}")
+            for shard_name in module.shard_rows:
+                checkpoint_name = f"{parent}.{shard_name}.{leaf}" if parent else f"{shard_name}.{leaf}"
+                shard_targets[checkpoint_name] = (module, shard_name, leaf)
+    expected = set(shard_targets) | {name for name in params if name not in fused_param_names}
+
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    alias_tensors: dict[str, tuple[str, torch.Tensor]] = {}
+    with torch.no_grad():
+        for name, tensor in weights:
+            if name.endswith(_DERIVED_BUFFER_SUFFIXES):
+                continue
+            if name in shard_targets:
+                module, shard_name, leaf = shard_targets[name]
+                module.load_shard(leaf, shard_name, tensor, name)
+            elif name in params and name not in fused_param_names:
+                _copy_checked(params[name].data, tensor, name)
+            elif name in tied_aliases:
+                if tied_aliases[name] not in loaded:
+                    alias_tensors[tied_aliases[name]] = (name, tensor)
+                continue
+            else:
+                unexpected.append(name)
+                continue
+            loaded.add(name)
+            alias_tensors.pop(name, None)
+        for target, (source_name, tensor) in alias_tensors.items():
+            if target not in loaded:
+                _copy_checked(params[target].data, tensor, source_name)
+                loaded.add(target)
+
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"Checkpoint is missing {len(missing)} weight(s): {_name_list(missing)}")
+    if unexpected:
+        raise ValueError(
+            f"Checkpoint has {len(unexpected)} weight(s) the model does not use: {_name_list(sorted(unexpected))}"
+        )
+
+
+def _name_list(names: list[str], limit: int = 12) -> str:
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown}, ... ({len(names) - limit} more)"
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaMLP(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str,
+        bias: bool,
+        dtype: Optional[torch.dtype],
+        device: Optional[torch.device | str],
+    ) -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"Unsupported hidden_act {hidden_act!r}; only 'silu' is supported")
+        self.gate_up_proj = MergedLinear(
+            hidden_size, [("gate_proj", intermediate_size), ("up_proj", intermediate_size)], bias, dtype, device
+        )
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype, device=device)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        layer_id: int,
+        rotary_dim: int,
+        options: DecoderOptions,
+        dtype: Optional[torch.dtype],
+        device: Optional[torch.device | str],
+    ) -> None:
+        super().__init__()
+        hidden_size = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(config)
+        self.rotary_dim = rotary_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(
+            hidden_size,
+            [("q_proj", self.q_size), ("k_proj", self.kv_size), ("v_proj", self.kv_size)],
+            options.qkv_bias,
+            dtype,
+            device,
+        )
+        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=options.o_proj_bias, dtype=dtype, device=device)
+        if options.qk_norm:
+            eps = config.rms_norm_eps
+            self.q_norm: Optional[RMSNorm] = RMSNorm(self.head_dim, eps, dtype=dtype, device=device)
+            self.k_norm: Optional[RMSNorm] = RMSNorm(self.head_dim, eps, dtype=dtype, device=device)
+        else:
+            self.q_norm = self.k_norm = None
+        self.attn = RadixAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(self, cos_sin: CosSin, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        num_tokens = qkv.shape[0]
+        qk_end = self.q_size + self.kv_size
+        cos, sin = cos_sin
+        if self.q_norm is not None:
+            q = self.q_norm(qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size : qk_end].view(num_tokens, self.num_kv_heads, self.head_dim))
+            q = apply_rotary_emb(q, cos, sin, self.rotary_dim)
+            k = apply_rotary_emb(k, cos, sin, self.rotary_dim)
+        else:
+            # q and k are adjacent in the fused output: rotate both heads groups with one set of kernels.
+            qk = qkv[:, :qk_end].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = apply_rotary_emb(qk, cos, sin, self.rotary_dim)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, qk_end:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attn(q, k, v, forward_batch))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        layer_id: int,
+        rotary_dim: int,
+        options: DecoderOptions,
+        dtype: Optional[torch.dtype],
+        device: Optional[torch.device | str],
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, rotary_dim, options, dtype, device)
+        self.mlp = LlamaMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            getattr(config, "hidden_act", "silu"),
+            options.mlp_bias,
+            dtype,
+            device,
+        )
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        cos_sin: CosSin,
+        hidden_states: torch.Tensor,
+        forward_batch: ForwardBatch,
+        residual: Optional[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(cos_sin, hidden_states, forward_batch)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    """The backbone: embeddings, decoder layers and the final norm."""
+
+    def __init__(
+        self,
+        config: Any,
+        options: DecoderOptions,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[torch.device | str] = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.rotary_emb: RotaryEmbedding = get_rope(config, head_dim_of(config), device=device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, self.rotary_emb.rotary_dim, options, dtype, device)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        # One table lookup per forward, shared by every layer.
+        cos_sin = self.rotary_emb.lookup(positions, hidden_states.dtype)
+        residual: Optional[torch.Tensor] = None
+        for layer in self.layers:
+            hidden_states, residual = layer(cos_sin, hidden_states, forward_batch, residual)
+        if residual is None:
+            return self.norm(hidden_states)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(
+        self, config: Any, dtype: Optional[torch.dtype] = None, device: Optional[torch.device | str] = None
+    ) -> None:
+        super().__init__()
+        layer_types = getattr(config, "layer_types", None) or []
+        if "sliding_attention" in layer_types:
+            raise ValueError("Sliding-window attention layers are not supported")
+        self.config = config
+        self.model = LlamaModel(config, self.decoder_options(config), dtype=dtype, device=device)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head: nn.Module = self.model.embed_tokens
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
+        self.logits_processor = LogitsProcessor(config)
+
+    @classmethod
+    def decoder_options(cls, config: Any) -> DecoderOptions:
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return DecoderOptions(
+            qkv_bias=attention_bias,
+            o_proj_bias=attention_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        )
+
+    def forward_hidden(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """Final normed hidden states [num_tokens, hidden_size] of every token in the batch."""
+        return self.model(input_ids, positions, forward_batch)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        """float32 logits [num_selected, vocab] for the rows the logits processor selects."""
+        hidden_states = self.model(input_ids, positions, forward_batch)
+        return self.logits_processor(hidden_states, self.lm_head.weight, forward_batch)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        aliases = {"lm_head.weight": "model.embed_tokens.weight"} if self.tie_word_embeddings else {}
+        load_checkpoint_weights(self, weights, tied_aliases=aliases)
+
+
+EntryClass = LlamaForCausalLM

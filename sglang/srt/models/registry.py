@@ -1,0 +1,49 @@
+"""Architecture name (config.architectures) -> model class."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from sglang.srt.models.llama import LlamaForCausalLM
+from sglang.srt.models.qwen2 import Qwen2ForCausalLM
+from sglang.srt.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+# For configs without an `architectures` list (e.g. written by converters): the causal-LM class of the model_type.
+_CAUSAL_LM_OF_MODEL_TYPE: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def architectures_of(config: Any) -> list[str]:
+    """config.architectures, or the causal-LM architecture implied by config.model_type when that is absent."""
+    architectures = list(getattr(config, "architectures", None) or [])
+    if architectures:
+        return architectures
+    model_type = getattr(config, "model_type", None)
+    return [_CAUSAL_LM_OF_MODEL_TYPE[model_type]] if model_type in _CAUSAL_LM_OF_MODEL_TYPE else []
+
+
+def supported_architectures() -> list[str]:
+    return sorted(MODEL_REGISTRY)
+
+
+def get_model_class(architectures: list[str]) -> type[nn.Module]:
+    """The class of the first supported name in `architectures` (a config lists one, rarely several)."""
+    for name in architectures or []:
+        if name in MODEL_REGISTRY:
+            return MODEL_REGISTRY[name]
+    raise ValueError(
+        f"Unsupported model architecture(s) {list(architectures or [])}; "
+        f"supported: {', '.join(supported_architectures())}"
+    )

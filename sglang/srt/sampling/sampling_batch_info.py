@@ -1,0 +1,129 @@
+"""Per-step sampling tensors built from the requests that sample a token in this forward."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from sglang.srt.sampling.penalties import BatchedPenalties, MinNewTokensMask, SparseLogitBias
+
+
+@dataclass
+class SamplingBatchInfo:
+    vocab_size: int
+    device: torch.device
+    # Per-row knobs. None when every row is greedy: the argmax path needs none of them, and skipping them
+    # keeps a greedy decode step free of host-to-device copies.
+    temperatures: Optional[torch.Tensor]  # float32 [B, 1]
+    top_ps: Optional[torch.Tensor]  # float32 [B]
+    top_ks: Optional[torch.Tensor]  # int64 [B], clamped to vocab_size (so "whole vocabulary" == vocab_size)
+    min_ps: Optional[torch.Tensor]  # float32 [B]
+    # Flags that let the sampler skip work. They describe the non-greedy rows only: a greedy row's top_k=1
+    # never forces the sort.
+    is_all_greedy: bool
+    need_top_p: bool
+    need_top_k: bool
+    need_min_p: bool
+    # Rows that are sampled rather than argmax-ed, as a list and as an index tensor (None when every row is),
+    # and the index tensor of the argmax-ed rows (None when every row or no row is argmax-ed).
+    sampled_row_ids: list[int]
+    sampled_rows: Optional[torch.Tensor]
+    greedy_rows: Optional[torch.Tensor]
+    # Host copies of top_ks / top_ps: the sampler sizes its partial sort from them without a device sync.
+    top_k_values: list[int]
+    top_p_values: list[float]
+    # Per-row randomness: a row's draw depends only on (seed, step), never on the rest of the batch.
+    seeds: list[int]
+    steps: list[int]
+    # History-dependent adjustments, kept sparse: (row, token id) pairs only.
+    penalties: Optional[BatchedPenalties]
+    logit_bias: Optional[SparseLogitBias]
+    min_tokens_mask: Optional[MinNewTokensMask]
+    # bool [B, V], True = allowed; filled by a grammar backend after construction.
+    vocab_mask: Optional[torch.Tensor] = None
+
+    @classmethod
+    def from_reqs(cls, reqs: list, vocab_size: int, device) -> "SamplingBatchInfo":
+        device = torch.device(device)
+        seeds, steps, sampled, greedy = [], [], [], []
+        penalized, biased, below_min = [], [], []
+        # One pass over the requests: this runs for every decode step.
+        for i, req in enumerate(reqs):
+            params = req.sampling_params
+            seeds.append(int(req.sampling_seed))
+            steps.append(len(req.output_ids))
+            (greedy if params.is_greedy() else sampled).append(i)
+            if params.has_penalties():
+                penalized.append(i)
+            if params.logit_bias:
+                biased.append(i)
+            if steps[-1] < params.min_new_tokens:
+                below_min.append(i)
+
+        temperatures = top_ps = top_ks = min_ps = None
+        sampled_rows = greedy_rows = None
+        top_k_values: list[int] = []
+        top_p_values: list[float] = []
+        need_top_p = need_top_k = need_min_p = False
+        if sampled:
+            params_list = [r.sampling_params for r in reqs]
+            top_k_values = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params_list]
+            top_p_values = [p.top_p for p in params_list]
+            knobs = torch.tensor([(p.temperature, p.top_p, p.min_p) for p in params_list], dtype=torch.float32)
+            knobs = knobs.to(device)
+            temperatures, top_ps, min_ps = knobs[:, 0:1], knobs[:, 1], knobs[:, 2]
+            top_ks = torch.tensor(top_k_values, dtype=torch.int64, device=device)
+            need_top_p = any(top_p_values[i] < 1.0 for i in sampled)
+            need_top_k = any(top_k_values[i] < vocab_size for i in sampled)
+            need_min_p = any(params_list[i].min_p > 0.0 for i in sampled)
+            if greedy:
+                sampled_rows = torch.tensor(sampled, dtype=torch.int64, device=device)
+                greedy_rows = torch.tensor(greedy, dtype=torch.int64, device=device)
+
+        return cls(
+            vocab_size=vocab_size,
+            device=device,
+            temperatures=temperatures,
+            top_ps=top_ps,
+            top_ks=top_ks,
+            min_ps=min_ps,
+            is_all_greedy=not sampled,
+            need_top_p=need_top_p,
+            need_top_k=need_top_k,
+            need_min_p=need_min_p,
+            sampled_row_ids=sampled,
+            sampled_rows=sampled_rows,
+            greedy_rows=greedy_rows,
+            top_k_values=top_k_values,
+            top_p_values=top_p_values,
+            seeds=seeds,
+            steps=steps,
+            penalties=BatchedPenalties.from_reqs(reqs, penalized, device),
+            logit_bias=SparseLogitBias.from_reqs(reqs, biased, device),
+            min_tokens_mask=MinNewTokensMask.from_reqs(reqs, below_min, vocab_size, device),
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seeds)
+
+    def modifies_logits(self) -> bool:
+        return (
+            self.logit_bias is not None
+            or self.penalties is not None
+            or self.min_tokens_mask is not None
+            or self.vocab_mask is not None
+        )
+
+    def apply_logit_processing(self, logits: torch.Tensor) -> None:
+        """In place on float32 logits [B, V]: bias, penalties, min_new_tokens mask, grammar mask."""
+        if self.logit_bias is not None:
+            self.logit_bias.apply(logits)
+        if self.penalties is not None:
+            self.penalties.apply(logits)
+        if self.min_tokens_mask is not None:
+            self.min_tokens_mask.apply(logits)
+        if self.vocab_mask is not None:
+            logits.masked_fill_(self.vocab_mask.to(logits.device).logical_not(), float("-inf"))

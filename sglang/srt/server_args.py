@@ -1,0 +1,248 @@
+"""Server configuration: one dataclass and the one argparse builder whose defaults come from it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import random
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+# Flags that only matter on hardware or topologies this engine does not use. They are accepted so that
+# upstream command lines run unchanged; a non-default value is reported once at startup.
+NOT_APPLICABLE_FLAGS = (
+    "tp_size", "pp_size", "dp_size", "nnodes", "node_rank", "dist_init_addr", "base_gpu_id", "gpu_id_step",
+    "cuda_graph_max_bs", "disable_cuda_graph", "disable_overlap_schedule", "enable_mixed_chunk",
+    "cpu_offload_gb", "kv_cache_dtype", "quantization", "load_balance_method", "lora_paths",
+    "expert_distribution_recorder_mode", "attention_backend", "sampling_backend", "dist_timeout",
+)
+
+
+@dataclass
+class ServerArgs:
+    # Model and tokenizer
+    model_path: str = ""
+    tokenizer_path: Optional[str] = None
+    tokenizer_mode: str = "auto"
+    skip_tokenizer_init: bool = False
+    skip_server_warmup: bool = False
+    load_format: str = "auto"
+    trust_remote_code: bool = False
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    quantization: Optional[str] = None
+    context_length: Optional[int] = None
+    device: Optional[str] = None
+    served_model_name: Optional[str] = None
+    chat_template: Optional[str] = None
+    completion_template: Optional[str] = None
+    is_embedding: bool = False
+    revision: Optional[str] = None
+    json_model_override_args: str = "{}"
+    preferred_sampling_params: Optional[str] = None
+    weight_version: str = "default"
+    sampling_defaults: str = "model"
+
+    # HTTP server
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: Optional[str] = None
+    file_storage_path: str = "sglang_storage"
+    enable_cache_report: bool = False
+    reasoning_parser: Optional[str] = None
+    tool_call_parser: Optional[str] = None
+
+    # Memory and scheduling
+    mem_fraction_static: Optional[float] = None
+    max_running_requests: Optional[int] = None
+    max_total_tokens: Optional[int] = None
+    chunked_prefill_size: Optional[int] = None
+    max_prefill_tokens: int = 16384
+    schedule_policy: str = "lpm"
+    schedule_conservativeness: float = 1.0
+    cpu_offload_gb: int = 0
+    page_size: int = 1
+    disable_radix_cache: bool = False
+    allow_auto_truncate: bool = False
+    stream_interval: int = 1
+    stream_output: bool = False
+    random_seed: Optional[int] = None
+    watchdog_timeout: float = 300.0
+    num_threads: Optional[int] = None
+
+    # Parallelism (single process here; accepted for compatibility)
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
+    load_balance_method: str = "round_robin"
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: Optional[str] = None
+    dist_timeout: Optional[int] = None
+    base_gpu_id: int = 0
+    gpu_id_step: int = 1
+    download_dir: Optional[str] = None
+
+    # Logging and metrics
+    log_level: str = "info"
+    log_level_http: Optional[str] = None
+    log_requests: bool = False
+    log_requests_level: int = 0
+    show_time_cost: bool = False
+    enable_metrics: bool = False
+    decode_log_interval: int = 40
+
+    # Kernels and optimizations
+    attention_backend: Optional[str] = None
+    sampling_backend: Optional[str] = None
+    grammar_backend: Optional[str] = "xgrammar"
+    constrained_json_whitespace_pattern: Optional[str] = None
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: Optional[int] = None
+    disable_overlap_schedule: bool = False
+    enable_mixed_chunk: bool = False
+    enable_torch_compile: bool = False
+    enable_tokenizer_batch_encode: bool = False
+    enable_custom_logit_processor: bool = False
+    enable_return_hidden_states: bool = False
+    expert_distribution_recorder_mode: Optional[str] = None
+    enable_multimodal: Optional[bool] = None
+    lora_paths: Optional[list[str]] = None
+    max_loras_per_batch: int = 8
+
+    def __post_init__(self) -> None:
+        if self.tokenizer_path is None:
+            self.tokenizer_path = self.model_path
+        if self.served_model_name is None:
+            self.served_model_name = self.model_path
+        if self.device is None:
+            self.device = _default_device()
+        if self.random_seed is None:
+            self.random_seed = random.randint(0, 1 << 30)
+        if self.chunked_prefill_size is None:
+            self.chunked_prefill_size = 4096 if self.device == "cpu" else 8192
+        if self.grammar_backend is None:
+            self.grammar_backend = "xgrammar"
+        if self.mem_fraction_static is None:
+            # On CPU the KV pool shares RAM with everything else on the host: keep it modest.
+            self.mem_fraction_static = 0.3 if self.device == "cpu" else 0.85
+
+    def validate(self) -> None:
+        """Checks that need no model. Raises ValueError naming the flag."""
+        if not self.model_path:
+            raise ValueError("--model-path is required")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"--schedule-policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        if self.page_size != 1:
+            raise ValueError("--page-size: only 1 is supported")
+        if self.max_total_tokens is not None and self.max_total_tokens < 16:
+            raise ValueError(f"--max-total-tokens must be at least 16, got {self.max_total_tokens}")
+        if self.preferred_sampling_params:
+            try:
+                json.loads(self.preferred_sampling_params)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--preferred-sampling-params is not valid JSON: {e}") from None
+
+    def not_applicable_settings(self) -> dict[str, Any]:
+        """Flags set away from their default that have no effect on this engine."""
+        defaults = {f.name: f.default for f in dataclasses.fields(ServerArgs)}
+        return {k: getattr(self, k) for k in NOT_APPLICABLE_FLAGS if getattr(self, k) != defaults[k]}
+
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        add_server_args(parser)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+SCHEDULE_POLICIES = ("lpm", "fcfs", "random", "dfs-weight", "lof")
+
+# Names that upstream accepts for the same flag.
+_ALIASES = {
+    "model_path": ["--model"],
+    "tp_size": ["--tensor-parallel-size"],
+    "dp_size": ["--data-parallel-size"],
+    "pp_size": ["--pipeline-parallel-size"],
+}
+_CHOICES = {
+    "dtype": ["auto", "half", "float16", "bfloat16", "bf16", "float", "float32"],
+    "tokenizer_mode": ["auto", "slow"],
+    "schedule_policy": list(SCHEDULE_POLICIES),
+    "grammar_backend": ["xgrammar", "outlines", "llguidance", "none"],
+    "log_level": ["debug", "info", "warning", "error", "critical"],
+}
+
+
+def _default_device() -> str:
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per ServerArgs field; defaults come from the dataclass."""
+    for f in dataclasses.fields(ServerArgs):
+        flag = "--" + f.name.replace("_", "-")
+        names = [flag] + _ALIASES.get(f.name, [])
+        default = f.default if f.default is not dataclasses.MISSING else None
+        type_str = str(f.type)
+        if type_str == "bool":
+            parser.add_argument(*names, dest=f.name, action="store_true", default=default)
+            continue
+        kwargs: dict[str, Any] = {"dest": f.name, "default": default}
+        if "list" in type_str:
+            kwargs["nargs"] = "*"
+            kwargs["type"] = str
+        elif "int" in type_str:
+            kwargs["type"] = int
+        elif "float" in type_str:
+            kwargs["type"] = float
+        elif "bool" in type_str:
+            kwargs["type"] = lambda s: s.lower() in ("1", "true", "yes")
+        else:
+            kwargs["type"] = str
+        if f.name in _CHOICES:
+            kwargs["choices"] = _CHOICES[f.name]
+        parser.add_argument(*names, **kwargs)
+
+
+def prepare_server_args(argv: list[str]) -> ServerArgs:
+    parser = argparse.ArgumentParser(prog="python -m sglang.launch_server")
+    add_server_args(parser)
+    args = parser.parse_args(argv)
+    return ServerArgs.from_cli_args(args)
+
+
+@dataclass
+class PortArgs:
+    """ZMQ endpoints connecting the three processes."""
+
+    tokenizer_ipc_name: str
+    scheduler_input_ipc_name: str
+    detokenizer_ipc_name: str
+
+    @staticmethod
+    def init_new() -> "PortArgs":
+        import tempfile
+
+        base = tempfile.mkdtemp(prefix="sglang-ipc-")
+        return PortArgs(
+            tokenizer_ipc_name=f"ipc://{os.path.join(base, 'tokenizer')}",
+            scheduler_input_ipc_name=f"ipc://{os.path.join(base, 'scheduler')}",
+            detokenizer_ipc_name=f"ipc://{os.path.join(base, 'detokenizer')}",
+        )
