@@ -137,6 +137,7 @@ class Engine:
         if self._subs is not None:
             self._subs.shutdown()
             self._subs = None  # type: ignore[assignment]
+            self.tokenizer_manager.close()
         if not self.loop.is_closed():
             self.loop.close()
 
@@ -149,7 +150,7 @@ class Engine:
     def __del__(self) -> None:
         try:
             if getattr(self, "_subs", None) is not None:
-                self._subs.shutdown()
+                self.shutdown()
         except Exception:
             pass
 

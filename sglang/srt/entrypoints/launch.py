@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -48,6 +49,9 @@ def launch_subprocesses(server_args: ServerArgs) -> Subprocesses:
                        name.replace("_", "-"), value, server_args.device)
     model_info = load_model_info(server_args)
     port_args = PortArgs.init_new()
+    # Spinning OpenMP workers stall for a whole time slice whenever another process (tokenizer,
+    # detokenizer, HTTP) takes a core; passive waiting keeps the forward fast under that contention.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     ctx = mp.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)
     scheduler = ctx.Process(

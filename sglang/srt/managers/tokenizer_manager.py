@@ -253,6 +253,12 @@ class TokenizerManager:
                     state.meta.update(prompt_tokens=0, completion_tokens=0)
             state.event.set()
 
+    def close(self) -> None:
+        """Close the sockets now (pending messages are dropped) so no context is left to block at exit."""
+        if self.recv_task is not None and not self.recv_task.done():
+            self.recv_task.cancel()
+        self.ctx.destroy(linger=0)
+
     # ---- control --------------------------------------------------------------------------------------
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         if not abort_all and rid not in self.rid_to_state:
