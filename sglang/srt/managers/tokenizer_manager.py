@@ -254,9 +254,12 @@ class TokenizerManager:
             state.event.set()
 
     def close(self) -> None:
-        """Close the sockets now (pending messages are dropped) so no context is left to block at exit."""
-        if self.recv_task is not None and not self.recv_task.done():
-            self.recv_task.cancel()
+        """Stop receiving and close the sockets now (pending messages are dropped), so no context is left
+        to block at exit. Call it from outside the event loop that ran the receive task."""
+        task, loop = self.recv_task, self.recv_loop_owner
+        if task is not None and not task.done() and loop is not None and not loop.is_closed():
+            task.cancel()
+            loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
         self.ctx.destroy(linger=0)
 
     # ---- control --------------------------------------------------------------------------------------

@@ -29,14 +29,16 @@ class KVPool:
         self.v_head_dim = v_head_dim or head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        self.k_buffer = [
-            torch.zeros(size + 1, num_kv_heads, head_dim, dtype=dtype, device=self.device)
-            for _ in range(num_layers)
-        ]
-        self.v_buffer = [
-            torch.zeros(size + 1, num_kv_heads, self.v_head_dim, dtype=dtype, device=self.device)
-            for _ in range(num_layers)
-        ]
+        # Uninitialised memory: a slot is always written before it is read, so zero-filling gigabytes at
+        # startup would only cost time (and commit RAM the OS would otherwise hand out lazily). The dummy
+        # slot is read by padded attention and must hold finite values.
+        self.k_buffer = [self._buffer(size, num_kv_heads, head_dim) for _ in range(num_layers)]
+        self.v_buffer = [self._buffer(size, num_kv_heads, self.v_head_dim) for _ in range(num_layers)]
+
+    def _buffer(self, size: int, heads: int, dim: int) -> torch.Tensor:
+        buf = torch.empty(size + 1, heads, dim, dtype=self.dtype, device=self.device)
+        buf[0].zero_()
+        return buf
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 logger = logging.getLogger(__name__)
 
 # Part of every cache key: bump it when the layout of a converted directory changes, so stale entries are rebuilt.
-CONVERTER_VERSION = "1"
+CONVERTER_VERSION = "2"
 
 
 def cache_root() -> Path:
@@ -112,6 +112,8 @@ def _write_hf_dir(gguf_path: str, out_dir: Path) -> None:
     # The meta-device skeleton only supplies the HF parameter names for the GGUF -> HF name mapping.
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
+    # GGUF metadata has no architecture class name; record the one transformers picked.
+    config.architectures = [type(skeleton).__name__]
     with _quiet_gguf_progress():
         checkpoint = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=skeleton)
     del skeleton
