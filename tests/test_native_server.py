@@ -23,8 +23,9 @@ def test_generate_cell(base_url):
     print_highlight(response.json())
     out = response.json()
     assert response.status_code == 200
-    assert isinstance(out["text"], str) and out["text"]
+    assert isinstance(out["text"], str)  # sampled at temperature 1: may legitimately stop at once
     meta = out["meta_info"]
+    assert meta["completion_tokens"] >= 1
     assert len(meta["id"]) == 32
     assert meta["prompt_tokens"] > 0
     assert meta["finish_reason"]["type"] in ("length", "stop")
