@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json as jsonlib
-import os
 import signal
 import socket
 import subprocess

@@ -1,6 +1,5 @@
 """The OpenAI-compatible API with the official `openai` client against a real server on SmolLM2."""
 
-import json
 
 import openai
 import pytest
@@ -36,28 +35,20 @@ def test_chat_cell(client):
     assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
 
 
+HISTORIAN_MESSAGES = [
+    {"role": "system", "content": "You are a knowledgeable historian who provides concise responses."},
+    {"role": "user", "content": "Tell me about ancient Rome"},
+    {"role": "assistant", "content": "Ancient Rome was a civilization centered in Italy."},
+    {"role": "user", "content": "What were their major achievements?"},
+]
+
+
 def test_chat_detailed_parameters_cell(client):
-    response = client.chat.completions.create(
-        model=MODEL,
-        messages=[
-            {"role": "system", "content": "You are a knowledgeable historian who provides concise responses."},
-            {"role": "user", "content": "Tell me about ancient Rome"},
-            {"role": "assistant", "content": "Ancient Rome was a civilization centered in Italy."},
-            {"role": "user", "content": "What were their major achievements?"},
-        ],
-        temperature=0.3, max_tokens=128, top_p=0.95, presence_penalty=0.2, frequency_penalty=0.2, n=1, seed=42,
-    )
+    kwargs = dict(model=MODEL, messages=HISTORIAN_MESSAGES, temperature=0.3, max_tokens=128, top_p=0.95,
+                  presence_penalty=0.2, frequency_penalty=0.2, n=1, seed=42)
+    response = client.chat.completions.create(**kwargs)
     assert response.choices[0].message.content
-    again = client.chat.completions.create(
-        model=MODEL,
-        messages=[
-            {"role": "system", "content": "You are a knowledgeable historian who provides concise responses."},
-            {"role": "user", "content": "Tell me about ancient Rome"},
-            {"role": "assistant", "content": "Ancient Rome was a civilization centered in Italy."},
-            {"role": "user", "content": "What were their major achievements?"},
-        ],
-        temperature=0.3, max_tokens=128, top_p=0.95, presence_penalty=0.2, frequency_penalty=0.2, n=1, seed=42,
-    )
+    again = client.chat.completions.create(**kwargs)
     assert again.choices[0].message.content == response.choices[0].message.content
 
 

@@ -5,17 +5,18 @@ from __future__ import annotations
 import json
 from typing import Any, AsyncIterator, Optional
 
-from fastapi.responses import ORJSONResponse, StreamingResponse
+from fastapi.responses import ORJSONResponse
 
 from sglang.srt.entrypoints.openai.common import (
-    SSE_DONE,
     as_list,
     build_usage,
     error_response,
     finish_reason_of,
+    open_stream,
     sampling_params_from,
-    sse_error,
     sse_json,
+    sse_response,
+    usage_chunk,
 )
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, now
 from sglang.srt.managers.generate_input import GenerateReqInput
@@ -113,13 +114,18 @@ class ChatHandler:
 
     async def _stream(self, req: ChatCompletionRequest, obj: GenerateReqInput):
         gen = self.tm.generate_request(obj)
-        try:
-            first = await gen.__anext__()
-        except ValueError as e:
-            return error_response(str(e))
+        outputs, error = await open_stream(gen)
+        if error is not None:
+            return error
+        return sse_response(gen, self._events(req, outputs))
+
+    async def _events(self, req: ChatCompletionRequest, outputs: AsyncIterator[dict]) -> AsyncIterator[bytes]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         created = now()
-        chunk_id = first["meta_info"]["id"]
+        chunk_id = ""
+        sent_text: dict[int, int] = {}
+        sent_lp: dict[int, int] = {}
+        finals: dict[int, dict] = {}
 
         def chunk(index: int, delta: dict, reason=None, matched=None, logprobs=None) -> bytes:
             return sse_json({
@@ -129,51 +135,29 @@ class ChatHandler:
                 "usage": None,
             })
 
-        async def events() -> AsyncIterator[bytes]:
-            sent_text: dict[int, int] = {}
-            sent_lp: dict[int, int] = {}
-            finals: dict[int, dict] = {}
-
-            async def all_outputs():
-                yield first
-                async for o in gen:
-                    yield o
-
-            try:
-                async for out in all_outputs():
-                    index = out.get("index", 0)
-                    if index not in sent_text:
-                        sent_text[index] = 0
-                        yield chunk(index, {"role": "assistant", "content": ""})
-                    text = out["text"]
-                    delta = text[sent_text[index]:]
-                    sent_text[index] = len(text)
-                    reason, matched = finish_reason_of(out["meta_info"])
-                    lp = None
-                    if req.logprobs:
-                        full = chat_logprobs(out["meta_info"])["content"]
-                        lp = {"content": full[sent_lp.get(index, 0):]}
-                        sent_lp[index] = len(full)
-                    if delta or lp and lp["content"]:
-                        yield chunk(index, {"content": delta}, None if include_usage else reason,
-                                    None if include_usage else matched, lp)
-                    if reason is not None:
-                        finals[index] = out
-                        yield chunk(index, {}, reason, matched)
-            except ValueError as e:
-                yield sse_error(str(e))
-                yield SSE_DONE
-                return
-            finally:
-                await gen.aclose()
-            if include_usage:
-                outputs = [finals[i] for i in sorted(finals)]
-                usage = build_usage(outputs, req.n).model_dump()
-                yield sse_json({"id": chunk_id, "object": "chat.completion.chunk", "created": created,
-                                "model": req.model, "choices": [], "usage": usage})
-            yield SSE_DONE
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+        async for out in outputs:
+            chunk_id = chunk_id or out["meta_info"]["id"]
+            index = out.get("index", 0)
+            if index not in sent_text:
+                sent_text[index] = 0
+                yield chunk(index, {"role": "assistant", "content": ""})
+            text = out["text"]
+            delta = text[sent_text[index]:]
+            sent_text[index] = len(text)
+            reason, matched = finish_reason_of(out["meta_info"])
+            lp = None
+            if req.logprobs:
+                full = chat_logprobs(out["meta_info"])["content"]
+                lp = {"content": full[sent_lp.get(index, 0):]}
+                sent_lp[index] = len(full)
+            if delta or (lp and lp["content"]):
+                yield chunk(index, {"content": delta}, None if include_usage else reason,
+                            None if include_usage else matched, lp)
+            if reason is not None:
+                finals[index] = out
+                yield chunk(index, {}, reason, matched)
+        if include_usage:
+            yield usage_chunk(chunk_id, "chat.completion.chunk", created, req.model, finals, req.n)
 
 
 def chat_logprobs(meta: dict) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, AsyncIterator, Optional
 
 import orjson
-from fastapi.responses import ORJSONResponse
+from fastapi.responses import ORJSONResponse, StreamingResponse
 
 from sglang.srt.entrypoints.openai.protocol import ErrorResponse, SamplingExtras, UsageInfo
 
@@ -86,12 +86,40 @@ def as_list(out: Any) -> list[dict]:
     return out if isinstance(out, list) else [out]
 
 
-async def stream_deltas(gen: AsyncIterator[dict]) -> AsyncIterator[tuple[int, str, dict]]:
-    """Turn cumulative native stream outputs into (index, new_text, output) triples."""
-    sent: dict[int, int] = {}
-    async for out in gen:
-        index = out.get("index", 0)
-        text = out.get("text", "")
-        start = sent.get(index, 0)
-        sent[index] = len(text)
-        yield index, text[start:], out
+async def open_stream(gen: AsyncIterator[dict]) -> tuple[Optional[AsyncIterator[dict]], Optional[ORJSONResponse]]:
+    """Wait for the first native output, so that request errors still become plain HTTP 400 responses.
+
+    Returns (all outputs including the first, None) or (None, error response)."""
+    try:
+        first = await gen.__anext__()
+    except ValueError as e:
+        return None, error_response(str(e))
+
+    async def outputs() -> AsyncIterator[dict]:
+        yield first
+        async for out in gen:
+            yield out
+
+    return outputs(), None
+
+
+def sse_response(gen: AsyncIterator[dict], events: AsyncIterator[bytes]) -> StreamingResponse:
+    """Stream `events` (built from `gen`); errors become an SSE error event; always ends with [DONE]."""
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for event in events:
+                yield event
+        except ValueError as e:
+            yield sse_error(str(e))
+        finally:
+            await gen.aclose()
+        yield SSE_DONE
+
+    return StreamingResponse(body(), media_type="text/event-stream")
+
+
+def usage_chunk(chunk_id: str, obj: str, created: int, model: str, finals: dict[int, dict], n: int) -> bytes:
+    usage = build_usage([finals[i] for i in sorted(finals)], n).model_dump(exclude_none=True)
+    return sse_json({"id": chunk_id, "object": obj, "created": created, "model": model, "choices": [],
+                     "usage": usage})

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Optional
 
-from fastapi.responses import ORJSONResponse, StreamingResponse
+from fastapi.responses import ORJSONResponse
 
 from sglang.srt.entrypoints.openai.common import (
-    SSE_DONE,
     as_list,
     build_usage,
     error_response,
     finish_reason_of,
+    open_stream,
     sampling_params_from,
-    sse_error,
     sse_json,
+    sse_response,
+    usage_chunk,
 )
 from sglang.srt.entrypoints.openai.protocol import CompletionRequest, now
 from sglang.srt.managers.generate_input import GenerateReqInput
@@ -78,59 +79,42 @@ class CompletionHandler:
 
     async def _stream(self, req: CompletionRequest, obj: GenerateReqInput):
         gen = self.tm.generate_request(obj)
-        try:
-            first = await gen.__anext__()
-        except ValueError as e:
-            return error_response(str(e))
+        outputs, error = await open_stream(gen)
+        if error is not None:
+            return error
+        return sse_response(gen, self._events(req, outputs))
+
+    async def _events(self, req: CompletionRequest, outputs: AsyncIterator[dict]) -> AsyncIterator[bytes]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         created = now()
-        chunk_id = first["meta_info"]["id"]
+        chunk_id = ""
         prompts = self._prompt_texts(req) if req.echo else None
+        sent: dict[int, int] = {}
+        finals: dict[int, dict] = {}
 
-        def chunk(index: int, text: str, reason: Optional[str], matched, logprobs=None) -> bytes:
+        def chunk(index: int, text: str, reason: Optional[str], matched) -> bytes:
             return sse_json({
                 "id": chunk_id, "object": "text_completion", "created": created, "model": req.model,
-                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
+                "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": reason,
                              "matched_stop": matched}],
                 "usage": None,
             })
 
-        async def events() -> AsyncIterator[bytes]:
-            sent: dict[int, int] = {}
-            finals: dict[int, dict] = {}
-
-            async def all_outputs():
-                yield first
-                async for o in gen:
-                    yield o
-
-            try:
-                async for out in all_outputs():
-                    index = out.get("index", 0)
-                    text = out["text"]
-                    delta = text[sent.get(index, 0):]
-                    if index not in sent and prompts is not None:
-                        delta = prompts[index // req.n] + delta
-                    sent[index] = len(text)
-                    reason, matched = finish_reason_of(out["meta_info"])
-                    if reason is not None:
-                        finals[index] = out
-                    if delta or reason is not None:
-                        yield chunk(index, delta, reason, matched)
-            except ValueError as e:
-                yield sse_error(str(e))
-                yield SSE_DONE
-                return
-            finally:
-                await gen.aclose()
-            if include_usage:
-                usage = build_usage([finals[i] for i in sorted(finals)], req.n).model_dump(exclude_none=True)
-                yield sse_json({
-                    "id": chunk_id, "object": "text_completion", "created": created, "model": req.model,
-                    "choices": [], "usage": usage})
-            yield SSE_DONE
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+        async for out in outputs:
+            chunk_id = chunk_id or out["meta_info"]["id"]
+            index = out.get("index", 0)
+            text = out["text"]
+            delta = text[sent.get(index, 0):]
+            if index not in sent and prompts is not None:
+                delta = prompts[index // req.n] + delta
+            sent[index] = len(text)
+            reason, matched = finish_reason_of(out["meta_info"])
+            if reason is not None:
+                finals[index] = out
+            if delta or reason is not None:
+                yield chunk(index, delta, reason, matched)
+        if include_usage:
+            yield usage_chunk(chunk_id, "text_completion", created, req.model, finals, req.n)
 
 
 def completion_logprobs(meta: dict, echo: bool) -> dict:
