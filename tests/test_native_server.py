@@ -293,3 +293,11 @@ def test_skip_tokenizer_init_server():
         text_req = requests.post(f"{url}/generate", json={"text": "hi"})
         assert text_req.status_code == 400
         assert "skip_tokenizer_init=True" in text_req.json()["error"]["message"]
+
+
+def test_non_streaming_client_disconnect_aborts_request(base_url):
+    body = {"text": "Write a very long story.", "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(f"{base_url}/generate", json=body, timeout=2)
+    state = _wait_idle(base_url)
+    assert state["token_usage"] == 0.0

@@ -273,11 +273,12 @@ async def _first_or_disconnect(request: Request, gen: AsyncIterator[Any]) -> Opt
                 return task.result()
             if await request.is_disconnected():
                 task.cancel()
-                await gen.aclose()
                 return None
     finally:
         if not task.done():
             task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await gen.aclose()  # finishes the request's bookkeeping (and aborts it if still running)
 
 
 def _warmup(args: ServerArgs) -> None:

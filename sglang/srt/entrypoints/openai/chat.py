@@ -5,30 +5,23 @@ from __future__ import annotations
 import json
 from typing import Any, AsyncIterator, Optional
 
-from fastapi.responses import ORJSONResponse
-
 from sglang.srt.entrypoints.openai.common import (
-    as_list,
+    OpenAIHandler,
     build_usage,
-    error_response,
     finish_reason_of,
-    open_stream,
     sampling_params_from,
     sse_json,
-    sse_response,
     usage_chunk,
 )
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, now
 from sglang.srt.managers.generate_input import GenerateReqInput
 
 
-class ChatHandler:
-    def __init__(self, tokenizer_manager, chat_template: Optional[str], generation_defaults: dict,
-                 served_model_name: str) -> None:
-        self.tm = tokenizer_manager
+class ChatHandler(OpenAIHandler):
+    def __init__(self, tokenizer_manager, chat_template: Optional[str], generation_defaults: dict) -> None:
+        super().__init__(tokenizer_manager)
         self.chat_template = chat_template
         self.defaults = generation_defaults
-        self.model_name = served_model_name
 
     def build_prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
         tokenizer = self.tm.tokenizer
@@ -85,17 +78,7 @@ class ChatHandler:
             return_text_in_logprobs=True,
         )
 
-    async def handle(self, req: ChatCompletionRequest):
-        try:
-            obj = self.to_generate_input(req)
-        except ValueError as e:
-            return error_response(str(e))
-        if req.stream:
-            return await self._stream(req, obj)
-        try:
-            outputs = as_list(await self.tm.generate_request(obj).__anext__())
-        except ValueError as e:
-            return error_response(str(e))
+    def build_response(self, req: ChatCompletionRequest, outputs: list[dict]) -> dict:
         choices = []
         for i, out in enumerate(outputs):
             reason, matched = finish_reason_of(out["meta_info"])
@@ -107,19 +90,12 @@ class ChatHandler:
                 "finish_reason": reason,
                 "matched_stop": matched,
             })
-        return ORJSONResponse({
+        return {
             "id": outputs[0]["meta_info"]["id"], "object": "chat.completion", "created": now(),
             "model": req.model, "choices": choices, "usage": build_usage(outputs, req.n).model_dump(),
-        })
+        }
 
-    async def _stream(self, req: ChatCompletionRequest, obj: GenerateReqInput):
-        gen = self.tm.generate_request(obj)
-        outputs, error = await open_stream(gen)
-        if error is not None:
-            return error
-        return sse_response(gen, self._events(req, outputs))
-
-    async def _events(self, req: ChatCompletionRequest, outputs: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    async def stream_events(self, req: ChatCompletionRequest, outputs: AsyncIterator[dict]) -> AsyncIterator[bytes]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         created = now()
         chunk_id = ""

@@ -123,3 +123,38 @@ def usage_chunk(chunk_id: str, obj: str, created: int, model: str, finals: dict[
     usage = build_usage([finals[i] for i in sorted(finals)], n).model_dump(exclude_none=True)
     return sse_json({"id": chunk_id, "object": obj, "created": created, "model": model, "choices": [],
                      "usage": usage})
+
+
+class OpenAIHandler:
+    """Shared request flow: validate -> generate -> one JSON response or an SSE stream."""
+
+    def __init__(self, tokenizer_manager) -> None:
+        self.tm = tokenizer_manager
+
+    def to_generate_input(self, req: Any) -> Any:
+        raise NotImplementedError
+
+    def build_response(self, req: Any, outputs: list[dict]) -> dict:
+        raise NotImplementedError
+
+    def stream_events(self, req: Any, outputs: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+        raise NotImplementedError
+
+    async def handle(self, req: Any):
+        try:
+            obj = self.to_generate_input(req)
+        except ValueError as e:
+            return error_response(str(e))
+        gen = self.tm.generate_request(obj)
+        if req.stream:
+            outputs, error = await open_stream(gen)
+            if error is not None:
+                return error
+            return sse_response(gen, self.stream_events(req, outputs))
+        try:
+            outputs = as_list(await gen.__anext__())
+        except ValueError as e:
+            return error_response(str(e))
+        finally:
+            await gen.aclose()
+        return ORJSONResponse(self.build_response(req, outputs))

@@ -4,27 +4,19 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Optional
 
-from fastapi.responses import ORJSONResponse
-
 from sglang.srt.entrypoints.openai.common import (
-    as_list,
+    OpenAIHandler,
     build_usage,
-    error_response,
     finish_reason_of,
-    open_stream,
     sampling_params_from,
     sse_json,
-    sse_response,
     usage_chunk,
 )
 from sglang.srt.entrypoints.openai.protocol import CompletionRequest, now
 from sglang.srt.managers.generate_input import GenerateReqInput
 
 
-class CompletionHandler:
-    def __init__(self, tokenizer_manager) -> None:
-        self.tm = tokenizer_manager
-
+class CompletionHandler(OpenAIHandler):
     def to_generate_input(self, req: CompletionRequest) -> GenerateReqInput:
         sp = sampling_params_from(req, req.max_tokens, {})
         if req.json_schema is not None:
@@ -49,17 +41,7 @@ class CompletionHandler:
         lists = [p] if isinstance(p[0], int) else p
         return [self.tm.tokenizer.decode(ids) if self.tm.tokenizer else "" for ids in lists]
 
-    async def handle(self, req: CompletionRequest):
-        try:
-            obj = self.to_generate_input(req)
-        except ValueError as e:
-            return error_response(str(e))
-        if req.stream:
-            return await self._stream(req, obj)
-        try:
-            outputs = as_list(await self.tm.generate_request(obj).__anext__())
-        except ValueError as e:
-            return error_response(str(e))
+    def build_response(self, req: CompletionRequest, outputs: list[dict]) -> dict:
         prompts = self._prompt_texts(req) if req.echo else None
         choices = []
         for i, out in enumerate(outputs):
@@ -72,19 +54,12 @@ class CompletionHandler:
                 "logprobs": completion_logprobs(out["meta_info"], req.echo) if req.logprobs is not None else None,
                 "finish_reason": reason, "matched_stop": matched,
             })
-        return ORJSONResponse({
+        return {
             "id": outputs[0]["meta_info"]["id"], "object": "text_completion", "created": now(), "model": req.model,
             "choices": choices, "usage": build_usage(outputs, req.n).model_dump(),
-        })
+        }
 
-    async def _stream(self, req: CompletionRequest, obj: GenerateReqInput):
-        gen = self.tm.generate_request(obj)
-        outputs, error = await open_stream(gen)
-        if error is not None:
-            return error
-        return sse_response(gen, self._events(req, outputs))
-
-    async def _events(self, req: CompletionRequest, outputs: AsyncIterator[dict]) -> AsyncIterator[bytes]:
+    async def stream_events(self, req: CompletionRequest, outputs: AsyncIterator[dict]) -> AsyncIterator[bytes]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         created = now()
         chunk_id = ""

@@ -81,8 +81,8 @@ def _validation_message(e: ValidationError) -> str:
 def register_openai_routes(app: FastAPI, state) -> None:
     tm = state.tm
     args = state.args
-    chat = ChatHandler(tm, load_chat_template(args.chat_template), state.model_info["generation_defaults"]
-                       if args.sampling_defaults == "model" else {}, args.served_model_name)
+    defaults = state.model_info["generation_defaults"] if args.sampling_defaults == "model" else {}
+    chat = ChatHandler(tm, load_chat_template(args.chat_template), defaults)
     completions = CompletionHandler(tm)
 
     @app.post("/v1/chat/completions")
