@@ -1,0 +1,95 @@
+"""Static-batch latency of the model runner without a server: `python -m sglang.bench_one_batch`.
+
+Runs one prefill of `--batch-size` prompts of `--input-len` tokens, then `--output-len` decode steps, and
+prints prefill throughput and the median decode step time for each batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from sglang.srt.managers.process_utils import load_model_info
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.server_args import ServerArgs
+
+
+def make_reqs(batch_size: int, input_len: int, output_len: int, vocab: int) -> list[Req]:
+    gen = torch.Generator().manual_seed(0)
+    reqs = []
+    for i in range(batch_size):
+        params = SamplingParams(temperature=0, max_new_tokens=output_len)
+        params.normalize(None)
+        ids = torch.randint(100, vocab - 1, (input_len,), generator=gen).tolist()
+        req = Req(f"bench-{i}", ids, params, stop_token_ids=set(), sampling_seed=i)
+        req.init_next_round_input()
+        reqs.append(req)
+    return reqs
+
+
+def run_once(runner: ModelRunner, batch_size: int, input_len: int, output_len: int) -> dict:
+    reqs = make_reqs(batch_size, input_len, output_len, runner.vocab_size)
+    batch = ScheduleBatch(reqs, is_decode=False)
+    batch.prepare_for_extend(runner.mem)
+    start = time.perf_counter()
+    out = runner.forward(batch)
+    prefill_s = time.perf_counter() - start
+    for req, tok in zip(reqs, out.sample.next_token_ids.tolist()):
+        req.output_ids.append(tok)
+        req.kv_committed_len = len(req.fill_ids)
+    steps = []
+    for _ in range(output_len - 1):
+        batch = ScheduleBatch(reqs, is_decode=True)
+        batch.prepare_for_decode(runner.mem)
+        start = time.perf_counter()
+        out = runner.forward(batch)
+        steps.append(time.perf_counter() - start)
+        for req, tok in zip(reqs, out.sample.next_token_ids.tolist()):
+            req.output_ids.append(tok)
+    for req in reqs:
+        runner.mem.tree_cache.cache_finished_req(req)
+    runner.mem.tree_cache.reset()
+    runner.mem.allocator.clear()
+    median = statistics.median(steps) if steps else float("nan")
+    return {
+        "batch_size": batch_size, "input_len": input_len, "output_len": output_len,
+        "prefill_s": round(prefill_s, 4), "prefill_tok_s": round(batch_size * input_len / prefill_s, 1),
+        "decode_step_ms": round(median * 1000, 2), "decode_tok_s": round(batch_size / median, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model-path", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--batch-size", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--result-file", default=None, help="append one JSON line per batch size")
+    args = parser.parse_args()
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    server_args = ServerArgs(model_path=args.model_path, dtype=args.dtype)
+    info = load_model_info(server_args)
+    need = max(args.batch_size) * (args.input_len + args.output_len) + 16
+    runner = ModelRunner(info["model_dir"], info["hf_config"], info["dtype"], server_args.device,
+                         info["context_len"], need, 0.3, max(args.batch_size), disable_radix_cache=False)
+    run_once(runner, 1, 16, 4)  # warm-up
+    for bs in args.batch_size:
+        result = {"dtype": str(info["dtype"]), "threads": torch.get_num_threads(),
+                  **run_once(runner, bs, args.input_len, args.output_len)}
+        print(json.dumps(result))
+        if args.result_file:
+            with open(args.result_file, "a") as f:
+                f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
