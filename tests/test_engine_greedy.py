@@ -111,3 +111,15 @@ def test_retraction_keeps_greedy_output(reference):
         assert [o["output_ids"] for o in outs] == reference(prompts)
         assert sum(o["meta_info"]["total_retractions"] for o in outs) > 0
         assert_idle_and_clean(eng)
+
+
+def test_seeded_sampling_is_independent_of_batch_neighbours(engine):
+    seeded = {"temperature": 0.9, "top_p": 0.95, "max_new_tokens": 24, "sampling_seed": 1234}
+    alone = engine.generate(prompt="Tell me about cats.", sampling_params=seeded)["output_ids"]
+    mixed = engine.generate(
+        prompt=["Tell me about dogs.", "Tell me about cats.", "List some colors:"],
+        sampling_params=[{"temperature": 1.0, "max_new_tokens": 30}, seeded, {"temperature": 0, "max_new_tokens": 5}],
+    )
+    assert mixed[1]["output_ids"] == alone
+    other_seed = engine.generate(prompt="Tell me about cats.", sampling_params={**seeded, "sampling_seed": 99})
+    assert other_seed["output_ids"] != alone

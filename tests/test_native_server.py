@@ -301,3 +301,52 @@ def test_non_streaming_client_disconnect_aborts_request(base_url):
         requests.post(f"{base_url}/generate", json=body, timeout=2)
     state = _wait_idle(base_url)
     assert state["token_usage"] == 0.0
+
+
+def test_log_requests_flag_logs_finished_requests(tmp_path):
+    import subprocess
+    import sys
+
+    from sglang.test.test_utils import find_free_port, popen_launch_server
+    from sglang.utils import terminate_process
+
+    port = find_free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "server.log"
+    proc = popen_launch_server(SMOLLM2, url, other_args=["--log-requests", "--max-total-tokens", "2048",
+                                                         "--tp-size", "1", "--cuda-graph-max-bs", "4"],
+                               log_path=str(log))
+    try:
+        requests.post(f"{url}/generate", json={"text": "Hello there", "rid": "logged-request-1",
+                                                "sampling_params": {"max_new_tokens": 4}})
+    finally:
+        terminate_process(proc)
+    text = log.read_text()
+    assert "The server is fired up and ready to roll!" in text
+    assert "Finish: rid=logged-request-1" in text
+    assert "Prefill batch. #new-seq: 1" in text
+    assert "--cuda-graph-max-bs=4 has no effect" in text
+    assert subprocess.run([sys.executable, "-c", "import sglang"]).returncode == 0
+
+
+def test_crashed_scheduler_makes_server_exit_with_error():
+    import os
+    import signal
+
+    import psutil
+
+    from sglang.test.test_utils import find_free_port, popen_launch_server
+    from sglang.utils import terminate_process
+
+    url = f"http://127.0.0.1:{find_free_port()}"
+    proc = popen_launch_server(SMOLLM2, url, other_args=["--max-total-tokens", "2048", "--log-level", "warning"])
+    try:
+        children = psutil.Process(proc.pid).children(recursive=True)
+        scheduler = next(c for c in children if "spawn_main" in " ".join(c.cmdline()) and
+                         c.memory_info().rss == max(k.memory_info().rss for k in children))
+        os.kill(scheduler.pid, signal.SIGKILL)
+        assert proc.wait(timeout=60) == 1
+        time.sleep(2)  # remaining children notice their parent is gone within a second
+        assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        terminate_process(proc)

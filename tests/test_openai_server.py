@@ -225,15 +225,32 @@ def test_streaming_request_with_bad_params_is_400(base_url):
         assert "context length" in r.json()["message"]
 
 
-def test_api_key_required():
-    with running_server("--log-level", "warning", "--max-total-tokens", "2048", "--api-key", "sekret") as url:
+def test_api_key_served_model_name_and_chat_template():
+    args = ("--log-level", "warning", "--max-total-tokens", "2048", "--api-key", "sekret",
+            "--served-model-name", "my-model", "--chat-template", "chatml")
+    with running_server(*args) as url:
         assert requests.get(f"{url}/health").status_code == 200
         assert requests.get(f"{url}/v1/models").status_code == 401
         assert requests.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
         good = openai.Client(base_url=f"{url}/v1", api_key="sekret")
-        assert good.models.list().data[0].id == MODEL
+        assert [m.id for m in good.models.list().data] == ["my-model"]
+        assert good.models.retrieve("my-model").root == "my-model"
+        # The built-in chatml template has no default system prompt, unlike SmolLM2's own template.
+        chat = good.chat.completions.create(model="my-model", messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=1)
+        assert chat.usage.prompt_tokens == len(requests.post(
+            f"{url}/tokenize", headers={"Authorization": "Bearer sekret"},
+            json={"prompt": "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"}).json()["tokens"])
         bad = openai.Client(base_url=f"{url}/v1", api_key="nope")
         with pytest.raises(openai.AuthenticationError):
-            bad.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2)
-        r = requests.post(f"{url}/generate", json={"text": "hi"})
-        assert r.status_code == 401
+            bad.chat.completions.create(model="my-model", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+        assert requests.post(f"{url}/generate", json={"text": "hi"}).status_code == 401
+
+
+def test_continue_final_message_and_template_kwargs(client, smollm2_tokenizer):
+    messages = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "A ripe"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                         extra_body={"continue_final_message": True})
+    ids = smollm2_tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=True,
+                                                return_dict=False)
+    assert out.usage.prompt_tokens == len(ids)

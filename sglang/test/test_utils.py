@@ -21,7 +21,7 @@ def find_free_port() -> int:
 
 def popen_launch_server(model: str, base_url: str, timeout: float = DEFAULT_TIMEOUT_FOR_SERVER_LAUNCH,
                         other_args: list[str] | tuple = (), env: dict | None = None, log_path: str | None = None):
-    """Start `python -m sglang.launch_server` and wait until /health_generate answers 200.
+    """Start `python -m sglang.launch_server` and wait until /health answers 200 (after the warm-up).
 
     Returns the Popen; stop it with sglang.utils.terminate_process (kills the whole process tree)."""
     import subprocess
@@ -42,7 +42,7 @@ def popen_launch_server(model: str, base_url: str, timeout: float = DEFAULT_TIME
         if proc.poll() is not None:
             raise RuntimeError(f"Server exited with code {proc.returncode} during startup: {' '.join(cmd)}")
         try:
-            if requests.get(f"{base_url}/health_generate", timeout=30).status_code == 200:
+            if requests.get(f"{base_url}/health", timeout=30).status_code == 200:
                 return proc
         except requests.RequestException:
             pass

@@ -52,6 +52,8 @@ class ServerState:
         self.subs = subs
         self.tm = subs.tokenizer_manager
         self.model_info = subs.model_info
+        # Set once the warm-up request has run; /health answers 503 until then.
+        self.ready = threading.Event()
 
 
 async def read_json(request: Request) -> Any:
@@ -117,7 +119,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return Response(status_code=200)
+        return Response(status_code=200 if state.ready.is_set() else 503)
 
     @app.get("/health_generate")
     async def health_generate():
@@ -281,12 +283,13 @@ async def _first_or_disconnect(request: Request, gen: AsyncIterator[Any]) -> Opt
         await gen.aclose()  # finishes the request's bookkeeping (and aborts it if still running)
 
 
-def _warmup(args: ServerArgs) -> None:
+def _warmup(args: ServerArgs, ready: threading.Event) -> None:
     url = args.url()
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
-            if requests.get(url + "/get_model_info", timeout=5).status_code == 200:
+            if requests.get(url + "/get_model_info", headers=headers, timeout=5).status_code == 200:
                 break
         except requests.RequestException:
             pass
@@ -298,11 +301,12 @@ def _warmup(args: ServerArgs) -> None:
         else:
             body["text"] = "The capital city of France is"
         try:
-            requests.post(url + "/generate", json=body, timeout=600).raise_for_status()
+            requests.post(url + "/generate", json=body, headers=headers, timeout=600).raise_for_status()
         except requests.RequestException as e:
             logger.error("Warm-up request failed: %s", e)
             os.kill(os.getpid(), signal.SIGTERM)
             return
+    ready.set()
     logger.info("The server is fired up and ready to roll!")
 
 
@@ -313,20 +317,22 @@ def launch_server(server_args: ServerArgs) -> None:
     state = ServerState(server_args, subs)
     app = build_app(state)
 
+    config = uvicorn.Config(
+        app, host=server_args.host, port=server_args.port, timeout_keep_alive=5, loop="auto",
+        log_level=(server_args.log_level_http or server_args.log_level).lower(),
+    )
+    server = uvicorn.Server(config)
     dead_children: list[str] = []
 
     def on_child_death(name: str) -> None:
         logger.error("Child process %s died; shutting down the server.", name)
         dead_children.append(name)
-        os.kill(os.getpid(), signal.SIGTERM)
+        server.should_exit = True
 
     watch_children(subs, on_child_death)
-    threading.Thread(target=_warmup, args=(server_args,), daemon=True).start()
+    threading.Thread(target=_warmup, args=(server_args, state.ready), daemon=True).start()
     try:
-        uvicorn.run(
-            app, host=server_args.host, port=server_args.port, timeout_keep_alive=5, loop="auto",
-            log_level=(server_args.log_level_http or server_args.log_level).lower(),
-        )
+        server.run()
     finally:
         subs.shutdown()
     if dead_children:

@@ -27,11 +27,13 @@ class Subprocesses:
     scheduler_info: dict
     model_info: dict
     procs: list
+    stopping: bool = False
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
     def shutdown(self) -> None:
+        self.stopping = True
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
@@ -88,6 +90,8 @@ def watch_children(subs: Subprocesses, on_death: Callable[[str], None], interval
     def loop() -> None:
         while True:
             time.sleep(interval)
+            if subs.stopping:
+                return
             dead: Optional[str] = next((p.name for p in subs.procs if not p.is_alive()), None)
             if dead is not None:
                 on_death(dead)

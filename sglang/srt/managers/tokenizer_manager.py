@@ -248,6 +248,8 @@ class TokenizerManager:
                 state.logprobs.extend(msg.logprobs[i])
             if msg.finished_reasons[i] is not None:
                 state.finished = True
+                if self.server_args.log_requests:
+                    self._log_finished(state)
                 reason = msg.finished_reasons[i]
                 if reason.get("type") == "abort" and reason.get("message") == "Abort before prefill":
                     state.meta.update(prompt_tokens=0, completion_tokens=0)
@@ -261,6 +263,14 @@ class TokenizerManager:
             task.cancel()
             loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
         self.ctx.destroy(linger=0)
+
+    def _log_finished(self, state: ReqState) -> None:
+        limit = 2048 if self.server_args.log_requests_level >= 2 else 256
+        logger.info(
+            "Finish: rid=%s, finish_reason=%s, prompt_tokens=%s, completion_tokens=%s, cached_tokens=%s, "
+            "output=%r", state.rid, state.meta.get("finish_reason"), state.meta.get("prompt_tokens"),
+            state.meta.get("completion_tokens"), state.meta.get("cached_tokens"), state.text[:limit],
+        )
 
     # ---- control --------------------------------------------------------------------------------------
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
