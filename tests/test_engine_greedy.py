@@ -123,3 +123,29 @@ def test_seeded_sampling_is_independent_of_batch_neighbours(engine):
     assert mixed[1]["output_ids"] == alone
     other_seed = engine.generate(prompt="Tell me about cats.", sampling_params={**seeded, "sampling_seed": 99})
     assert other_seed["output_ids"] != alone
+
+
+def test_async_generate_and_server_info(engine):
+    import asyncio
+
+    async def run() -> tuple[dict, list[str]]:
+        single = await engine.async_generate("The capital of France is", {"temperature": 0, "max_new_tokens": 6})
+        chunks = [c["text"] async for c in await engine.async_generate(
+            "The capital of France is", {"temperature": 0, "max_new_tokens": 6}, stream=True)]
+        return single, chunks
+
+    single, chunks = engine.loop.run_until_complete(run())
+    assert chunks[-1] == single["text"] and single["meta_info"]["completion_tokens"] == 6
+    info = engine.get_server_info()
+    assert info["model_path"] == SMOLLM2 and info["status"] == "ready"
+    assert info["max_total_num_tokens"] > 0 and info["internal_states"][0]["invariant_error"] is None
+
+
+def test_disable_radix_cache_matches_and_shares_nothing(reference):
+    prompts = PROMPTS[:3]
+    with Engine(model_path=SMOLLM2, dtype="float32", disable_radix_cache=True, max_total_tokens=2048) as eng:
+        outs = eng.generate(prompt=prompts + prompts[:1], sampling_params=GREEDY)
+        assert [o["output_ids"] for o in outs] == reference(prompts + prompts[:1])
+        assert all(o["meta_info"]["cached_tokens"] == 0 for o in outs)
+        state = eng.get_internal_state()
+        assert state["evictable_size"] == 0 and state["free_kv_tokens"] == state["max_total_num_tokens"]

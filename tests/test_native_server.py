@@ -132,8 +132,14 @@ def test_input_ids_and_logprobs(base_url):
     out = requests.post(f"{base_url}/generate", json={
         "input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 3},
         "return_logprob": True, "top_logprobs_num": 2, "return_text_in_logprobs": True, "logprob_start_len": 0,
+        "token_ids_logprob": [ids[1], ids[2]],
     }).json()
     meta = out["meta_info"]
+    assert meta["input_token_ids_logprobs"][0] is None
+    assert [e[1] for e in meta["input_token_ids_logprobs"][1]] == [ids[1], ids[2]]
+    # The logprob of the actual next prompt token equals its entry in the requested-ids list.
+    assert meta["input_token_ids_logprobs"][1][0][0] == pytest.approx(meta["input_token_logprobs"][1][0], abs=1e-5)
+    assert len(meta["output_token_ids_logprobs"]) == 3 and len(meta["output_token_ids_logprobs"][0]) == 2
     assert len(meta["input_token_logprobs"]) == len(ids)
     assert meta["input_token_logprobs"][0][0] is None
     assert all(isinstance(e[0], float) and e[0] <= 0 for e in meta["input_token_logprobs"][1:])

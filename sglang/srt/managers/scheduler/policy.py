@@ -45,7 +45,8 @@ class SchedulePolicy:
         return list(waiting)
 
     def _dfs_weight(self, waiting: list[Req]) -> list[Req]:
-        """Visit the radix tree depth-first, heaviest subtree (most waiting requests) first."""
+        """Visit the radix tree depth-first, heaviest subtree (most waiting requests) first, so requests that
+        share a prefix run together."""
         by_node: dict = defaultdict(list)
         for req in waiting:
             by_node[id(req.last_node)].append(req)
@@ -60,10 +61,11 @@ class SchedulePolicy:
         out: list[Req] = []
 
         def visit(node) -> None:
-            out.extend(by_node.get(id(node), []))
+            # Post-order: deeper (longer shared prefix) requests of a subtree before the node's own.
             children = [c for c in node.children.values() if id(c) in weight]
             for child in sorted(children, key=lambda c: -weight[id(c)]):
                 visit(child)
+            out.extend(by_node.get(id(node), []))
 
         visit(self.tree_cache.root_node)
         seen = {id(r) for r in out}
