@@ -126,7 +126,6 @@ def test_seeded_sampling_is_independent_of_batch_neighbours(engine):
 
 
 def test_async_generate_and_server_info(engine):
-    import asyncio
 
     async def run() -> tuple[dict, list[str]]:
         single = await engine.async_generate("The capital of France is", {"temperature": 0, "max_new_tokens": 6})
