@@ -356,3 +356,8 @@ def test_crashed_scheduler_makes_server_exit_with_error():
         assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     finally:
         terminate_process(proc)
+
+
+def test_constraints_are_refused_until_a_grammar_backend_exists(base_url):
+    r = requests.post(f"{base_url}/generate", json={"text": "IP:", "sampling_params": {"regex": r"\d+"}})
+    assert r.status_code == 400 and "Constrained decoding (regex)" in r.json()["error"]["message"]
