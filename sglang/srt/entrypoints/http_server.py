@@ -16,10 +16,11 @@ import requests
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import ORJSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import ORJSONResponse, PlainTextResponse, Response
 
 from sglang.srt.entrypoints.launch import Subprocesses, launch_subprocesses, watch_children
 from sglang.srt.entrypoints.openai.routes import install_api_key_check, register_openai_routes
+from sglang.srt.entrypoints.sse import open_stream, sse_json, sse_response
 from sglang.srt.managers.generate_input import GenerateReqInput
 from sglang.srt.managers.process_utils import configure_logging
 from sglang.srt.server_args import ServerArgs
@@ -35,13 +36,6 @@ FLUSH_CACHE_TEXT = (
 
 def native_error(message: str, status: int = 400) -> ORJSONResponse:
     return ORJSONResponse({"error": {"message": message}}, status_code=status)
-
-
-def sse(data: Any) -> bytes:
-    return b"data: " + orjson.dumps(data) + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
 
 
 class ServerState:
@@ -96,26 +90,15 @@ def build_app(state: ServerState) -> FastAPI:
 
     async def stream_generate(request: Request, obj: GenerateReqInput):
         gen = tm.generate_request(obj)
-        try:
-            first = await gen.__anext__()
-        except ValueError as e:
-            return native_error(str(e))
-        except StopAsyncIteration:
-            first = None
+        outputs, error = await open_stream(gen, native_error)
+        if error is not None:
+            return error
 
         async def events() -> AsyncIterator[bytes]:
-            try:
-                if first is not None:
-                    yield sse(first)
-                    async for out in gen:
-                        yield sse(out)
-            except ValueError as e:
-                yield sse({"error": {"message": str(e)}})
-            finally:
-                await gen.aclose()
-            yield SSE_DONE
+            async for out in outputs:
+                yield sse_json(out)
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return sse_response(gen, events(), lambda message: sse_json({"error": {"message": message}}))
 
     @app.get("/health")
     async def health():

@@ -4,22 +4,15 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator, Optional
 
-import orjson
-from fastapi.responses import ORJSONResponse, StreamingResponse
+from fastapi.responses import ORJSONResponse
 
 from sglang.srt.entrypoints.openai.protocol import ErrorResponse, SamplingExtras, UsageInfo
-
-SSE_DONE = b"data: [DONE]\n\n"
-
+from sglang.srt.entrypoints.sse import open_stream, sse_json, sse_response
 
 def error_response(message: str, status: int = 400, err_type: str = "BadRequestError",
                    param: Optional[str] = None) -> ORJSONResponse:
     body = ErrorResponse(message=message, type=err_type, param=param, code=status)
     return ORJSONResponse(body.model_dump(), status_code=status)
-
-
-def sse_json(obj: Any) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 def sse_error(message: str, status: int = 400, err_type: str = "BadRequestError") -> bytes:
@@ -86,39 +79,6 @@ def as_list(out: Any) -> list[dict]:
     return out if isinstance(out, list) else [out]
 
 
-async def open_stream(gen: AsyncIterator[dict]) -> tuple[Optional[AsyncIterator[dict]], Optional[ORJSONResponse]]:
-    """Wait for the first native output, so that request errors still become plain HTTP 400 responses.
-
-    Returns (all outputs including the first, None) or (None, error response)."""
-    try:
-        first = await gen.__anext__()
-    except ValueError as e:
-        return None, error_response(str(e))
-
-    async def outputs() -> AsyncIterator[dict]:
-        yield first
-        async for out in gen:
-            yield out
-
-    return outputs(), None
-
-
-def sse_response(gen: AsyncIterator[dict], events: AsyncIterator[bytes]) -> StreamingResponse:
-    """Stream `events` (built from `gen`); errors become an SSE error event; always ends with [DONE]."""
-
-    async def body() -> AsyncIterator[bytes]:
-        try:
-            async for event in events:
-                yield event
-        except ValueError as e:
-            yield sse_error(str(e))
-        finally:
-            await gen.aclose()
-        yield SSE_DONE
-
-    return StreamingResponse(body(), media_type="text/event-stream")
-
-
 def usage_chunk(chunk_id: str, obj: str, created: int, model: str, finals: dict[int, dict], n: int) -> bytes:
     usage = build_usage([finals[i] for i in sorted(finals)], n).model_dump(exclude_none=True)
     return sse_json({"id": chunk_id, "object": obj, "created": created, "model": model, "choices": [],
@@ -147,10 +107,10 @@ class OpenAIHandler:
             return error_response(str(e))
         gen = self.tm.generate_request(obj)
         if req.stream:
-            outputs, error = await open_stream(gen)
+            outputs, error = await open_stream(gen, error_response)
             if error is not None:
                 return error
-            return sse_response(gen, self.stream_events(req, outputs))
+            return sse_response(gen, self.stream_events(req, outputs), sse_error)
         try:
             outputs = as_list(await gen.__anext__())
         except ValueError as e:
