@@ -145,10 +145,14 @@ def test_models_routes(client, base_url):
 
 
 def test_curl_and_requests_style(base_url):
+    # No max_tokens, as in the notebook: generation runs to EOS. Greedy keeps that short and deterministic;
+    # sampled at temperature 1 this small model can ramble for thousands of tokens.
     r = requests.post(f"{base_url}/v1/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        "model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "temperature": 0})
     body = r.json()
     assert r.status_code == 200 and body["choices"][0]["message"]["content"]
+    assert body["choices"][0]["finish_reason"] == "stop"
     assert list(body["usage"].keys()) == ["prompt_tokens", "total_tokens", "completion_tokens",
                                           "prompt_tokens_details"]
 
