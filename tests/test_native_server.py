@@ -357,7 +357,3 @@ def test_crashed_scheduler_makes_server_exit_with_error():
     finally:
         terminate_process(proc)
 
-
-def test_constraints_are_refused_until_a_grammar_backend_exists(base_url):
-    r = requests.post(f"{base_url}/generate", json={"text": "IP:", "sampling_params": {"regex": r"\d+"}})
-    assert r.status_code == 400 and "Constrained decoding (regex)" in r.json()["error"]["message"]

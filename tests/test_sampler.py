@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import sglang.srt.layers.sampler as sampler_module
+from sglang.srt.constrained.base_grammar_backend import allocate_bitmask
 from sglang.srt.layers.sampler import Sampler, compute_logprobs, get_token_ids_logprobs, get_top_logprobs
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -326,14 +327,17 @@ def test_min_new_tokens_masks_stop_ids_until_reached():
     assert float(torch.isin(tokens, torch.tensor([0, 5])).double().mean()) > 0.9
 
 
-def test_vocab_mask_is_respected():
+def test_grammar_bitmask_is_respected():
     vocab, n = 60, 4000
     logits = synthetic_logits(vocab, seed=12)
     allowed = torch.zeros(vocab, dtype=torch.bool)
     allowed[[3, 11, 42, 59]] = True
     reqs = [make_req(params_of(), seed=i) for i in range(n)] + [make_req(params_of(temperature=0))]
     info = SamplingBatchInfo.from_reqs(reqs, vocab, "cpu")
-    info.vocab_mask = allowed.expand(n + 1, -1)
+    bitmask = allocate_bitmask(n + 1, vocab)
+    bitmask[:, 0] = int(sum(1 << i for i in (3, 11)))
+    bitmask[:, 1] = int((1 << (42 - 32)) | (1 << (59 - 32)))
+    info.grammar_bitmask, info.grammar_rows = bitmask, list(range(n + 1))
     tokens = Sampler()(logits.expand(n + 1, -1).contiguous(), info).next_token_ids
     assert allowed[tokens].all()
     assert int(tokens[-1]) == int(torch.where(allowed, logits, float("-inf")).argmax())

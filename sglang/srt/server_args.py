@@ -102,6 +102,9 @@ class ServerArgs:
     sampling_backend: Optional[str] = None
     grammar_backend: Optional[str] = "xgrammar"
     constrained_json_whitespace_pattern: Optional[str] = None
+    grammar_compile_timeout: float = 60.0
+    enable_jump_forward: bool = False
+    disable_jump_forward: bool = False
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: Optional[int] = None
     disable_overlap_schedule: bool = False
@@ -147,6 +150,11 @@ class ServerArgs:
                 json.loads(self.preferred_sampling_params)
             except json.JSONDecodeError as e:
                 raise ValueError(f"--preferred-sampling-params is not valid JSON: {e}") from None
+
+    def use_jump_forward(self) -> bool:
+        """Jump-forward decoding of constrained requests: on unless --disable-jump-forward (it wins the
+        constrained-decoding benchmark, see benchmarks/RESULTS.md); --enable-jump-forward states the default."""
+        return self.enable_jump_forward or not self.disable_jump_forward
 
     def not_applicable_settings(self) -> dict[str, Any]:
         """Flags set away from their default that have no effect on this engine."""

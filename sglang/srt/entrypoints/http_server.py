@@ -150,7 +150,8 @@ def build_app(state: ServerState) -> FastAPI:
                     "cuda_graph": 0,
                 },
                 "load": internal["load"],
-                **{k: internal[k] for k in ("num_running_reqs", "num_queue_reqs", "token_usage", "cache_hit_rate")},
+                **{k: internal[k] for k in ("num_running_reqs", "num_queue_reqs", "token_usage", "cache_hit_rate",
+                                            "num_grammar_queue_reqs", "num_jump_forward_tokens")},
             }],
             version=__version__,
         )

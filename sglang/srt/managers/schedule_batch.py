@@ -120,6 +120,12 @@ class Req:
         return max(limit, 0)
 
     def reset_for_retract(self) -> None:
+        self.reset_for_reprefill()
+        self.already_computed = 0
+        self.retractions += 1
+
+    def reset_for_reprefill(self) -> None:
+        """Forget the KV placement; the next prefill takes what it can from the prefix cache."""
         self.prefix_indices = torch.empty(0, dtype=torch.int64)
         self.last_node = None
         self.cache_protected_len = 0
@@ -129,8 +135,6 @@ class Req:
         self.extend_input_len = 0
         self.is_chunked = False
         self.penalty_state = None
-        self.already_computed = 0
-        self.retractions += 1
 
     def max_new_tokens(self) -> int:
         return self.sampling_params.max_new_tokens  # clamped by the scheduler at admission

@@ -29,7 +29,6 @@ from sglang.srt.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger(__name__)
 
-CONSTRAINT_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
 
 
 @dataclass
@@ -99,10 +98,6 @@ class TokenizerManager:
         params = SamplingParams.from_dict({**self.preferred_sampling_params, **item["sampling_params"]})
         params.normalize(self.tokenizer)
         params.verify(self.vocab_size)
-        constraint = next((k for k in CONSTRAINT_FIELDS if getattr(params, k) is not None), None)
-        if constraint is not None:
-            # No grammar backend is wired into the sampler yet: refuse rather than silently ignore.
-            raise ValueError(f"Constrained decoding ({constraint}) is not supported by this server yet.")
         if params.max_new_tokens is not None and params.max_new_tokens + n >= self.context_len:
             raise ValueError(
                 f"Requested token count exceeds the model's maximum context length of {self.context_len} tokens. "

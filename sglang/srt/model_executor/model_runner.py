@@ -110,6 +110,7 @@ class ModelRunner:
         if sample_reqs:
             sample_logits = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
             info = SamplingBatchInfo.from_reqs(sample_reqs, self.vocab_size, self.device)
+            info.fill_grammar_bitmask(sample_reqs)
             want_logprob = any(r.return_logprob for r in sample_reqs)
             sample = self.sampler(
                 sample_logits,

@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from sglang.srt.constrained.base_grammar_backend import allocate_bitmask, apply_bitmask
 from sglang.srt.sampling.penalties import BatchedPenalties, MinNewTokensMask, SparseLogitBias
 
 
@@ -41,8 +42,10 @@ class SamplingBatchInfo:
     penalties: Optional[BatchedPenalties]
     logit_bias: Optional[SparseLogitBias]
     min_tokens_mask: Optional[MinNewTokensMask]
-    # bool [B, V], True = allowed; filled by a grammar backend after construction.
-    vocab_mask: Optional[torch.Tensor] = None
+    # Grammar constraints: an int32 token bitmask [B, ceil(V / 32)] and the rows it applies to, filled by
+    # fill_grammar_bitmask (rows of requests without a grammar are left out).
+    grammar_bitmask: Optional[torch.Tensor] = None
+    grammar_rows: Optional[list[int]] = None
 
     @classmethod
     def from_reqs(cls, reqs: list, vocab_size: int, device) -> "SamplingBatchInfo":
@@ -114,7 +117,7 @@ class SamplingBatchInfo:
             self.logit_bias is not None
             or self.penalties is not None
             or self.min_tokens_mask is not None
-            or self.vocab_mask is not None
+            or self.grammar_bitmask is not None
         )
 
     def apply_logit_processing(self, logits: torch.Tensor) -> None:
@@ -125,5 +128,15 @@ class SamplingBatchInfo:
             self.penalties.apply(logits)
         if self.min_tokens_mask is not None:
             self.min_tokens_mask.apply(logits)
-        if self.vocab_mask is not None:
-            logits.masked_fill_(self.vocab_mask.to(logits.device).logical_not(), float("-inf"))
+        if self.grammar_bitmask is not None:
+            apply_bitmask(logits, self.grammar_bitmask, self.grammar_rows)
+
+    def fill_grammar_bitmask(self, reqs: list) -> None:
+        """Ask each constrained request's matcher which tokens may come next."""
+        rows = [i for i, req in enumerate(reqs) if req.grammar is not None and not req.grammar.is_terminated()]
+        if not rows:
+            return
+        bitmask = allocate_bitmask(len(reqs), self.vocab_size)
+        for i in rows:
+            reqs[i].grammar.fill_bitmask(bitmask, i)
+        self.grammar_bitmask, self.grammar_rows = bitmask, rows

@@ -11,7 +11,7 @@ from sglang.srt.managers.schedule_batch import Req, finish_length, finish_matche
 
 
 def check_finished(req: Req, tokenizer) -> None:
-    """Finish conditions in contract order: abort, length, stop token, stop string."""
+    """Finish conditions in contract order: abort, length, grammar terminated, stop token, stop string."""
     if req.finished():
         return
     if req.to_abort is not None:
@@ -23,6 +23,9 @@ def check_finished(req: Req, tokenizer) -> None:
         return
     last = req.output_ids[-1] if req.output_ids else None
     if last is None:
+        return
+    if req.grammar is not None and req.grammar.is_terminated():
+        req.finished_reason = finish_matched(last)
         return
     if not params.ignore_eos and last in req.stop_token_ids:
         req.finished_reason = finish_matched(last)
@@ -121,8 +124,10 @@ def build_output_message(reqs: list[Req]) -> BatchTokenIDOutput:
         msg.stop_strs.append(list(params.stop) if params.stop else None)
         msg.logprobs.append(logprob_increment(req))
         reason = req.finished_reason
+        # A stop token is not part of the text; the last token of a grammar that ended by itself is.
+        matched = reason.get("matched") if reason else None
         msg.trim_last_token.append(
-            bool(reason and reason.get("type") == "stop" and isinstance(reason.get("matched"), int)
-                 and not params.no_stop_trim)
+            bool(reason and reason.get("type") == "stop" and isinstance(matched, int)
+                 and matched in req.stop_token_ids and not params.no_stop_trim)
         )
     return msg

@@ -25,8 +25,10 @@ from sglang.srt.managers.scheduler.output import (
     record_input_logprobs,
     record_output_logprob,
 )
+from sglang.srt.managers.scheduler.grammar import GrammarQueue, accept_sampled_token, jump_forward_tokens
 from sglang.srt.managers.scheduler.policy import SchedulePolicy
 from sglang.srt.managers.scheduler.prefill_adder import PrefillAdder
+from sglang.srt.constrained.base_grammar_backend import create_grammar_backend
 from sglang.srt.model_executor.model_runner import ModelRunner, StepOutput
 from sglang.srt.server_args import PortArgs, ServerArgs
 
@@ -68,6 +70,15 @@ class Scheduler:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         self.policy = SchedulePolicy(server_args.schedule_policy, self.mem.tree_cache, server_args.random_seed)
         self.rng = random.Random(server_args.random_seed)
+        backend = create_grammar_backend(
+            server_args.grammar_backend, tokenizer, self.runner.vocab_size, sorted(self.eos_token_ids)
+        )
+        self.grammar_queue = GrammarQueue(backend, server_args.grammar_compile_timeout)
+        # Jump-forward re-prefills the forced tokens through the prefix cache, so it needs the cache.
+        self.enable_jump_forward = (
+            backend is not None and server_args.use_jump_forward() and not server_args.disable_radix_cache
+        )
+        self.num_jump_forward_tokens = 0
 
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -94,12 +105,17 @@ class Scheduler:
     # ---- main loop ------------------------------------------------------------------------------------
     def event_loop(self) -> None:
         while True:
-            self.recv_requests(block=self.is_idle())
+            self.recv_requests(block=self.is_idle() and not self.grammar_queue)
+            if self.grammar_queue:
+                self.admit_compiled_grammars()
             self.process_aborts()
             batch = self.get_next_batch()
             if batch is None:
                 if self.is_idle():
-                    self.check_memory()
+                    if self.grammar_queue:
+                        self.recv_from_tokenizer.poll(timeout=5)  # wait for a message or a compile
+                    else:
+                        self.check_memory()
                 continue
             result = self.runner.forward(batch)
             finished_or_streamed = self.process_result(batch, result)
@@ -107,6 +123,7 @@ class Scheduler:
                 self.send_to_detokenizer.send_pyobj(build_output_message(finished_or_streamed))
 
     def is_idle(self) -> bool:
+        """Nothing to run (requests waiting for a grammar compile run nothing yet)."""
         return not self.waiting and not self.running and self.chunked_req is None
 
     def recv_requests(self, block: bool) -> None:
@@ -155,7 +172,18 @@ class Scheduler:
         cap = self.max_req_len - len(req.origin_input_ids) - 1
         if params.max_new_tokens is None or params.max_new_tokens > cap:
             params.max_new_tokens = max(cap, 0)
-        self.waiting.append(req)
+        if self.grammar_queue.submit(req) is not None:
+            self._enqueue(req)
+
+    def _enqueue(self, req: Req) -> None:
+        if req.finished():
+            self.send_to_detokenizer.send_pyobj(build_output_message([req]))
+        else:
+            self.waiting.append(req)
+
+    def admit_compiled_grammars(self) -> None:
+        for req in self.grammar_queue.pop_ready():
+            self._enqueue(req)
 
     def _validate_length(self, req: Req) -> Optional[str]:
         n = len(req.origin_input_ids)
@@ -180,8 +208,9 @@ class Scheduler:
         def match(req: Req) -> bool:
             return msg.abort_all or req.rid.startswith(msg.rid)
 
-        for req in [r for r in self.waiting if match(r)]:
-            self.waiting.remove(req)
+        for req in [r for r in self.waiting if match(r)] + self.grammar_queue.remove_matching(match):
+            if req in self.waiting:
+                self.waiting.remove(req)
             req.finished_reason = finish_abort("Abort before prefill")
             self.send_to_detokenizer.send_pyobj(build_output_message([req]))
         for req in self.running + ([self.chunked_req] if self.chunked_req else []):
@@ -254,6 +283,26 @@ class Scheduler:
         batch.prepare_for_decode(self.mem)
         return batch
 
+    def jump_forward(self, req: Req) -> bool:
+        """Append the tokens the grammar forces (jump-forward decoding). True when any were appended: the
+        request then computes their KV in one extend instead of one decode step per token."""
+        tokens = jump_forward_tokens(req, self.tokenizer)
+        if not tokens:
+            return False
+        req.output_ids.extend(tokens)
+        self.num_jump_forward_tokens += len(tokens)
+        check_finished(req, self.tokenizer)
+        return True
+
+    def requeue_for_prefill(self, req: Req) -> None:
+        """Hand the request's KV to the prefix cache and put it first in the queue; its next prefill matches
+        everything computed so far and extends only the new tokens."""
+        self.running.remove(req)
+        req.already_computed = req.kv_committed_len  # so the re-prefill does not count as cache hits
+        self.release(req)
+        req.reset_for_reprefill()
+        self.waiting.insert(0, req)
+
     def retract_one(self) -> None:
         """Free the KV of the request with the least progress; it re-runs later from its tokens so far."""
         victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
@@ -303,7 +352,11 @@ class Scheduler:
                 if req.first_token_time is None:
                     req.first_token_time = now
                 req.last_token_time = now
+                accept_sampled_token(req, token)
             check_finished(req, self.tokenizer)
+            jumped = False
+            if not req.finished() and self.enable_jump_forward and req.grammar is not None and not req.return_logprob:
+                jumped = self.jump_forward(req)
             if req.finished():
                 if req in self.running:
                     self.running.remove(req)
@@ -312,6 +365,8 @@ class Scheduler:
             else:
                 if not batch.is_decode:
                     self.running.append(req)
+                if jumped:
+                    self.requeue_for_prefill(req)
                 if req.stream and len(req.output_ids) - req.sent_output_len >= self._stream_interval(req):
                     outputs.append(req)
         if batch.is_decode:
@@ -356,7 +411,9 @@ class Scheduler:
             **self.info(),
             "last_gen_throughput": self.last_gen_throughput,
             "num_running_reqs": len(self.running) + (self.chunked_req is not None),
-            "num_queue_reqs": len(self.waiting),
+            "num_queue_reqs": len(self.waiting) + len(self.grammar_queue),
+            "num_grammar_queue_reqs": len(self.grammar_queue),
+            "num_jump_forward_tokens": self.num_jump_forward_tokens,
             "token_usage": self.token_usage(),
             "used_kv_tokens": self.max_total_num_tokens - self.mem.available_tokens(),
             "cache_hit_rate": self.total_cached_tokens / max(1, self.total_prompt_tokens),
