@@ -73,6 +73,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--result-file", default=None, help="append one JSON line per batch size")
+    parser.add_argument("--gguf-kernel-max-rows", type=int, default=ServerArgs.gguf_kernel_max_rows,
+                        help="matmuls of at most this many rows use the GGUF blocks (0: float weights only)")
     args = parser.parse_args()
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -80,7 +82,8 @@ def main() -> None:
     info = load_model_info(server_args)
     need = max(args.batch_size) * (args.input_len + args.output_len) + 16
     runner = ModelRunner(info["model_dir"], info["hf_config"], info["dtype"], server_args.device,
-                         info["context_len"], need, 0.3, max(args.batch_size), disable_radix_cache=False)
+                         info["context_len"], need, 0.3, max(args.batch_size), disable_radix_cache=False,
+                         gguf_path=info["gguf_path"], gguf_kernel_max_rows=args.gguf_kernel_max_rows)
     run_once(runner, 1, 16, 4)  # warm-up
     for bs in args.batch_size:
         result = {"dtype": str(info["dtype"]), "threads": torch.get_num_threads(),

@@ -110,6 +110,8 @@ class ServerArgs:
     disable_overlap_schedule: bool = False
     enable_mixed_chunk: bool = False
     enable_torch_compile: bool = False
+    # Matmuls of at most this many token rows read a GGUF model's quantized blocks (CPU); 0 disables.
+    gguf_kernel_max_rows: int = 64
     enable_tokenizer_batch_encode: bool = False
     enable_custom_logit_processor: bool = False
     enable_return_hidden_states: bool = False

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglang.srt.layers import cpu_ops
+
 
 class RMSNorm(nn.Module):
     def __init__(
@@ -26,6 +28,10 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Normalise x; with `residual`, first add x into it in place and return (normed, residual)."""
+        if _use_cpu_kernel(x, self.weight) and (residual is None or _use_cpu_kernel(residual, self.weight)):
+            if residual is None:
+                return cpu_ops.rms_norm(x, self.weight, self.variance_epsilon)
+            return cpu_ops.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon), residual
         if residual is None:
             return rms_norm(x, self.weight, self.variance_epsilon)
         residual.add_(x)
@@ -33,6 +39,11 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.variance_epsilon}"
+
+
+def _use_cpu_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.dim() == 2
+            and x.is_contiguous() and cpu_ops.available())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -32,6 +32,8 @@ class LogitsProcessor(nn.Module):
         self.vocab_size = int(config.vocab_size)
         # Some checkpoints scale logits (e.g. Cohere-style configs); 1.0 for the families here.
         self.logit_scale = float(getattr(config, "logit_scale", None) or 1.0)
+        # (quantized LM head, max rows): set by the GGUF loader; small batches project with it.
+        self.quant_head: Optional[tuple[Any, int]] = None
 
     def forward(
         self,
@@ -42,7 +44,10 @@ class LogitsProcessor(nn.Module):
     ) -> torch.Tensor:
         selected = select_logit_rows(hidden_states, forward_batch)
         # Matmul in the weight dtype (as the reference models do), then widen for sampling.
-        logits = F.linear(selected, lm_head_weight, lm_head_bias).float()
+        if self.quant_head is not None and selected.shape[0] <= self.quant_head[1]:
+            logits = self.quant_head[0].linear(selected, lm_head_bias).float()
+        else:
+            logits = F.linear(selected, lm_head_weight, lm_head_bias).float()
         if self.logit_scale != 1.0:
             logits.mul_(self.logit_scale)
         return logits[:, : self.vocab_size] if logits.shape[1] > self.vocab_size else logits

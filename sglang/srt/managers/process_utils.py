@@ -51,7 +51,7 @@ def load_model_info(server_args: ServerArgs) -> dict:
     from transformers import AutoConfig, GenerationConfig
 
     from sglang.srt.model_loader.dtype import resolve_dtype
-    from sglang.srt.model_loader.resolve import resolve_model_path
+    from sglang.srt.model_loader.resolve import gguf_source_for, resolve_model_path
 
     model_dir = resolve_model_path(server_args.model_path)
     hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=server_args.trust_remote_code)
@@ -74,6 +74,7 @@ def load_model_info(server_args: ServerArgs) -> dict:
         pass
     return {
         "model_dir": model_dir,
+        "gguf_path": gguf_source_for(server_args.model_path),
         "hf_config": hf_config,
         "dtype": dtype,
         "context_len": context_len,

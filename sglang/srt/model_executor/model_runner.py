@@ -17,6 +17,7 @@ from sglang.srt.mem_cache.allocator import TokenSlotAllocator
 from sglang.srt.mem_cache.kv_pool import KVPool
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.mem_cache.req_to_token import ReqToTokenPool
+from sglang.srt.model_loader.gguf_quant import attach_gguf_quant_weights
 from sglang.srt.model_loader.loader import load_model
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
@@ -46,12 +47,17 @@ class ModelRunner:
         mem_fraction_static: float,
         max_running_requests: Optional[int],
         disable_radix_cache: bool,
+        gguf_path: Optional[str] = None,
+        gguf_kernel_max_rows: int = 0,
     ) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
         self.hf_config = hf_config
         self.context_len = context_len
         self.model = load_model(model_dir, dtype, self.device)
+        self.quant_bytes = 0
+        if gguf_path and gguf_kernel_max_rows > 0 and self.device.type == "cpu":
+            self.quant_bytes = attach_gguf_quant_weights(self.model, gguf_path, hf_config, gguf_kernel_max_rows)
         self.vocab_size = hf_config.vocab_size
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 

@@ -96,6 +96,22 @@ def resolve_model_path(model_path: str) -> str:
     return _download_from_hub(model_path)
 
 
+def gguf_source_for(model_path: str) -> Optional[str]:
+    """The .gguf file that `model_path` resolves from (a .gguf path, a directory holding one .gguf and no
+    config, or a packaged GGUF model), or None when the model is not loaded from a GGUF."""
+    local = os.path.expanduser(model_path or "")
+    if os.path.isfile(local):
+        return local if local.lower().endswith(".gguf") else None
+    if os.path.isdir(local):
+        if os.path.isfile(os.path.join(local, CONFIG_FILE)):
+            return None
+        ggufs = sorted(name for name in os.listdir(local) if name.lower().endswith(".gguf"))
+        return os.path.join(local, ggufs[0]) if len(ggufs) == 1 else None
+    packaged = _packaged_model_for(model_path) if model_path and _looks_like_repo_id(model_path) else None
+    source = packaged.package_file() if packaged is not None else None
+    return str(source) if source is not None and source.suffix.lower() == ".gguf" else None
+
+
 def _looks_like_repo_id(path: str) -> bool:
     return bool(_REPO_ID_RE.match(path)) and ".." not in path and "--" not in path
 

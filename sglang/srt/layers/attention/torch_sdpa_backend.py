@@ -1,7 +1,8 @@
 """Attention over the paged KV cache with torch's scaled_dot_product_attention (CPU and CUDA alike).
 
-Decode is batched: the KV slots of all sequences are gathered into one padded [B, Hkv, max_len, D] tensor and a
-key mask hides the padding, so every layer runs a single SDPA call. Extend runs one SDPA call per sequence with a
+Decode is batched. On CPU a compiled kernel reads each sequence's K/V rows from the pool by slot index (see
+sglang/srt/layers/cpu_ops.py); otherwise the KV slots of all sequences are gathered into one padded
+[B, Hkv, max_len, D] tensor and a key mask hides the padding, so every layer runs a single SDPA call. Extend runs one SDPA call per sequence with a
 causal mask shifted by the sequence's cached prefix.
 """
 
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.layers.attention.base import AttentionBackend, AttentionLayerSpec
+from sglang.srt.layers import cpu_ops
 
 
 @dataclass
@@ -23,6 +25,8 @@ class DecodeMetadata:
     kv_indices: torch.Tensor
     # [B, 1, 1, max_len] True where a key is attended; None when all sequences have the same length.
     key_mask: Optional[torch.Tensor]
+    # Run the compiled CPU kernel (which needs no mask and no gather) instead of SDPA.
+    use_kernel: bool = False
 
 
 @dataclass
@@ -58,6 +62,8 @@ class TorchSDPABackend(AttentionBackend):
         seq_lens = forward_batch.seq_lens_cpu
         max_len = max(seq_lens)
         kv_indices = self._kv_index_rows(forward_batch, max_len)
+        if kv_indices.device.type == "cpu" and cpu_ops.available():
+            return DecodeMetadata(kv_indices, None, use_kernel=True)
         if min(seq_lens) == max_len:
             return DecodeMetadata(kv_indices, None)
         device = kv_indices.device
@@ -97,6 +103,11 @@ class TorchSDPABackend(AttentionBackend):
         pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         k_cache, v_cache = pool.get_kv_buffer(layer.layer_id)
         meta: DecodeMetadata = forward_batch.attn_metadata
+        if meta.use_kernel and q.dtype == torch.float32 and k_cache.dtype == torch.float32:
+            out = cpu_ops.paged_decode_attention(
+                q, k_cache, v_cache, meta.kv_indices, forward_batch.seq_lens, layer.scaling
+            )
+            return out.reshape(q.shape[0], -1)
         batch, max_len = meta.kv_indices.shape
         # index_select on the flat slot list is several times faster on CPU than 2-D advanced indexing.
         flat_indices = meta.kv_indices.view(-1)

@@ -59,6 +59,8 @@ class Scheduler:
             mem_fraction_static=server_args.mem_fraction_static,
             max_running_requests=server_args.max_running_requests,
             disable_radix_cache=server_args.disable_radix_cache,
+            gguf_path=model_info.get("gguf_path"),
+            gguf_kernel_max_rows=server_args.gguf_kernel_max_rows,
         )
         self.mem = self.runner.mem
         self.context_len = model_info["context_len"]

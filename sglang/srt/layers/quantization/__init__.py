@@ -1,0 +1,1 @@
+"""Quantized weight formats and their CPU kernels."""

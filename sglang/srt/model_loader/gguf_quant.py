@@ -1,0 +1,114 @@
+"""Small-batch matmuls straight from a GGUF file's quantized blocks.
+
+A model loaded from a Q4_1 / Q8_0 GGUF keeps its float weights (dequantized exactly, for prefill and large
+decode batches, where the dense GEMM is compute-bound) and also gets the original blocks of each linear
+layer and of the LM head. A projection of at most `max_rows` token rows then runs the quantized kernel: it
+reads ~4.5 bits per weight instead of 32, which is what bounds a small decode step. The blocks are attached
+only where their dequantized values equal the loaded weights bit for bit, so both paths compute with the same
+weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sglang.srt.layers.quantization.gguf_blocks import (
+    GGUFQuantWeight,
+    kernels_available,
+    kernels_unavailable_reason,
+    read_gguf_quant_tensors,
+    rotary_rows_gguf_to_hf,
+)
+
+logger = logging.getLogger(__name__)
+
+# Largest number of token rows sent to the quantized kernel (benchmarks/RESULTS.md: the dense float32 GEMM
+# wins beyond this on the development machine).
+DEFAULT_MAX_ROWS = 64
+
+
+def _quantized_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if x.dim() == 2 and x.shape[0] <= self.quant_max_rows:
+        return self.quant_weight.linear(x, self.bias)
+    return F.linear(x, self.weight, self.bias)
+
+
+def _attach(module: nn.Linear, weight: GGUFQuantWeight, max_rows: int) -> None:
+    module.quant_weight = weight
+    module.quant_max_rows = max_rows
+    module.forward = types.MethodType(_quantized_linear_forward, module)
+
+
+def _matching(candidates: list[Callable[[], Optional[GGUFQuantWeight]]], target: torch.Tensor) -> Optional[
+        GGUFQuantWeight]:
+    """The first candidate whose dequantized weight equals `target` exactly."""
+    for make in candidates:
+        weight = make()
+        if weight is not None and weight.shape == tuple(target.shape) and torch.equal(weight.dequantize(), target):
+            return weight
+    return None
+
+
+def attach_gguf_quant_weights(model: nn.Module, gguf_path: str, config: Any, max_rows: int = DEFAULT_MAX_ROWS) -> int:
+    """Attach GGUF blocks to the linear layers of a Llama-family model; returns the bytes attached."""
+    if not kernels_available():
+        logger.info("Quantized GGUF kernels unavailable (%s); using float weights only", kernels_unavailable_reason())
+        return 0
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or any(p.dtype != torch.float32 for p in model.parameters()):
+        return 0
+    tensors = read_gguf_quant_tensors(gguf_path)
+
+    def block(name: str) -> Optional[GGUFQuantWeight]:
+        entry = tensors.get(name)
+        return None if entry is None else GGUFQuantWeight(entry[0], torch.from_numpy(entry[1].copy()), entry[2],
+                                                          entry[3])
+
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    attached = 0
+    plan: list[tuple[nn.Module, GGUFQuantWeight]] = []
+    for i, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        q, k, v = (block(f"blk.{i}.attn_{n}.weight") for n in ("q", "k", "v"))
+        if q is None or k is None or v is None:
+            return 0
+
+        def qkv_hf_order(q=q, k=k, v=v) -> GGUFQuantWeight:
+            # llama.cpp's converter interleaves the rotary halves of Q and K for Llama models.
+            return GGUFQuantWeight.concat([
+                q.permute_rows(rotary_rows_gguf_to_hf(q.n, num_heads)),
+                k.permute_rows(rotary_rows_gguf_to_hf(k.n, num_kv_heads)), v,
+            ])
+
+        gate, up = block(f"blk.{i}.ffn_gate.weight"), block(f"blk.{i}.ffn_up.weight")
+        matches = [
+            (attn.qkv_proj, _matching([qkv_hf_order, lambda q=q, k=k, v=v: GGUFQuantWeight.concat([q, k, v])],
+                                      attn.qkv_proj.weight)),
+            (attn.o_proj, _matching([lambda i=i: block(f"blk.{i}.attn_output.weight")], attn.o_proj.weight)),
+            (mlp.gate_up_proj, _matching([lambda g=gate, u=up: GGUFQuantWeight.concat([g, u]) if g and u else None],
+                                         mlp.gate_up_proj.weight)),
+            (mlp.down_proj, _matching([lambda i=i: block(f"blk.{i}.ffn_down.weight")], mlp.down_proj.weight)),
+        ]
+        if any(w is None for _, w in matches):
+            logger.info("GGUF blocks of layer %d do not match the loaded weights; using float weights only", i)
+            return 0
+        plan += matches
+    head = getattr(model, "lm_head", None)
+    head_weight = None
+    if head is not None:
+        head_weight = _matching([lambda: block("output.weight"), lambda: block("token_embd.weight")], head.weight)
+    for module, weight in plan:
+        _attach(module, weight, max_rows)
+        attached += weight.nbytes
+    if head_weight is not None and hasattr(model, "logits_processor"):
+        model.logits_processor.quant_head = (head_weight, max_rows)
+        attached += head_weight.nbytes
+    logger.info("Attached %.1f MB of GGUF blocks for matmuls of up to %d rows", attached / 2**20, max_rows)
+    return attached

@@ -1,0 +1,61 @@
+"""The compiled CPU decode kernels against their torch equivalents."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sglang.srt.layers import cpu_ops
+from sglang.srt.layers.cpu_ops import paged_decode_attention
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ toolchain for the CPU kernels")
+
+
+def reference(q, k, v, idx, lens, scale):
+    outs = []
+    for b in range(q.shape[0]):
+        n = int(lens[b])
+        keys, values = k[idx[b, :n]].transpose(0, 1), v[idx[b, :n]].transpose(0, 1)
+        outs.append(F.scaled_dot_product_attention(
+            q[b : b + 1].unsqueeze(2), keys.unsqueeze(0), values.unsqueeze(0), scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1])[0, :, 0])
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 1, 128), (6, 2, 80)])
+def test_matches_sdpa(heads, kv_heads, dim):
+    gen = torch.Generator().manual_seed(heads * 100 + dim)
+    slots, batch, width = 700, 7, 90
+    k = torch.randn(slots, kv_heads, dim, generator=gen)
+    v = torch.randn(slots, kv_heads, dim, generator=gen)
+    q = torch.randn(batch, heads, dim, generator=gen)
+    lens = torch.tensor([1, 90, 33, 2, 64, 17, 89])
+    idx = torch.randint(0, slots, (batch, width), generator=gen)
+    out = paged_decode_attention(q, k, v, idx, lens, dim**-0.5)
+    torch.testing.assert_close(out, reference(q, k, v, idx, lens, dim**-0.5), atol=2e-5, rtol=1e-4)
+
+
+def test_rejects_bad_input():
+    k = torch.zeros(10, 1, 8)
+    q = torch.zeros(1, 1, 8)
+    with pytest.raises(RuntimeError):
+        paged_decode_attention(q, k, k, torch.tensor([[11]]), torch.tensor([1]), 1.0)  # slot out of range
+    with pytest.raises(RuntimeError):
+        paged_decode_attention(q, k, k, torch.tensor([[1]]), torch.tensor([2]), 1.0)  # longer than the index row
+    with pytest.raises(RuntimeError):
+        paged_decode_attention(q.double(), k, k, torch.tensor([[1]]), torch.tensor([1]), 1.0)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 130])
+def test_rms_norm_kernels_match_torch(rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen)
+    residual = torch.randn(rows, 576, generator=gen)
+    w = torch.randn(576, generator=gen)
+    expected = F.rms_norm(x, (576,), w, 1e-5)
+    torch.testing.assert_close(cpu_ops.rms_norm(x, w, 1e-5), expected, atol=1e-5, rtol=1e-5)
+    new_residual = residual + x
+    out = cpu_ops.fused_add_rms_norm(x, residual, w, 1e-5)
+    torch.testing.assert_close(residual, new_residual)  # updated in place
+    torch.testing.assert_close(out, F.rms_norm(new_residual, (576,), w, 1e-5), atol=1e-5, rtol=1e-5)
