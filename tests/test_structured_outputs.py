@@ -220,7 +220,7 @@ def test_grammar_queue_abort_removes_pending():
 # ---- through the server --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def base_url():
-    with running_server("--dtype", "float32") as url:
+    with running_server("--dtype", "float32", "--enable-jump-forward") as url:
         yield url
 
 
@@ -291,7 +291,7 @@ def test_twenty_json_schemas_five_prompts_each(base_url):
             jsonschema.validate(json.loads(out["text"]), schema)
             assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}
     state = requests.get(f"{base_url}/get_server_info").json()["internal_states"][0]
-    assert state["num_jump_forward_tokens"] > 0
+    assert state["num_jump_forward_tokens"] > 0  # the module's server runs with --enable-jump-forward
 
 
 def test_openai_response_format(client):
@@ -439,8 +439,7 @@ def test_retracted_constrained_requests_keep_their_grammar_state():
     texts = [chat_prompt(f"List {i + 5} random digits.") for i in range(16)]
     params = {"temperature": 0, "max_new_tokens": 70, "regex": digits}
     for jump in (False, True):
-        with Engine(model_path=SMOLLM2, dtype="float32", max_total_tokens=360,
-                    disable_jump_forward=not jump) as eng:
+        with Engine(model_path=SMOLLM2, dtype="float32", max_total_tokens=360, enable_jump_forward=jump) as eng:
             outs = eng.generate(texts, [params] * len(texts))
             for out in outs:
                 assert re.fullmatch(digits, out["text"]), out["text"]

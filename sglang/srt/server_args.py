@@ -154,9 +154,9 @@ class ServerArgs:
                 raise ValueError(f"--preferred-sampling-params is not valid JSON: {e}") from None
 
     def use_jump_forward(self) -> bool:
-        """Jump-forward decoding of constrained requests: on unless --disable-jump-forward (it wins the
-        constrained-decoding benchmark, see benchmarks/RESULTS.md); --enable-jump-forward states the default."""
-        return self.enable_jump_forward or not self.disable_jump_forward
+        """Jump-forward decoding of constrained requests: off unless --enable-jump-forward. It speeds up a lone
+        request but slows concurrent batches (benchmarks/RESULTS.md), so serving keeps it off by default."""
+        return self.enable_jump_forward and not self.disable_jump_forward
 
     def not_applicable_settings(self) -> dict[str, Any]:
         """Flags set away from their default that have no effect on this engine."""

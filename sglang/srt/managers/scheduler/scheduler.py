@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.001
+# Requests whose first tokens (this many) match another request admitted in the same prefill batch, with
+# nothing of them cached yet, are deferred a round so the shared prefix is computed once.
+IN_BATCH_PREFIX_LEN = 32
 
 
 class Scheduler:
@@ -256,7 +259,15 @@ class Scheduler:
         if self.chunked_req is not None:
             if not adder.add_chunked(self.chunked_req):
                 return None
+        prefixes_in_batch: set[tuple[int, ...]] = set()
         for req in self.policy.order(self.waiting):
+            head = tuple(req.fill_ids[:IN_BATCH_PREFIX_LEN])
+            if len(head) == IN_BATCH_PREFIX_LEN and len(req.prefix_indices) < IN_BATCH_PREFIX_LEN:
+                # Another request of this batch computes the same uncached prefix: wait one round and take
+                # it from the cache instead of computing it twice.
+                if head in prefixes_in_batch:
+                    continue
+                prefixes_in_batch.add(head)
             if not adder.add(req):
                 break
         if not adder.selected:
@@ -336,8 +347,10 @@ class Scheduler:
                     )
                 elif req.return_logprob and not req.output_ids and req.logprobs.input_token_idx == []:
                     record_input_logprobs(req, torch.empty(0), [], 0)
+                # The computed prompt goes into the prefix cache now, not when the request finishes, so that
+                # requests admitted while this one decodes can share it.
+                self.mem.tree_cache.cache_unfinished_req(req)
                 if req.is_chunked:
-                    self.mem.tree_cache.cache_unfinished_req(req)
                     logit_row += len(rows)
                     continue
             else:
