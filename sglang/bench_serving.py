@@ -417,6 +417,20 @@ async def _iter_sse_data(response) -> AsyncIterator[str]:
         yield line[5:].strip().decode("utf-8")
 
 
+async def _iter_sse_events(response, output: "RequestFuncOutput") -> AsyncIterator[dict]:
+    """The JSON events of a stream up to `[DONE]`; an error event is recorded on `output` and ends the stream."""
+    async for raw in _iter_sse_data(response):
+        if raw == "[DONE]":
+            return
+        if not raw:
+            continue
+        data = json.loads(raw)
+        if _error_text(data):
+            output.error = _error_text(data)
+            return
+        yield data
+
+
 def _merge_body(payload: dict, extra: dict) -> dict:
     """Top-level merge of --extra-request-body; nested objects (e.g. sampling_params) merge key by key."""
     for key, value in extra.items():
@@ -514,15 +528,7 @@ async def request_sglang_native(session, inp: RequestFuncInput) -> RequestFuncOu
             read_meta(data.get("meta_info", {}))
             return
         seen_tokens = 0
-        async for raw in _iter_sse_data(response):
-            if raw == "[DONE]":
-                break
-            if not raw:
-                continue
-            data = json.loads(raw)
-            if _error_text(data):
-                output.error = _error_text(data)
-                return
+        async for data in _iter_sse_events(response, output):
             text = data.get("text", "")
             meta = data.get("meta_info", {})
             completion = meta.get("completion_tokens")
@@ -581,15 +587,7 @@ async def _request_openai(session, inp: RequestFuncInput, chat: bool) -> Request
         pieces: list[str] = []
         chunks_with_text = 0
         usage_seen = False
-        async for raw in _iter_sse_data(response):
-            if raw == "[DONE]":
-                break
-            if not raw:
-                continue
-            data = json.loads(raw)
-            if _error_text(data):
-                output.error = _error_text(data)
-                return
+        async for data in _iter_sse_events(response, output):
             choices = data.get("choices") or []
             text = choice_text(choices[0]) if choices else ""
             if text:
