@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from typing import Callable, Optional
 
 from sglang.srt.constrained.base_grammar_backend import BaseGrammarBackend, InvalidGrammar, constraint_key
@@ -23,13 +24,11 @@ class GrammarQueue:
     def __init__(self, backend: Optional[BaseGrammarBackend], timeout_s: float) -> None:
         self.backend = backend
         self.timeout_s = timeout_s
-        self.pending: list[tuple[Req, tuple[str, str], float]] = []
+        # (request, constraint key, its compile, when the request started waiting)
+        self.pending: list[tuple[Req, tuple[str, str], Future, float]] = []
 
     def __len__(self) -> int:
         return len(self.pending)
-
-    def __iter__(self):
-        return (req for req, _, _ in self.pending)
 
     def submit(self, req: Req) -> Optional[Req]:
         """Start the grammar of `req`. Returns `req` when it can be scheduled now (no constraint, or a cached
@@ -46,7 +45,7 @@ class GrammarQueue:
         if future.done():
             self._resolve(req, future.result())
             return req
-        self.pending.append((req, key, time.monotonic()))
+        self.pending.append((req, key, future, time.monotonic()))
         return None
 
     def pop_ready(self) -> list[Req]:
@@ -55,8 +54,7 @@ class GrammarQueue:
             return []
         ready, still = [], []
         now = time.monotonic()
-        for req, key, start in self.pending:
-            future = self.backend.get_future(key)
+        for req, key, future, start in self.pending:
             if future.done():
                 self._resolve(req, future.result())
                 ready.append(req)
@@ -68,12 +66,12 @@ class GrammarQueue:
                 )
                 ready.append(req)
             else:
-                still.append((req, key, start))
+                still.append((req, key, future, start))
         self.pending = still
         return ready
 
     def remove_matching(self, match: Callable[[Req], bool]) -> list[Req]:
-        taken = [req for req, _, _ in self.pending if match(req)]
+        taken = [req for req, _, _, _ in self.pending if match(req)]
         self.pending = [p for p in self.pending if not match(p[0])]
         return taken
 
