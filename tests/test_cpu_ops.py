@@ -23,11 +23,15 @@ def reference(q, k, v, idx, lens, scale):
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 1, 128), (6, 2, 80)])
-def test_matches_sdpa(heads, kv_heads, dim):
+# dim % 8 == 0 takes the AVX2 path (one or more blocks of 64 columns, with a partial one for 80); 36 the scalar one.
+# magnitude 8 makes the scores span hundreds of units, so most softmax weights underflow.
+@pytest.mark.parametrize("heads,kv_heads,dim,magnitude",
+                         [(9, 3, 64, 1.0), (4, 4, 32, 1.0), (8, 1, 128, 1.0), (6, 2, 80, 1.0), (2, 1, 36, 1.0),
+                          (9, 3, 64, 8.0)])
+def test_matches_sdpa(heads, kv_heads, dim, magnitude):
     gen = torch.Generator().manual_seed(heads * 100 + dim)
     slots, batch, width = 700, 7, 90
-    k = torch.randn(slots, kv_heads, dim, generator=gen)
+    k = magnitude * torch.randn(slots, kv_heads, dim, generator=gen)
     v = torch.randn(slots, kv_heads, dim, generator=gen)
     q = torch.randn(batch, heads, dim, generator=gen)
     lens = torch.tensor([1, 90, 33, 2, 64, 17, 89])

@@ -17,7 +17,7 @@ import shutil
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -52,11 +52,14 @@ def compiler() -> str | None:
 
 
 class CpuExtension:
-    """One C++ source compiled into one Python module, loaded lazily and at most once per process."""
+    """One C++ source (and the headers it includes) compiled into one Python module, loaded lazily and at most
+    once per process."""
 
-    def __init__(self, prefix: str, source: Path, label: str, disable_env: str) -> None:
+    def __init__(self, prefix: str, source: Path, label: str, disable_env: str,
+                 headers: Sequence[Path] = ()) -> None:
         self.prefix = prefix
         self.source = Path(source)
+        self.headers = [Path(h) for h in headers]
         self.label = label
         self.disable_env = disable_env
         self._lock = threading.Lock()
@@ -77,6 +80,7 @@ class CpuExtension:
         key = hashlib.sha256()
         for part in (
             self.source.read_bytes(),
+            *(h.read_bytes() for h in self.headers),
             torch.__version__.encode(),
             sys.implementation.cache_tag.encode(),
             platform.machine().encode(),
@@ -130,6 +134,7 @@ class CpuExtension:
             return cpp_ext.load(
                 name=name,
                 sources=[str(self.source)],
+                extra_include_paths=sorted({str(h.parent) for h in self.headers}),
                 extra_cflags=cflags,
                 extra_ldflags=ldflags,
                 build_directory=str(build_dir),
@@ -146,8 +151,9 @@ class CpuExtension:
             if self._attempted:
                 return self._module
             try:
-                if not self.source.is_file():
-                    raise RuntimeError(f"kernel source {self.source} is missing")
+                for path in (self.source, *self.headers):
+                    if not path.is_file():
+                        raise RuntimeError(f"kernel source {path} is missing")
                 try:
                     self._module = self._build(openmp=True)
                 except Exception as err:  # noqa: BLE001 - retry without OpenMP, e.g. a compiler without libgomp

@@ -19,9 +19,9 @@ import torch
 from sglang.srt.layers.cpu_extension import CpuExtension
 
 DISABLE_ENV = "SGLANG_DISABLE_CPU_OPS"
-_EXTENSION = CpuExtension(
-    "sglang_cpu_ops", Path(__file__).resolve().parent / "csrc" / "cpu_ops.cpp", "CPU decode kernels", DISABLE_ENV
-)
+CSRC = Path(__file__).resolve().parent / "csrc"
+_EXTENSION = CpuExtension("sglang_cpu_ops", CSRC / "cpu_ops.cpp", "CPU decode kernels", DISABLE_ENV,
+                          headers=[CSRC / "cpu_kernels.h"])
 
 
 def available() -> bool:

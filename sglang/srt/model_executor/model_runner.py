@@ -11,6 +11,7 @@ import torch
 
 from sglang.srt.forward_batch import ForwardBatch, ForwardMode, build_positions
 from sglang.srt.layers.attention.torch_sdpa_backend import TorchSDPABackend
+from sglang.srt.layers.fused_decode import build_fused_decode
 from sglang.srt.layers.sampler import SampleOutput, Sampler, compute_logprobs
 from sglang.srt.managers.schedule_batch import MemoryPools, ScheduleBatch
 from sglang.srt.mem_cache.allocator import TokenSlotAllocator
@@ -76,6 +77,11 @@ class ModelRunner:
         kv_pool = KVPool(self.max_total_num_tokens, num_layers, num_kv_heads, head_dim, dtype, self.device)
         tree_cache = RadixCache(req_to_token_pool, allocator, disable=disable_radix_cache)
         self.mem = MemoryPools(req_to_token_pool, allocator, kv_pool, tree_cache)
+        self.fused_decode = None
+        if self.quant_bytes and hasattr(self.model, "model"):
+            self.fused_decode = build_fused_decode(self.model, kv_pool.k_buffer, kv_pool.v_buffer,
+                                                   gguf_kernel_max_rows)
+            self.model.model.fused_decode = self.fused_decode
         self.attn_backend = TorchSDPABackend()
         self.sampler = Sampler()
 

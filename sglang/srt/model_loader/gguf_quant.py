@@ -39,7 +39,8 @@ def _quantized_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, self.weight, self.bias)
 
 
-def _attach(module: nn.Linear, weight: GGUFQuantWeight, max_rows: int) -> None:
+def attach_quant_weight(module: nn.Linear, weight: GGUFQuantWeight, max_rows: int) -> None:
+    """Make `module` multiply batches of up to `max_rows` rows with `weight` (whose values must equal its own)."""
     module.quant_weight = weight
     module.quant_max_rows = max_rows
     module.forward = types.MethodType(_quantized_linear_forward, module)
@@ -105,7 +106,7 @@ def attach_gguf_quant_weights(model: nn.Module, gguf_path: str, config: Any, max
     if head is not None:
         head_weight = _matching([lambda: block("output.weight"), lambda: block("token_embd.weight")], head.weight)
     for module, weight in plan:
-        _attach(module, weight, max_rows)
+        attach_quant_weight(module, weight, max_rows)
         attached += weight.nbytes
     if head_weight is not None and hasattr(model, "logits_processor"):
         model.logits_processor.quant_head = (head_weight, max_rows)

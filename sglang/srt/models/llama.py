@@ -14,6 +14,7 @@ from torch import nn
 
 from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.layers.activation import SiluAndMul
+from sglang.srt.layers.fused_decode import FusedDecode
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.logits_processor import LogitsProcessor
 from sglang.srt.layers.radix_attention import RadixAttention
@@ -273,11 +274,15 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        # Set by the model runner when the whole decode step can run as one compiled call (CPU, GGUF blocks).
+        self.fused_decode: Optional[FusedDecode] = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
         # One table lookup per forward, shared by every layer.
         cos_sin = self.rotary_emb.lookup(positions, hidden_states.dtype)
+        if self.fused_decode is not None and self.fused_decode.accepts(hidden_states, forward_batch):
+            return self.fused_decode(hidden_states, cos_sin, forward_batch)
         residual: Optional[torch.Tensor] = None
         for layer in self.layers:
             hidden_states, residual = layer(cos_sin, hidden_states, forward_batch, residual)

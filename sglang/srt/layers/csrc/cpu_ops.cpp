@@ -10,21 +10,10 @@
 #include <cstdint>
 #include <vector>
 
-namespace {
+#include "cpu_kernels.h"
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
-  return acc;
-}
+using cpu_kernels::rms_norm_rows;
 
-inline void axpy(float* y, const float* x, float a, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
-}
-
-}  // namespace
 
 // q [B, H, D] float32; k_cache, v_cache [S, Hkv, D] float32; kv_indices [B, >= max(seq_lens)] int64;
 // seq_lens [B] int64. Returns [B, H, D].
@@ -47,7 +36,11 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   const int64_t slot_stride = Hkv * D;
   const int64_t num_slots = k_cache.size(0);
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(lens[b] >= 1 && lens[b] <= stride_idx, "bad sequence length");
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= stride_idx, "bad sequence length");
+    const int64_t* slots = kv_indices.data_ptr<int64_t>() + b * stride_idx;
+    for (int64_t t = 0; t < lens[b]; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "KV slot out of range");
+  }
 
   auto out = torch::empty({B, H, D}, q.options());
   const float* qp = q.data_ptr<float>();
@@ -62,51 +55,16 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, g = task % Hkv;
       const int64_t L = lens[b];
-      const int64_t* slots = ip + b * stride_idx;
-      scores.assign(group * L, 0.f);
-      const float* qg = qp + (b * H + g * group) * D;
-      for (int64_t t = 0; t < L; ++t) {
-        const int64_t slot = slots[t];
-        TORCH_CHECK(slot >= 0 && slot < num_slots, "KV slot out of range");
-        const float* kr = kp + slot * slot_stride + g * D;
-        for (int64_t h = 0; h < group; ++h) scores[h * L + t] = dot(qg + h * D, kr, D) * fscale;
-      }
-      for (int64_t h = 0; h < group; ++h) {
-        float* s = scores.data() + h * L;
-        const float mx = *std::max_element(s, s + L);
-        float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) {
-          s[t] = std::exp(s[t] - mx);
-          sum += s[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < L; ++t) s[t] *= inv;
-      }
-      float* og = op + (b * H + g * group) * D;
-      std::fill(og, og + group * D, 0.f);
-      for (int64_t t = 0; t < L; ++t) {
-        const float* vr = vp + slots[t] * slot_stride + g * D;
-        for (int64_t h = 0; h < group; ++h) axpy(og + h * D, vr, scores[h * L + t], D);
-      }
+      scores.resize(static_cast<size_t>(group * L));
+      const int64_t head = b * H + g * group;
+      cpu_kernels::attend_kv_head(qp + head * D, group, D, kp + g * D, vp + g * D, slot_stride, ip + b * stride_idx, L,
+                                  fscale, scores.data(), op + head * D);
     }
   });
   return out;
 }
 
 namespace {
-
-void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t n, float eps) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * n;
-    float* orow = out + r * n;
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < n; ++i) ss += xr[i] * xr[i];
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-#pragma omp simd
-    for (int64_t i = 0; i < n; ++i) orow[i] = xr[i] * inv * w[i];
-  }
-}
 
 void check_norm_args(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 2-D");

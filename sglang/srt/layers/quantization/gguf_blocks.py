@@ -52,13 +52,15 @@ SUPPORTED_QTYPES = tuple(BLOCK_BYTES)
 
 DISABLE_ENV = "SGLANG_DISABLE_GGUF_KERNELS"
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "gguf_linear.cpp"
+KERNELS_HEADER = _SOURCE.parent / "gguf_kernels.h"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Extension loading
 
 
-_EXTENSION = CpuExtension("sglang_gguf_linear", _SOURCE, "GGUF quantized CPU kernels", DISABLE_ENV)
+_EXTENSION = CpuExtension("sglang_gguf_linear", _SOURCE, "GGUF quantized CPU kernels", DISABLE_ENV,
+                          headers=[KERNELS_HEADER])
 
 
 def kernels_available() -> bool:

@@ -1,0 +1,445 @@
+// The whole decode step of a Llama-family decoder (pre-norm, RoPE, GQA, SwiGLU; optional QKV bias and per-head
+// q/k RMSNorm) in one call, for float32 activations and GGUF Q4_1 / Q8_0 weights on CPU.
+//
+// A decode step of a small model is a few hundred tiny operations: run one by one from Python, dispatch and
+// thread wake-ups cost more than the arithmetic. Here one OpenMP team runs every layer. Each layer is five phases
+// separated by a spinning barrier (the threads stay awake between phases instead of sleeping and being woken):
+//   A  h = residual (+ previous MLP output); x = RMSNorm(h);  qkv = x @ Wqkv (+ bias)
+//   B  per (sequence, KV head): q/k norm, RoPE, store k/v in the paged cache, attention over the sequence
+//   C  o = attn @ Wo
+//   D  h = residual + o; x = RMSNorm(h);  gate_up = x @ Wgu
+//   E  down = (silu(gate) * up) @ Wdown
+// Every thread builds the (small) input of a matmul phase itself, so no phase of its own is needed for norms,
+// residual adds or activations; the residual stream is double-buffered so thread 0 can write the new one while
+// the others still read the old one. Matmul row groups and attention tasks are taken from per-phase counters, so
+// a thread that starts late (on a busy machine) simply takes less work.
+#include <torch/extension.h>
+
+#include <atomic>
+#include <cmath>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#include "../quantization/csrc/gguf_kernels.h"
+#include "cpu_kernels.h"
+
+namespace {
+
+using gguf_kernels::kQK;
+using gguf_kernels::kRows;
+
+// A barrier whose waiters spin (then yield) instead of sleeping: a phase lasts tens of microseconds, about what a
+// futex wake-up costs.
+class SpinBarrier {
+ public:
+  void reset(int count) {
+    count_ = count;
+    arrived_.store(0);
+  }
+
+  void wait() {
+    const int gen = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == count_ - 1) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; generation_.load(std::memory_order_acquire) == gen; ++spins) {
+      if (spins < 20000) {
+#if defined(__x86_64__) || defined(__i386__)
+        _mm_pause();
+#endif
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+
+ private:
+  int count_ = 1;
+  std::atomic<int> arrived_{0};
+  std::atomic<int> generation_{0};
+};
+
+struct QuantLinear {
+  torch::Tensor packed;  // uint8, gguf_kernels layout
+  torch::Tensor bias;    // float32 [n], or undefined
+  int64_t n = 0;
+  int64_t k = 0;
+  bool q4 = true;
+};
+
+QuantLinear make_linear(const torch::Tensor& packed, int64_t n, int64_t k, const std::string& qtype,
+                        const c10::optional<torch::Tensor>& bias, const char* name) {
+  TORCH_CHECK(qtype == "Q4_1" || qtype == "Q8_0", name, ": unsupported quantization type ", qtype);
+  QuantLinear lin;
+  lin.q4 = qtype == "Q4_1";
+  lin.n = n;
+  lin.k = k;
+  TORCH_CHECK(k > 0 && k % kQK == 0 && n > 0, name, ": bad shape");
+  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), name,
+              ": packed weights must be a contiguous CPU uint8 tensor");
+  TORCH_CHECK(packed.numel() == gguf_kernels::row_groups(n) * (k / kQK) * gguf_kernels::group_block_bytes(lin.q4),
+              name, ": packed weights have the wrong size");
+  lin.packed = packed;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == n, name,
+                ": bias must be contiguous float32 [n]");
+    lin.bias = *bias;
+  }
+  return lin;
+}
+
+void check_vector(const torch::Tensor& t, int64_t n, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat && t.is_contiguous() && t.dim() == 1 &&
+                  t.size(0) == n, name, " must be a contiguous float32 CPU tensor of ", n, " elements");
+}
+
+struct Layer {
+  QuantLinear qkv, o, gate_up, down;
+  torch::Tensor input_norm, post_norm;
+  torch::Tensor q_norm, k_norm;  // per-head norms, or undefined
+  torch::Tensor k_cache, v_cache;
+};
+
+// Per-thread scratch for building the input of a matmul and for attention.
+struct Scratch {
+  std::vector<float> x, panels, sums, scores, tmp;
+};
+
+class DecodeStack {
+ public:
+  DecodeStack(int64_t hidden, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t rotary_dim,
+              int64_t intermediate, double eps, double scale, torch::Tensor final_norm)
+      : hidden_(hidden),
+        heads_(num_heads),
+        kv_heads_(num_kv_heads),
+        head_dim_(head_dim),
+        rotary_dim_(rotary_dim),
+        inter_(intermediate),
+        eps_(static_cast<float>(eps)),
+        scale_(static_cast<float>(scale)) {
+    TORCH_CHECK(hidden > 0 && num_heads > 0 && num_kv_heads > 0 && head_dim > 0 && intermediate > 0, "bad shape");
+    TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads");
+    TORCH_CHECK(rotary_dim >= 0 && rotary_dim <= head_dim && rotary_dim % 2 == 0, "bad rotary_dim");
+    check_vector(final_norm, hidden, "final_norm");
+    final_norm_ = final_norm;
+  }
+
+  void add_layer(const torch::Tensor& qkv, const std::string& qkv_type, const c10::optional<torch::Tensor>& qkv_bias,
+                 const torch::Tensor& o, const std::string& o_type, const c10::optional<torch::Tensor>& o_bias,
+                 const torch::Tensor& gate_up, const std::string& gate_up_type,
+                 const c10::optional<torch::Tensor>& gate_up_bias, const torch::Tensor& down,
+                 const std::string& down_type, const c10::optional<torch::Tensor>& down_bias,
+                 const torch::Tensor& input_norm, const torch::Tensor& post_norm,
+                 const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm) {
+    Layer layer;
+    const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    layer.qkv = make_linear(qkv, q_size + 2 * kv_size, hidden_, qkv_type, qkv_bias, "qkv_proj");
+    layer.o = make_linear(o, hidden_, q_size, o_type, o_bias, "o_proj");
+    layer.gate_up = make_linear(gate_up, 2 * inter_, hidden_, gate_up_type, gate_up_bias, "gate_up_proj");
+    layer.down = make_linear(down, hidden_, inter_, down_type, down_bias, "down_proj");
+    check_vector(input_norm, hidden_, "input_layernorm");
+    check_vector(post_norm, hidden_, "post_attention_layernorm");
+    layer.input_norm = input_norm;
+    layer.post_norm = post_norm;
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q_norm and k_norm go together");
+    if (q_norm.has_value()) {
+      check_vector(*q_norm, head_dim_, "q_norm");
+      check_vector(*k_norm, head_dim_, "k_norm");
+      layer.q_norm = *q_norm;
+      layer.k_norm = *k_norm;
+    }
+    layers_.push_back(std::move(layer));
+  }
+
+  // The paged K/V buffers of every layer: [slots, num_kv_heads, head_dim] float32 each.
+  void set_kv_cache(const std::vector<torch::Tensor>& k, const std::vector<torch::Tensor>& v) {
+    TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size(), "one K and one V buffer per layer");
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      for (const auto* t : {&k[i], &v[i]}) {
+        TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kFloat && t->is_contiguous() && t->dim() == 3 &&
+                        t->size(1) == kv_heads_ && t->size(2) == head_dim_,
+                    "KV buffers must be contiguous float32 [slots, num_kv_heads, head_dim]");
+      }
+      TORCH_CHECK(k[i].size(0) == v[i].size(0), "K and V buffers differ in size");
+      layers_[i].k_cache = k[i];
+      layers_[i].v_cache = v[i];
+    }
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // x [B, hidden]: the embeddings of the new tokens; cos/sin [B, rotary_dim] (RotaryEmbedding.lookup rows);
+  // out_loc [B]: the KV slot of each new token; req_to_token [R, C] with the slots of each sequence in row
+  // req_pool_indices[b]; seq_lens [B] including the new token. Returns the final normed hidden states [B, hidden].
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& out_loc, const torch::Tensor& req_to_token,
+                        const torch::Tensor& req_pool_indices, const torch::Tensor& seq_lens) {
+    TORCH_CHECK(!layers_.empty() && layers_[0].k_cache.defined(), "the decode stack has no layers or KV buffers");
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() == 2 &&
+                    x.size(1) == hidden_, "x must be contiguous float32 [B, hidden]");
+    const int64_t B = x.size(0);
+    for (const auto* t : {&cos, &sin}) {
+      TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == B &&
+                      t->size(1) == rotary_dim_, "cos/sin must be contiguous float32 [B, rotary_dim]");
+    }
+    for (const auto* t : {&out_loc, &req_pool_indices, &seq_lens}) {
+      TORCH_CHECK(t->scalar_type() == torch::kLong && t->is_contiguous() && t->dim() == 1 && t->size(0) == B,
+                  "out_loc, req_pool_indices and seq_lens must be contiguous int64 [B]");
+    }
+    TORCH_CHECK(req_to_token.scalar_type() == torch::kLong && req_to_token.is_contiguous() && req_to_token.dim() == 2,
+                "req_to_token must be a contiguous int64 table");
+    auto out = torch::empty({B, hidden_}, x.options());
+    if (B == 0) return out;
+
+    const int64_t num_slots = layers_[0].k_cache.size(0);
+    const int64_t table_rows = req_to_token.size(0), table_cols = req_to_token.size(1);
+    const int64_t* loc = out_loc.data_ptr<int64_t>();
+    const int64_t* rpi = req_pool_indices.data_ptr<int64_t>();
+    const int64_t* lens = seq_lens.data_ptr<int64_t>();
+    const int64_t* table = req_to_token.data_ptr<int64_t>();
+    int64_t max_len = 1;
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(rpi[b] >= 0 && rpi[b] < table_rows, "request pool index out of range");
+      TORCH_CHECK(lens[b] >= 1 && lens[b] <= table_cols, "bad sequence length");
+      TORCH_CHECK(loc[b] >= 0 && loc[b] < num_slots, "KV slot out of range");
+      const int64_t* slots = table + rpi[b] * table_cols;
+      for (int64_t t = 0; t < lens[b]; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "KV slot out of range");
+      max_len = std::max(max_len, lens[b]);
+    }
+
+    Step s;
+    s.B = B;
+    s.x = x.data_ptr<float>();
+    s.cos = cos.data_ptr<float>();
+    s.sin = sin.data_ptr<float>();
+    s.loc = loc;
+    s.rpi = rpi;
+    s.lens = lens;
+    s.table = table;
+    s.table_cols = table_cols;
+    s.max_len = max_len;
+    const int64_t qkv_n = layers_[0].qkv.n;
+    s.res[0] = torch::empty({B, hidden_}, x.options());
+    s.res[1] = torch::empty({B, hidden_}, x.options());
+    s.qkv = torch::empty({B, qkv_n}, x.options());
+    s.attn = torch::empty({B, heads_ * head_dim_}, x.options());
+    s.o = torch::empty({B, hidden_}, x.options());
+    s.gate_up = torch::empty({B, 2 * inter_}, x.options());
+    s.down = torch::empty({B, hidden_}, x.options());
+    s.out = out.data_ptr<float>();
+    s.counters = std::make_unique<std::atomic<int64_t>[]>(kPhasesPerLayer * layers_.size() + 1);
+    for (size_t i = 0; i < kPhasesPerLayer * layers_.size() + 1; ++i) s.counters[i].store(0);
+
+    int threads = 1;
+#ifdef _OPENMP
+    if (!omp_in_parallel()) threads = std::max(1, at::get_num_threads());
+#endif
+    s.barrier.reset(threads);
+#ifdef _OPENMP
+    if (threads > 1) {
+#pragma omp parallel num_threads(threads)
+      {
+        // The team may be smaller than asked for; the barrier must count the threads that actually run.
+#pragma omp single
+        s.barrier.reset(omp_get_num_threads());
+        run(s, omp_get_thread_num(), omp_get_num_threads());
+      }
+      return out;
+    }
+#endif
+    run(s, 0, 1);
+    return out;
+  }
+
+ private:
+  static constexpr size_t kPhasesPerLayer = 5;
+
+  struct Step {
+    int64_t B = 0;
+    const float* x = nullptr;
+    const float* cos = nullptr;
+    const float* sin = nullptr;
+    const int64_t* loc = nullptr;
+    const int64_t* rpi = nullptr;
+    const int64_t* lens = nullptr;
+    const int64_t* table = nullptr;
+    int64_t table_cols = 0;
+    int64_t max_len = 1;
+    torch::Tensor res[2], qkv, attn, o, gate_up, down;
+    float* out = nullptr;
+    std::unique_ptr<std::atomic<int64_t>[]> counters;
+    SpinBarrier barrier;
+  };
+
+  // y = input @ W.T (+ bias) for the row groups this thread takes; `input` is built in the thread's scratch.
+  void matmul_phase(Step& s, std::atomic<int64_t>& counter, int nthreads, const QuantLinear& lin, const float* input,
+                    Scratch& sc, float* y) const {
+    const int64_t M = s.B;
+    sc.panels.resize(static_cast<size_t>(gguf_kernels::panel_floats(M, lin.k)));
+    sc.sums.resize(static_cast<size_t>(gguf_kernels::sum_floats(M, lin.k)));
+    const gguf_kernels::PreparedInput in =
+        gguf_kernels::prepare_input(lin.q4, input, M, lin.k, sc.panels.data(), sc.sums.data());
+    const int64_t groups = gguf_kernels::row_groups(lin.n);
+    const int64_t chunk = std::max<int64_t>(1, groups / (4 * nthreads));
+    const uint8_t* w = lin.packed.data_ptr<uint8_t>();
+    const float* bias = lin.bias.defined() ? lin.bias.data_ptr<float>() : nullptr;
+    for (int64_t c = counter.fetch_add(1, std::memory_order_relaxed); c * chunk < groups;
+         c = counter.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t g0 = c * chunk, g1 = std::min(groups, g0 + chunk);
+      gguf_kernels::matmul_groups(lin.q4, w, lin.n, lin.k, M, input, in, y, lin.n, g0, g1);
+      if (bias != nullptr) {
+        const int64_t n0 = g0 * kRows, n1 = std::min(lin.n, g1 * kRows);
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t j = n0; j < n1; ++j) y[m * lin.n + j] += bias[j];
+      }
+    }
+  }
+
+  // x = RMSNorm(h) with h = res (+ add); thread 0 also stores h into res_out (when add is given). Returns x.
+  const float* norm_input(const Step& s, const float* res, const float* add, float* res_out, const torch::Tensor& w,
+                          int tid, Scratch& sc) const {
+    const int64_t n = s.B * hidden_;
+    sc.x.resize(static_cast<size_t>(n));
+    float* xin = sc.x.data();
+    if (add != nullptr) {
+      for (int64_t i = 0; i < n; ++i) xin[i] = res[i] + add[i];
+      if (tid == 0) std::copy(xin, xin + n, res_out);
+    } else {
+      std::copy(res, res + n, xin);
+    }
+    cpu_kernels::rms_norm_rows(xin, w.data_ptr<float>(), xin, s.B, hidden_, eps_);
+    return xin;
+  }
+
+  void attention_phase(Step& s, std::atomic<int64_t>& counter, const Layer& layer, Scratch& sc) const {
+    const int64_t D = head_dim_, group = heads_ / kv_heads_;
+    const int64_t q_size = heads_ * D, kv_size = kv_heads_ * D, qkv_n = layer.qkv.n;
+    const int64_t slot_stride = kv_heads_ * D;
+    float* qkv = s.qkv.data_ptr<float>();
+    float* attn = s.attn.data_ptr<float>();
+    float* kc = layer.k_cache.data_ptr<float>();
+    float* vc = layer.v_cache.data_ptr<float>();
+    const float* qn = layer.q_norm.defined() ? layer.q_norm.data_ptr<float>() : nullptr;
+    const float* kn = layer.k_norm.defined() ? layer.k_norm.data_ptr<float>() : nullptr;
+    sc.scores.resize(static_cast<size_t>(group * s.max_len));
+    sc.tmp.resize(static_cast<size_t>(std::max<int64_t>(rotary_dim_, 1)));
+    const int64_t tasks = s.B * kv_heads_;
+    for (int64_t task = counter.fetch_add(1, std::memory_order_relaxed); task < tasks;
+         task = counter.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t b = task / kv_heads_, g = task % kv_heads_;
+      float* row = qkv + b * qkv_n;
+      float* q = row + g * group * D;
+      float* k = row + q_size + g * D;
+      const float* v = row + q_size + kv_size + g * D;
+      const float* cs = s.cos + b * rotary_dim_;
+      const float* sn = s.sin + b * rotary_dim_;
+      if (qn != nullptr) {
+        cpu_kernels::rms_norm_rows(q, qn, q, group, D, eps_);
+        cpu_kernels::rms_norm_rows(k, kn, k, 1, D, eps_);
+      }
+      if (rotary_dim_ > 0) {
+        for (int64_t h = 0; h < group; ++h) cpu_kernels::rope_head(q + h * D, cs, sn, rotary_dim_, sc.tmp.data());
+        cpu_kernels::rope_head(k, cs, sn, rotary_dim_, sc.tmp.data());
+      }
+      const int64_t slot = s.loc[b];
+      std::copy(k, k + D, kc + slot * slot_stride + g * D);
+      std::copy(v, v + D, vc + slot * slot_stride + g * D);
+      cpu_kernels::attend_kv_head(q, group, D, kc + g * D, vc + g * D, slot_stride, s.table + s.rpi[b] * s.table_cols,
+                                  s.lens[b], scale_, sc.scores.data(), attn + b * q_size + g * group * D);
+    }
+  }
+
+  void run(Step& s, int tid, int nthreads) const {
+    Scratch sc;
+    const int64_t B = s.B;
+    const float* res = s.x;  // the residual stream; layer 0 starts from the embeddings
+    int next = 0;            // which of s.res receives the next residual
+    const float* mlp_out = nullptr;
+    size_t phase = 0;
+    float* qkv = s.qkv.data_ptr<float>();
+    float* attn = s.attn.data_ptr<float>();
+    float* o = s.o.data_ptr<float>();
+    float* gate_up = s.gate_up.data_ptr<float>();
+    float* down = s.down.data_ptr<float>();
+    for (const Layer& layer : layers_) {
+      // A: norm (+ residual add), QKV projection
+      float* res_out = s.res[next].data_ptr<float>();
+      const float* xin = norm_input(s, res, mlp_out, res_out, layer.input_norm, tid, sc);
+      matmul_phase(s, s.counters[phase++], nthreads, layer.qkv, xin, sc, qkv);
+      if (mlp_out != nullptr) {
+        res = res_out;
+        next ^= 1;
+      }
+      s.barrier.wait();
+      // B: attention
+      attention_phase(s, s.counters[phase++], layer, sc);
+      s.barrier.wait();
+      // C: output projection
+      matmul_phase(s, s.counters[phase++], nthreads, layer.o, attn, sc, o);
+      s.barrier.wait();
+      // D: residual add, norm, gate/up projection
+      res_out = s.res[next].data_ptr<float>();
+      xin = norm_input(s, res, o, res_out, layer.post_norm, tid, sc);
+      matmul_phase(s, s.counters[phase++], nthreads, layer.gate_up, xin, sc, gate_up);
+      res = res_out;
+      next ^= 1;
+      s.barrier.wait();
+      // E: SwiGLU, down projection
+      sc.x.resize(static_cast<size_t>(B * inter_));
+      float* act = sc.x.data();
+      for (int64_t m = 0; m < B; ++m) {
+        const float* gu = gate_up + m * 2 * inter_;
+        for (int64_t j = 0; j < inter_; ++j) {
+          const float g = gu[j];
+          act[m * inter_ + j] = g / (1.f + std::exp(-g)) * gu[inter_ + j];
+        }
+      }
+      matmul_phase(s, s.counters[phase++], nthreads, layer.down, act, sc, down);
+      mlp_out = down;
+      s.barrier.wait();
+    }
+    // Final residual add and norm, rows split between the threads.
+    std::atomic<int64_t>& counter = s.counters[phase];
+    const float* w = final_norm_.data_ptr<float>();
+    for (int64_t m = counter.fetch_add(1, std::memory_order_relaxed); m < B;
+         m = counter.fetch_add(1, std::memory_order_relaxed)) {
+      float* orow = s.out + m * hidden_;
+      for (int64_t i = 0; i < hidden_; ++i) orow[i] = res[m * hidden_ + i] + mlp_out[m * hidden_ + i];
+      cpu_kernels::rms_norm_rows(orow, w, orow, 1, hidden_, eps_);
+    }
+  }
+
+  int64_t hidden_, heads_, kv_heads_, head_dim_, rotary_dim_, inter_;
+  float eps_, scale_;
+  torch::Tensor final_norm_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<DecodeStack>(m, "DecodeStack")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, double, torch::Tensor>(),
+           py::arg("hidden_size"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
+           py::arg("rotary_dim"), py::arg("intermediate_size"), py::arg("eps"), py::arg("scale"),
+           py::arg("final_norm"))
+      .def("add_layer", &DecodeStack::add_layer, py::arg("qkv"), py::arg("qkv_type"), py::arg("qkv_bias"),
+           py::arg("o"), py::arg("o_type"), py::arg("o_bias"), py::arg("gate_up"), py::arg("gate_up_type"),
+           py::arg("gate_up_bias"), py::arg("down"), py::arg("down_type"), py::arg("down_bias"),
+           py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"))
+      .def("set_kv_cache", &DecodeStack::set_kv_cache, py::arg("k"), py::arg("v"))
+      .def("num_layers", &DecodeStack::num_layers)
+      .def("forward", &DecodeStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("out_loc"),
+           py::arg("req_to_token"), py::arg("req_pool_indices"), py::arg("seq_lens"),
+           py::call_guard<py::gil_scoped_release>());
+}

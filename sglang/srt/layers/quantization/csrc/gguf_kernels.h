@@ -1,0 +1,530 @@
+// Weight-only quantized linear layers over GGUF Q4_1 / Q8_0 blocks, for CPU decode.
+//
+// The raw GGUF blocks are repacked once (in Python, see gguf_blocks.py) into "row groups" of 16 consecutive output
+// rows, made of two halves of 8 rows. Within a half, one 256-bit register holds one 32-bit lane per output row, so
+// a pass of FMAs produces 8 outputs at a time without horizontal reductions; for one or two rows of x both halves
+// are computed in the same pass (each broadcast of x feeds two FMAs). The packed stream has exactly the size of the
+// raw blocks and each row group is read strictly sequentially.
+//
+// Q4_1 packed layout, per row group g (rows 16g..16g+15, zero-padded past N) and per block b (32 inputs):
+//   32 bytes   d[16]  (fp16, one per row)
+//   32 bytes   m[16]  (fp16)
+//   256 bytes  for j = 0..3, for half h = 0..1: a vector whose lane r (row 8h + r) is a uint32 holding the
+//              8 nibbles q[32b + 8j + i] at bits 4i (i = 0..7)
+//   = 320 bytes = 16 raw blocks of 20 bytes.
+// Q8_0 packed layout, per row group and block:
+//   32 bytes   d[16]  (fp16)
+//   512 bytes  for j = 0..7, for half h = 0..1: a vector whose lane r holds the 4 int8 q[32b + 4j + i] in byte i
+//   = 544 bytes = 16 raw blocks of 34 bytes.
+//
+// Arithmetic (fp32 with FMA):
+//   Q4_1: sum_k (d q_k + m) x_k = d * sum_k q_k x_k + m * sum_k x_k, with the per-block sums of x computed once
+//         per call. A nibble is isolated with a single AND (value q * 16^i) and the matching x is pre-scaled by
+//         16^-i (exact: a power of two), so each product q * x is formed exactly as with the plain nibble.
+//   Q8_0: the byte is moved to the top of its lane (value q * 2^24, sign included) and 2^-24 is folded into d.
+// Rows of x are processed in tiles of up to 8: each block's weights are converted once into registers and used
+// for every row of the tile, so a small batch costs about the same memory traffic as a single row. x is copied
+// once per call into "panels" (one per tile, element [k][m]) so that every broadcast uses a fixed offset.
+
+//
+// This header holds the kernels themselves, with a raw-pointer API (prepare_input + matmul_groups) shared by
+// the Python bindings (gguf_linear.cpp) and the fused decode stack (../../csrc/decode_stack.cpp).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define GGUF_LINEAR_AVX2 1
+#include <immintrin.h>
+#endif
+
+namespace gguf_kernels {
+
+constexpr int64_t kQK = 32;    // weights per GGUF block
+constexpr int64_t kHalf = 8;   // output rows per half (one 32-bit lane each)
+constexpr int64_t kRows = 16;  // output rows interleaved in one row group
+constexpr int64_t kMaxTile = 8;  // rows of x processed per pass over a row group
+
+// Byte offsets inside one packed block of a row group.
+struct Q41Layout {
+  static constexpr int64_t kBlockBytes = 320;
+  static constexpr int64_t d(int64_t h) { return 16 * h; }
+  static constexpr int64_t m(int64_t h) { return 32 + 16 * h; }
+  static constexpr int64_t vec(int64_t j, int64_t h) { return 64 + 64 * j + 32 * h; }
+};
+struct Q80Layout {
+  static constexpr int64_t kBlockBytes = 544;
+  static constexpr int64_t d(int64_t h) { return 16 * h; }
+  static constexpr int64_t vec(int64_t j, int64_t h) { return 32 + 64 * j + 32 * h; }
+};
+
+// Scale applied to x for nibble position i (the AND leaves q * 16^i; position 7 is shifted down instead).
+inline float nibble_x_scale(int64_t i) {
+  return i == 7 ? 1.0f : std::ldexp(1.0f, static_cast<int>(-4 * i));
+}
+
+// Copy rows [0, mt) of x (row stride K) into a panel xt[k * mt + m], times scale[k % 8] (or 1 when scale is null),
+// and, when sxt is not null, the per-block sums of the unscaled rows: sxt[b * mt + m].
+inline void make_panel(const float* x, int64_t K, int64_t mt, const float* scale, float* xt, float* sxt) {
+  const int64_t nb = K / kQK;
+  for (int64_t m = 0; m < mt; ++m) {
+    const float* row = x + m * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* src = row + b * kQK;
+      float* dst = xt + b * kQK * mt + m;
+      float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      for (int64_t k = 0; k < kQK; ++k) {
+        part[k & 3] += src[k];
+        dst[k * mt] = scale ? src[k] * scale[k & 7] : src[k];
+      }
+      if (sxt) sxt[b * mt + m] = (part[0] + part[1]) + (part[2] + part[3]);
+    }
+  }
+}
+
+#ifdef GGUF_LINEAR_AVX2
+
+// Software prefetch of the weight stream, kPrefetchBytes ahead of the block being read (the row groups of one
+// thread are contiguous, so this runs into the next group as well). Covers one block's worth of cache lines.
+constexpr int64_t kPrefetchBytes = 2048;
+
+template <int64_t BlockBytes>
+inline void prefetch_ahead(const uint8_t* bp) {
+  for (int64_t off = 0; off < BlockBytes; off += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(bp + kPrefetchBytes + off), _MM_HINT_T0);
+  }
+}
+
+inline __m256 bcast(const float* p) {
+  return _mm256_broadcast_ss(p);
+}
+
+inline __m256 load_half8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256i load_vec(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// Nibble i of every lane, as an exact float q * 16^i (q for i == 7).
+template <int I>
+inline __m256 q4_extract(__m256i v) {
+  if constexpr (I == 7) {
+    return _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 28));
+  } else {
+    return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF << (4 * I))));
+  }
+}
+
+// Byte i of every lane, as an exact float q * 2^24 (signed).
+template <int I>
+inline __m256 q8_extract(__m256i v) {
+  const __m256i top = _mm256_set1_epi32(static_cast<int>(0xFF000000u));
+  if constexpr (I == 0) {
+    return _mm256_cvtepi32_ps(_mm256_slli_epi32(v, 24));
+  } else if constexpr (I == 3) {
+    return _mm256_cvtepi32_ps(_mm256_and_si256(v, top));
+  } else {
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_slli_epi32(v, 24 - 8 * I), top));
+  }
+}
+
+template <int N>
+inline __m256 sum_vectors(const __m256* t) {
+  if constexpr (N == 1) {
+    return t[0];
+  } else {
+    return _mm256_add_ps(sum_vectors<N / 2>(t), sum_vectors<N - N / 2>(t + N / 2));
+  }
+}
+
+// Calls f(std::integral_constant<int, S>) for S = 0 .. N-1 (fully unrolled).
+template <int S, int N, typename F>
+inline void unroll(F&& f) {
+  if constexpr (S < N) {
+    f(std::integral_constant<int, S>{});
+    unroll<S + 1, N>(f);
+  }
+}
+
+// Stores MT vectors of 8 outputs (rows of x m = 0..MT-1, row stride ldy), only the first nvalid of each.
+template <int MT>
+inline void store_rows(const __m256* acc, float* y, int64_t ldy, int64_t nvalid) {
+  if (nvalid >= kHalf) {
+    for (int m = 0; m < MT; ++m) _mm256_storeu_ps(y + m * ldy, acc[m]);
+  } else if (nvalid > 0) {
+    alignas(32) float tmp[kHalf];
+    for (int m = 0; m < MT; ++m) {
+      _mm256_store_ps(tmp, acc[m]);
+      for (int64_t r = 0; r < nvalid; ++r) y[m * ldy + r] = tmp[r];
+    }
+  }
+}
+
+// ---- small tiles (MT <= kBothMax rows of x) against a whole row group: both halves share each broadcast of x ----
+
+constexpr int kBothMax = 2;
+
+template <int MT>
+struct BothTile {
+  static constexpr int kChains = MT == 1 ? 4 : 2;  // independent partial sums per (row of x, half)
+};
+
+// xt: pre-scaled panel [K][MT]; sxt: block sums [nb][MT]; y: 16 outputs per row of x (nvalid of them stored).
+template <int MT>
+void q4_1_group_both(const uint8_t* gp, int64_t nb, const float* xt, const float* sxt, float* y, int64_t ldy,
+                     int64_t nvalid) {
+  using L = Q41Layout;
+  constexpr int C = BothTile<MT>::kChains;
+  __m256 acc[2][MT];
+  for (int h = 0; h < 2; ++h)
+    for (int m = 0; m < MT; ++m) acc[h][m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* bp = gp + b * L::kBlockBytes;
+    const float* xb = xt + b * kQK * MT;
+    prefetch_ahead<L::kBlockBytes>(bp);
+    __m256 p[2][MT][C];
+    for (int h = 0; h < 2; ++h)
+      for (int m = 0; m < MT; ++m)
+        for (int c = 0; c < C; ++c) p[h][m][c] = _mm256_setzero_ps();
+    unroll<0, 4>([&](auto jc) {
+      constexpr int J = decltype(jc)::value;
+      const __m256i v0 = load_vec(bp + L::vec(J, 0));
+      const __m256i v1 = load_vec(bp + L::vec(J, 1));
+      unroll<0, 8>([&](auto ic) {
+        constexpr int I = decltype(ic)::value;
+        constexpr int c = (J * 8 + I) % C;
+        const __m256 w0 = q4_extract<I>(v0);
+        const __m256 w1 = q4_extract<I>(v1);
+        for (int m = 0; m < MT; ++m) {
+          const __m256 xv = bcast(xb + (J * 8 + I) * MT + m);
+          p[0][m][c] = _mm256_fmadd_ps(w0, xv, p[0][m][c]);
+          p[1][m][c] = _mm256_fmadd_ps(w1, xv, p[1][m][c]);
+        }
+      });
+    });
+    for (int h = 0; h < 2; ++h) {
+      const __m256 dv = load_half8(bp + L::d(h));
+      const __m256 mv = load_half8(bp + L::m(h));
+      for (int m = 0; m < MT; ++m) {
+        acc[h][m] = _mm256_fmadd_ps(dv, sum_vectors<C>(p[h][m]), acc[h][m]);
+        acc[h][m] = _mm256_fmadd_ps(mv, bcast(sxt + b * MT + m), acc[h][m]);
+      }
+    }
+  }
+  store_rows<MT>(acc[0], y, ldy, nvalid);
+  store_rows<MT>(acc[1], y + kHalf, ldy, nvalid - kHalf);
+}
+
+// xt: unscaled panel [K][MT] (x itself for one row); 2^-24 is folded into d.
+template <int MT>
+void q8_0_group_both(const uint8_t* gp, int64_t nb, const float* xt, const float* /*unused*/, float* y, int64_t ldy,
+                     int64_t nvalid) {
+  using L = Q80Layout;
+  constexpr int C = BothTile<MT>::kChains;
+  const __m256 unscale = _mm256_set1_ps(1.0f / 16777216.0f);
+  __m256 acc[2][MT];
+  for (int h = 0; h < 2; ++h)
+    for (int m = 0; m < MT; ++m) acc[h][m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* bp = gp + b * L::kBlockBytes;
+    const float* xb = xt + b * kQK * MT;
+    prefetch_ahead<L::kBlockBytes>(bp);
+    __m256 p[2][MT][C];
+    for (int h = 0; h < 2; ++h)
+      for (int m = 0; m < MT; ++m)
+        for (int c = 0; c < C; ++c) p[h][m][c] = _mm256_setzero_ps();
+    unroll<0, 8>([&](auto jc) {
+      constexpr int J = decltype(jc)::value;
+      const __m256i v0 = load_vec(bp + L::vec(J, 0));
+      const __m256i v1 = load_vec(bp + L::vec(J, 1));
+      unroll<0, 4>([&](auto ic) {
+        constexpr int I = decltype(ic)::value;
+        constexpr int c = (J * 4 + I) % C;
+        const __m256 w0 = q8_extract<I>(v0);
+        const __m256 w1 = q8_extract<I>(v1);
+        for (int m = 0; m < MT; ++m) {
+          const __m256 xv = bcast(xb + (J * 4 + I) * MT + m);
+          p[0][m][c] = _mm256_fmadd_ps(w0, xv, p[0][m][c]);
+          p[1][m][c] = _mm256_fmadd_ps(w1, xv, p[1][m][c]);
+        }
+      });
+    });
+    for (int h = 0; h < 2; ++h) {
+      const __m256 dv = _mm256_mul_ps(load_half8(bp + L::d(h)), unscale);
+      for (int m = 0; m < MT; ++m) acc[h][m] = _mm256_fmadd_ps(dv, sum_vectors<C>(p[h][m]), acc[h][m]);
+    }
+  }
+  store_rows<MT>(acc[0], y, ldy, nvalid);
+  store_rows<MT>(acc[1], y + kHalf, ldy, nvalid - kHalf);
+}
+
+// ---- larger tiles (kBothMax < MT <= kMaxTile rows of x) against one half of a row group ----
+// The weights are scaled by d once per conversion (d * q) and accumulated directly, one accumulator per (row of x,
+// chain); the extra multiply is amortised over MT FMAs. Sharing broadcasts between the halves as above would need
+// more than the 16 vector registers at these tile sizes, so each half is its own pass (the second one re-reads the
+// row group from L1/L2).
+
+template <int MT>
+constexpr int kHalfTileChains = MT <= 4 ? 2 : 1;
+
+// xt: pre-scaled panel [K][MT]; sxt: block sums [nb][MT]; y: the 8 outputs of half h for x row 0 (stride ldy).
+template <int MT>
+void q4_1_half_tile(const uint8_t* gp, int64_t nb, int64_t h, const float* xt, const float* sxt, float* y,
+                    int64_t ldy, int64_t nvalid) {
+  using L = Q41Layout;
+  constexpr int C = kHalfTileChains<MT>;
+  const uint8_t* dp = gp + L::d(h);
+  const uint8_t* mp = gp + L::m(h);
+  const uint8_t* vp = gp + L::vec(0, h);
+  __m256 a[MT][C];
+  for (int m = 0; m < MT; ++m)
+    for (int c = 0; c < C; ++c) a[m][c] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t off = b * L::kBlockBytes;
+    const float* xb = xt + b * kQK * MT;
+    prefetch_ahead<L::kBlockBytes>(gp + off);
+    const __m256 dv = load_half8(dp + off);
+    const __m256 mv = load_half8(mp + off);
+    for (int m = 0; m < MT; ++m) a[m][0] = _mm256_fmadd_ps(mv, bcast(sxt + b * MT + m), a[m][0]);
+    unroll<0, 4>([&](auto jc) {
+      constexpr int J = decltype(jc)::value;
+      const __m256i v = load_vec(vp + off + (L::vec(J, 0) - L::vec(0, 0)));
+      unroll<0, 8>([&](auto ic) {
+        constexpr int I = decltype(ic)::value;
+        constexpr int c = (J * 8 + I) % C;
+        const __m256 w = _mm256_mul_ps(q4_extract<I>(v), dv);
+        for (int m = 0; m < MT; ++m) a[m][c] = _mm256_fmadd_ps(w, bcast(xb + (J * 8 + I) * MT + m), a[m][c]);
+      });
+    });
+  }
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = sum_vectors<C>(a[m]);
+  store_rows<MT>(acc, y, ldy, nvalid);
+}
+
+// xt: unscaled panel [K][MT]; 2^-24 is folded into d.
+template <int MT>
+void q8_0_half_tile(const uint8_t* gp, int64_t nb, int64_t h, const float* xt, const float* /*unused*/, float* y,
+                    int64_t ldy, int64_t nvalid) {
+  using L = Q80Layout;
+  constexpr int C = kHalfTileChains<MT>;
+  const __m256 unscale = _mm256_set1_ps(1.0f / 16777216.0f);
+  const uint8_t* dp = gp + L::d(h);
+  const uint8_t* vp = gp + L::vec(0, h);
+  __m256 a[MT][C];
+  for (int m = 0; m < MT; ++m)
+    for (int c = 0; c < C; ++c) a[m][c] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t off = b * L::kBlockBytes;
+    const float* xb = xt + b * kQK * MT;
+    prefetch_ahead<L::kBlockBytes>(gp + off);
+    const __m256 dv = _mm256_mul_ps(load_half8(dp + off), unscale);
+    unroll<0, 8>([&](auto jc) {
+      constexpr int J = decltype(jc)::value;
+      const __m256i v = load_vec(vp + off + (L::vec(J, 0) - L::vec(0, 0)));
+      unroll<0, 4>([&](auto ic) {
+        constexpr int I = decltype(ic)::value;
+        constexpr int c = (J * 4 + I) % C;
+        const __m256 w = _mm256_mul_ps(q8_extract<I>(v), dv);
+        for (int m = 0; m < MT; ++m) a[m][c] = _mm256_fmadd_ps(w, bcast(xb + (J * 4 + I) * MT + m), a[m][c]);
+      });
+    });
+  }
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = sum_vectors<C>(a[m]);
+  store_rows<MT>(acc, y, ldy, nvalid);
+}
+
+using BothFn = void (*)(const uint8_t*, int64_t, const float*, const float*, float*, int64_t, int64_t);
+using HalfTileFn = void (*)(const uint8_t*, int64_t, int64_t, const float*, const float*, float*, int64_t, int64_t);
+
+constexpr BothFn kQ41Both[kBothMax + 1] = {nullptr, q4_1_group_both<1>, q4_1_group_both<2>};
+constexpr BothFn kQ80Both[kBothMax + 1] = {nullptr, q8_0_group_both<1>, q8_0_group_both<2>};
+constexpr HalfTileFn kQ41Tiles[kMaxTile + 1] = {
+    nullptr,           nullptr,           nullptr,           q4_1_half_tile<3>, q4_1_half_tile<4>,
+    q4_1_half_tile<5>, q4_1_half_tile<6>, q4_1_half_tile<7>, q4_1_half_tile<8>,
+};
+constexpr HalfTileFn kQ80Tiles[kMaxTile + 1] = {
+    nullptr,           nullptr,           nullptr,           q8_0_half_tile<3>, q8_0_half_tile<4>,
+    q8_0_half_tile<5>, q8_0_half_tile<6>, q8_0_half_tile<7>, q8_0_half_tile<8>,
+};
+static_assert(kBothMax == 2, "the half-tile tables start at MT = kBothMax + 1");
+
+// One row group (16 rows, nvalid of them real) against all M rows of x, given the panels of x (see make_panel:
+// tile t of up to kMaxTile rows starts at row t * kMaxTile, its panel at that row times K, its block sums at that
+// row times nb). For Q8_0 with M == 1 the "panel" is x itself.
+inline void group_avx2(bool q4, const uint8_t* gp, int64_t nb, int64_t K, int64_t M, const float* xt,
+                       const float* sxt, float* y, int64_t ldy, int64_t nvalid) {
+  const HalfTileFn* table = q4 ? kQ41Tiles : kQ80Tiles;
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxTile) {
+    const int64_t mt = std::min(kMaxTile, M - m0);
+    const float* panel = xt + m0 * K;
+    const float* sums = sxt ? sxt + m0 * nb : nullptr;
+    float* ym = y + m0 * ldy;
+    if (mt <= kBothMax) {
+      (q4 ? kQ41Both : kQ80Both)[mt](gp, nb, panel, sums, ym, ldy, nvalid);
+      continue;
+    }
+    for (int64_t h = 0; h < 2; ++h) {
+      const int64_t nh = std::min(kHalf, nvalid - h * kHalf);
+      if (nh > 0) table[mt](gp, nb, h, panel, sums, ym + h * kHalf, ldy, nh);
+    }
+  }
+}
+
+#else  // portable scalar path over the same packed layout (x unscaled, row-major)
+
+inline float fp16_to_fp32(const uint8_t* p) {
+  const uint16_t h = static_cast<uint16_t>(p[0] | (p[1] << 8));
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1Fu;
+  uint32_t mant = h & 0x3FFu;
+  uint32_t bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal half: normalise
+      exp = 113;
+      while ((mant & 0x400u) == 0) {
+        mant <<= 1;
+        --exp;
+      }
+      bits = sign | (exp << 23) | ((mant & 0x3FFu) << 13);
+    }
+  } else if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Dequantizes one packed block of a row group into w[k * 16 + row] (exactly d * q + m, as the reference).
+inline void q4_1_block_scalar(const uint8_t* bp, float* w) {
+  using L = Q41Layout;
+  for (int64_t row = 0; row < kRows; ++row) {
+    const int64_t h = row / kHalf, r = row % kHalf;
+    const float d = fp16_to_fp32(bp + L::d(h) + 2 * r);
+    const float mn = fp16_to_fp32(bp + L::m(h) + 2 * r);
+    for (int64_t j = 0; j < 4; ++j) {
+      const uint8_t* lane = bp + L::vec(j, h) + 4 * r;
+      for (int64_t t = 0; t < 4; ++t) {
+        w[(8 * j + 2 * t) * kRows + row] = d * static_cast<float>(lane[t] & 0x0F) + mn;
+        w[(8 * j + 2 * t + 1) * kRows + row] = d * static_cast<float>(lane[t] >> 4) + mn;
+      }
+    }
+  }
+}
+
+inline void q8_0_block_scalar(const uint8_t* bp, float* w) {
+  using L = Q80Layout;
+  for (int64_t row = 0; row < kRows; ++row) {
+    const int64_t h = row / kHalf, r = row % kHalf;
+    const float d = fp16_to_fp32(bp + L::d(h) + 2 * r);
+    for (int64_t j = 0; j < 8; ++j) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(bp + L::vec(j, h) + 4 * r);
+      for (int64_t i = 0; i < 4; ++i) w[(4 * j + i) * kRows + row] = static_cast<float>(q[i]) * d;
+    }
+  }
+}
+
+// One row group against all M rows of x (row-major, stride K); acc is scratch of M * 16 floats. The inner loop
+// over the 16 rows vectorises with any SIMD width.
+inline void group_scalar(bool q4, const uint8_t* gp, int64_t nb, const float* x, int64_t K, int64_t M, float* acc,
+                         float* y, int64_t ldy, int64_t nvalid) {
+  float w[kQK * kRows];
+  std::fill(acc, acc + M * kRows, 0.0f);
+  const int64_t block_bytes = q4 ? Q41Layout::kBlockBytes : Q80Layout::kBlockBytes;
+  for (int64_t b = 0; b < nb; ++b) {
+    if (q4) {
+      q4_1_block_scalar(gp + b * block_bytes, w);
+    } else {
+      q8_0_block_scalar(gp + b * block_bytes, w);
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xb = x + m * K + b * kQK;
+      float* am = acc + m * kRows;
+      for (int64_t k = 0; k < kQK; ++k) {
+        const float xv = xb[k];
+        for (int64_t r = 0; r < kRows; ++r) am[r] += w[k * kRows + r] * xv;
+      }
+    }
+  }
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t r = 0; r < nvalid; ++r) y[m * ldy + r] = acc[m * kRows + r];
+}
+
+#endif  // GGUF_LINEAR_AVX2
+
+constexpr int64_t group_block_bytes(bool q4) {
+  return q4 ? Q41Layout::kBlockBytes : Q80Layout::kBlockBytes;
+}
+
+// Scratch floats prepare_input needs for M rows of K inputs: panels, then block sums.
+inline int64_t panel_floats(int64_t M, int64_t K) {
+  return M * K;
+}
+inline int64_t sum_floats(int64_t M, int64_t K) {
+  return M * (K / kQK);
+}
+
+// x as the kernels read it.
+struct PreparedInput {
+  const float* xt;   // panels (AVX2) or x itself
+  const float* sxt;  // per-block sums of x (Q4_1 with AVX2), else null
+};
+
+// Lays out rows x[M, K] for matmul_groups, using `panels` (panel_floats) and `sums` (sum_floats) as scratch.
+inline PreparedInput prepare_input(bool q4, const float* x, int64_t M, int64_t K, float* panels, float* sums) {
+#ifdef GGUF_LINEAR_AVX2
+  if (!q4 && M == 1) return {x, nullptr};  // a single row of Q8_0 needs no copy
+  float scale[8];
+  for (int64_t i = 0; i < 8; ++i) scale[i] = nibble_x_scale(i);
+  const int64_t nb = K / kQK;
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxTile) {
+    const int64_t mt = std::min(kMaxTile, M - m0);
+    make_panel(x + m0 * K, K, mt, q4 ? scale : nullptr, panels + m0 * K, q4 ? sums + m0 * nb : nullptr);
+  }
+  return {panels, q4 ? sums : nullptr};
+#else
+  (void)q4, (void)M, (void)K, (void)panels, (void)sums;
+  return {x, nullptr};
+#endif
+}
+
+// y[:, 16 g0 .. 16 g1) (row stride ldy) = x @ W.T for the row groups [g0, g1) of packed weights W [N, K].
+inline void matmul_groups(bool q4, const uint8_t* packed, int64_t N, int64_t K, int64_t M, const float* x,
+                          PreparedInput in, float* y, int64_t ldy, int64_t g0, int64_t g1) {
+  const int64_t nb = K / kQK;
+  const int64_t group_bytes = nb * group_block_bytes(q4);
+#ifdef GGUF_LINEAR_AVX2
+  (void)x;
+  for (int64_t g = g0; g < g1; ++g) {
+    group_avx2(q4, packed + g * group_bytes, nb, K, M, in.xt, in.sxt, y + g * kRows, ldy,
+               std::min(kRows, N - g * kRows));
+  }
+#else
+  (void)in;
+  std::vector<float> acc(static_cast<size_t>(M * kRows));
+  for (int64_t g = g0; g < g1; ++g) {
+    group_scalar(q4, packed + g * group_bytes, nb, x, K, M, acc.data(), y + g * kRows, ldy,
+                 std::min(kRows, N - g * kRows));
+  }
+#endif
+}
+
+inline int64_t row_groups(int64_t N) {
+  return (N + kRows - 1) / kRows;
+}
+
+}  // namespace gguf_kernels

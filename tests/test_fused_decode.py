@@ -1,0 +1,203 @@
+"""The fused CPU decode step (csrc/decode_stack.cpp) against the layer-by-layer forward of the same weights.
+
+Tiny random Llama / Qwen2 (QKV bias) / Qwen3 (per-head q/k norm) checkpoints get their linear layers quantized to
+Q4_1 and Q8_0; the float weights are replaced by the dequantized values, so both paths compute with the same
+weights and may differ only in float32 summation order. The layer-by-layer path is itself checked against
+transformers in test_models.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from sglang.srt.layers import fused_decode  # noqa: E402
+from sglang.srt.layers.quantization.gguf_blocks import GGUFQuantWeight, kernels_available  # noqa: E402
+from sglang.srt.model_loader.gguf_quant import attach_quant_weight  # noqa: E402
+from tests.test_models import PagedCache, build_models, max_diff, prompt_of, tiny_config  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not (kernels_available() and fused_decode.available()),
+                                reason="the compiled CPU kernels are unavailable")
+
+TOL = 1e-4
+MAX_ROWS = 8
+
+
+def quantize_linears(model, max_rows: int = MAX_ROWS) -> None:
+    """Quantize every decoder linear layer (Q4_1 for QKV and gate/up, Q8_0 for the output and down projections)
+    and make its float weight the dequantized one."""
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for module, qtype in ((attn.qkv_proj, "Q4_1"), (attn.o_proj, "Q8_0"), (mlp.gate_up_proj, "Q4_1"),
+                              (mlp.down_proj, "Q8_0")):
+            n, k = module.weight.shape
+            raw = gguf.quants.quantize(module.weight.detach().numpy(), getattr(gguf.GGMLQuantizationType, qtype))
+            weight = GGUFQuantWeight(qtype, raw, n, k)
+            with torch.no_grad():
+                module.weight.copy_(weight.dequantize())
+            attach_quant_weight(module, weight, max_rows)
+
+
+def make_fused(model, cache: PagedCache, max_rows: int = MAX_ROWS):
+    fused = fused_decode.build_fused_decode(model, cache.pool.k_buffer, cache.pool.v_buffer, max_rows)
+    assert fused is not None
+    return fused
+
+
+def decode_run(model, config, fused: bool, prompts: list[list[int]], steps: int) -> tuple[list, PagedCache]:
+    """Prefill `prompts` (rows 0..n-1), then decode `steps` greedy steps with the rows in a shuffled order."""
+    cache = PagedCache(config, torch.float32)
+    model.model.fused_decode = make_fused(model, cache) if fused else None
+    try:
+        cache.forward(model, [(row, prompt) for row, prompt in enumerate(prompts)])
+        rows = list(range(len(prompts)))[::-1]
+        next_tokens = {row: prompt[-1] for row, prompt in enumerate(prompts)}
+        outputs = []
+        for _ in range(steps):
+            logits = cache.forward(model, [(row, [next_tokens[row]]) for row in rows])
+            outputs.append(logits)
+            for i, row in enumerate(rows):
+                next_tokens[row] = int(logits[i].argmax())
+        return outputs, cache
+    finally:
+        model.model.fused_decode = None
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_fused_decode_matches_layer_by_layer(tmp_path, family):
+    config = tiny_config(family, num_hidden_layers=3)
+    _, ours = build_models(tmp_path, config)
+    quantize_linears(ours)
+    prompts = [prompt_of(5, 1), prompt_of(17, 2), prompt_of(33, 3)]
+    expected, plain_cache = decode_run(ours, config, False, prompts, steps=6)
+    actual, fused_cache = decode_run(ours, config, True, prompts, steps=6)
+    for step, (a, e) in enumerate(zip(actual, expected)):
+        assert max_diff(a, e) < TOL, f"step {step}: {max_diff(a, e)}"
+        assert torch.equal(a.argmax(-1), e.argmax(-1))
+    # The fused step wrote the same K/V into the same slots.
+    for layer in range(config.num_hidden_layers):
+        for fused_buf, plain_buf in ((fused_cache.pool.k_buffer[layer], plain_cache.pool.k_buffer[layer]),
+                                     (fused_cache.pool.v_buffer[layer], plain_cache.pool.v_buffer[layer])):
+            used = plain_cache.req_to_token_pool.req_to_token[:3, :40].flatten()
+            used = used[used > 0]
+            assert max_diff(fused_buf[used], plain_buf[used]) < TOL
+
+
+def test_fused_decode_is_used_only_for_small_decode_batches(tmp_path):
+    config = tiny_config("llama")
+    _, ours = build_models(tmp_path, config)
+    quantize_linears(ours)
+    cache = PagedCache(config, torch.float32)
+    fused = make_fused(ours, cache, max_rows=2)
+    calls = []
+
+    class Counting:
+        def forward(self, *args):
+            calls.append(args[0].shape[0])
+            return fused.stack.forward(*args)
+
+    ours.model.fused_decode = fused_decode.FusedDecode(Counting(), max_rows=2)
+    try:
+        cache.forward(ours, [(0, prompt_of(6, 1)), (1, prompt_of(4, 2)), (2, prompt_of(1, 3))])
+        assert calls == []  # extend batches, even one with a single-token sequence, run layer by layer
+        cache.forward(ours, [(0, [5]), (1, [6])])
+        assert calls == [2]
+        cache.forward(ours, [(0, [5]), (1, [6]), (2, [7])])
+        assert calls == [2]  # three rows > max_rows
+    finally:
+        ours.model.fused_decode = None
+
+
+def test_fused_decode_same_result_with_one_or_two_threads(tmp_path):
+    config = tiny_config("qwen2")
+    _, ours = build_models(tmp_path, config)
+    quantize_linears(ours)
+    prompts = [prompt_of(9, 4), prompt_of(3, 5)]
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(decode_run(ours, config, True, prompts, steps=3)[0])
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_fused_decode_rejects_bad_arguments(tmp_path):
+    config = tiny_config("llama")
+    _, ours = build_models(tmp_path, config)
+    quantize_linears(ours)
+    cache = PagedCache(config, torch.float32)
+    stack = make_fused(ours, cache).stack
+    hidden = config.hidden_size
+    x = torch.randn(1, hidden)
+    rd = ours.model.rotary_emb.rotary_dim
+    cos, sin = torch.ones(1, rd), torch.zeros(1, rd)
+    table = torch.zeros(4, 16, dtype=torch.int64)
+    one = torch.ones(1, dtype=torch.int64)
+    zero = torch.zeros(1, dtype=torch.int64)
+    out = stack.forward(x, cos, sin, one, table, zero, one)
+    assert out.shape == (1, hidden) and torch.isfinite(out).all()
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        stack.forward(x, cos, sin, one * 10**9, table, zero, one)
+    with pytest.raises(RuntimeError, match="request pool index"):
+        stack.forward(x, cos, sin, one, table, one * 7, one)
+    with pytest.raises(RuntimeError, match="sequence length"):
+        stack.forward(x, cos, sin, one, table, zero, one * 99)
+    with pytest.raises(RuntimeError, match="x must be"):
+        stack.forward(torch.randn(1, hidden + 1), cos, sin, one, table, zero, one)
+    with pytest.raises(RuntimeError, match="cos/sin"):
+        stack.forward(x, cos[:, :2], sin, one, table, zero, one)
+
+
+def test_not_built_without_quantized_weights(tmp_path):
+    config = tiny_config("llama")
+    _, ours = build_models(tmp_path, config)
+    cache = PagedCache(config, torch.float32)
+    assert fused_decode.build_fused_decode(ours, cache.pool.k_buffer, cache.pool.v_buffer, MAX_ROWS) is None
+
+
+def test_model_runner_uses_fused_decode_on_the_packaged_model(smollm2_dir):
+    """On the packaged Q4_1 SmolLM2 the runner builds the fused step, and greedy decoding with it produces the same
+    logits (up to summation order) and tokens as the layer-by-layer path."""
+    from sglang.bench_one_batch import make_reqs
+    from sglang.srt.managers.process_utils import load_model_info
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.server_args import ServerArgs
+
+    info = load_model_info(ServerArgs(model_path="HuggingFaceTB/SmolLM2-135M-Instruct", dtype="float32"))
+    runner = ModelRunner(info["model_dir"], info["hf_config"], info["dtype"], "cpu", info["context_len"], 512,
+                         0.3, 4, False, gguf_path=info["gguf_path"], gguf_kernel_max_rows=64)
+    assert runner.fused_decode is not None and runner.model.model.fused_decode is runner.fused_decode
+    results = {}
+    for fused in (True, False):
+        runner.model.model.fused_decode = runner.fused_decode if fused else None
+        reqs = make_reqs(3, 20, 6, runner.vocab_size)
+        batch = ScheduleBatch(reqs, is_decode=False)
+        batch.prepare_for_extend(runner.mem)
+        out = runner.forward(batch)
+        for req, tok in zip(reqs, out.sample.next_token_ids.tolist()):
+            req.output_ids.append(tok)
+            req.kv_committed_len = len(req.fill_ids)
+        steps = []
+        for _ in range(5):
+            batch = ScheduleBatch(reqs, is_decode=True)
+            batch.prepare_for_decode(runner.mem)
+            out = runner.forward(batch)
+            steps.append(out.logits)
+            for req, tok in zip(reqs, out.sample.next_token_ids.tolist()):
+                req.output_ids.append(tok)
+        results[fused] = (steps, [list(r.output_ids) for r in reqs])
+        for req in reqs:
+            runner.mem.tree_cache.cache_finished_req(req)
+        runner.mem.tree_cache.reset()
+        runner.mem.allocator.clear()
+    runner.model.model.fused_decode = runner.fused_decode
+    for a, b in zip(results[True][0], results[False][0]):
+        torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-4)
+    assert results[True][1] == results[False][1]
