@@ -192,6 +192,20 @@ inline void attend_kv_head_avx2(const float* q, int64_t group, int64_t D, const 
 
 #endif  // CPU_KERNELS_AVX2
 
+// out[j] = silu(gate[j]) * up[j] for n values.
+inline void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
+  int64_t j = 0;
+#ifdef CPU_KERNELS_AVX2
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + j);
+    const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + j)));
+  }
+#endif
+  for (; j < n; ++j) out[j] = gate[j] / (1.f + std::exp(-gate[j])) * up[j];
+}
+
 inline void attend_kv_head(const float* q, int64_t group, int64_t D, const float* kbase, const float* vbase,
                            int64_t slot_stride, const int64_t* slots, int64_t L, float scale, float* scores,
                            float* out) {

@@ -399,10 +399,7 @@ class DecodeStack {
       float* act = sc.x.data();
       for (int64_t m = 0; m < B; ++m) {
         const float* gu = gate_up + m * 2 * inter_;
-        for (int64_t j = 0; j < inter_; ++j) {
-          const float g = gu[j];
-          act[m * inter_ + j] = g / (1.f + std::exp(-g)) * gu[inter_ + j];
-        }
+        cpu_kernels::silu_mul(gu, gu + inter_, act + m * inter_, inter_);
       }
       matmul_phase(s, s.counters[phase++], nthreads, layer.down, act, sc, down);
       mlp_out = down;
