@@ -37,9 +37,12 @@ using gguf_kernels::kQK;
 using gguf_kernels::kRows;
 
 // A barrier whose waiters spin (then yield) instead of sleeping: a phase lasts tens of microseconds, about what a
-// futex wake-up costs.
+// futex wake-up costs. After about a phase's length of spinning a waiter yields its core, so a thread that was
+// preempted (by the tokenizer or detokenizer process, say) gets it back sooner.
 class SpinBarrier {
  public:
+  static constexpr int kSpinsBeforeYield = 4000;
+
   void reset(int count) {
     count_ = count;
     arrived_.store(0);
@@ -53,7 +56,7 @@ class SpinBarrier {
       return;
     }
     for (int spins = 0; generation_.load(std::memory_order_acquire) == gen; ++spins) {
-      if (spins < 20000) {
+      if (spins < kSpinsBeforeYield) {
 #if defined(__x86_64__) || defined(__i386__)
         _mm_pause();
 #endif

@@ -1,0 +1,60 @@
+"""Micro-benchmark of the paged decode attention kernel (sglang/srt/layers/csrc/cpu_kernels.h).
+
+One layer of decode attention for `--batch` sequences of `--context` tokens each (SmolLM2-135M heads by default:
+9 query heads sharing 3 KV heads of dimension 64), with the sequences' KV slots laid out contiguously, shuffled,
+or interleaved (as decode steps of concurrent sequences allocate them). Prints the median time per layer and the
+K/V bytes read per second.
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/bench_decode_attention.py [--context 1024] [--batch 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from sglang.srt.layers import cpu_ops
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=9)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    if not cpu_ops.available():
+        raise SystemExit("the CPU kernels are unavailable (no C++ toolchain?)")
+    torch.manual_seed(0)
+    batch, length = args.batch, args.context
+    slots = batch * length + 1
+    k = torch.randn(slots, args.kv_heads, args.head_dim)
+    v = torch.randn(slots, args.kv_heads, args.head_dim)
+    q = torch.randn(batch, args.heads, args.head_dim)
+    lens = torch.full((batch,), length, dtype=torch.int64)
+    layouts = {
+        "contiguous": torch.arange(1, slots).view(batch, length),
+        "shuffled": (torch.randperm(slots - 1) + 1).view(batch, length),
+        "interleaved": torch.arange(1, slots).view(length, batch).t().contiguous(),
+    }
+    kv_bytes = 2 * batch * length * args.kv_heads * args.head_dim * 4
+    print(f"batch {batch}, context {length}, heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, "
+          f"threads {torch.get_num_threads()}")
+    for name, idx in layouts.items():
+        cpu_ops.paged_decode_attention(q, k, v, idx, lens, args.head_dim**-0.5)
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            cpu_ops.paged_decode_attention(q, k, v, idx, lens, args.head_dim**-0.5)
+            times.append(time.perf_counter() - start)
+        ms = statistics.median(times) * 1000
+        print(f"{name:12s} {ms:7.3f} ms per layer, {kv_bytes / ms / 1e6:5.1f} GB/s of K/V")
+
+
+if __name__ == "__main__":
+    main()
