@@ -110,7 +110,9 @@ def test_fused_decode_is_used_only_for_small_decode_batches(tmp_path):
         ours.model.fused_decode = None
 
 
-def test_fused_decode_same_result_with_one_or_two_threads(tmp_path):
+def test_fused_decode_same_result_with_any_thread_count(tmp_path):
+    """Every output element is computed by one thread in a fixed order, so the result does not depend on how the
+    work items were shared out (4 threads on this 2-core machine also exercises threads that arrive late)."""
     config = tiny_config("qwen2")
     _, ours = build_models(tmp_path, config)
     quantize_linears(ours)
@@ -118,13 +120,14 @@ def test_fused_decode_same_result_with_one_or_two_threads(tmp_path):
     before = torch.get_num_threads()
     results = []
     try:
-        for threads in (1, 2):
+        for threads in (1, 2, 4):
             torch.set_num_threads(threads)
             results.append(decode_run(ours, config, True, prompts, steps=3)[0])
     finally:
         torch.set_num_threads(before)
-    for a, b in zip(*results):
-        assert torch.equal(a, b)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
 
 
 def test_fused_decode_rejects_bad_arguments(tmp_path):

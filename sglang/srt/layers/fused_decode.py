@@ -3,8 +3,8 @@
 Run op by op from Python, a batch-1 decode step of SmolLM2-135M spends more time in dispatch (about 15 aten ops,
 5 kernel calls and a dozen module calls per layer, 30 layers) than in arithmetic. When every linear layer of the
 model carries GGUF blocks (see sglang/srt/model_loader/gguf_quant.py), the decoder layers of a decode batch of at
-most `max_rows` sequences instead run inside one C++ call: one OpenMP team, five phases per layer separated by
-spinning barriers. The embeddings, the RoPE table lookup and the LM head stay in Python.
+most `max_rows` sequences instead run inside one C++ call: one OpenMP team, five phases per layer whose work items
+the threads claim from shared counters. The embeddings, the RoPE table lookup and the LM head stay in Python.
 
 The result equals the layer-by-layer path up to float32 summation order. SGLANG_DISABLE_FUSED_DECODE=1 turns it
 off.

@@ -2,17 +2,18 @@
 // q/k RMSNorm) in one call, for float32 activations and GGUF Q4_1 / Q8_0 weights on CPU.
 //
 // A decode step of a small model is a few hundred tiny operations: run one by one from Python, dispatch and
-// thread wake-ups cost more than the arithmetic. Here one OpenMP team runs every layer. Each layer is five phases
-// separated by a spinning barrier (the threads stay awake between phases instead of sleeping and being woken):
+// thread wake-ups cost more than the arithmetic. Here one OpenMP team runs every layer, as five phases per layer:
 //   A  h = residual (+ previous MLP output); x = RMSNorm(h);  qkv = x @ Wqkv (+ bias)
 //   B  per (sequence, KV head): q/k norm, RoPE, store k/v in the paged cache, attention over the sequence
 //   C  o = attn @ Wo
 //   D  h = residual + o; x = RMSNorm(h);  gate_up = x @ Wgu
 //   E  down = (silu(gate) * up) @ Wdown
-// Every thread builds the (small) input of a matmul phase itself, so no phase of its own is needed for norms,
-// residual adds or activations; the residual stream is double-buffered so thread 0 can write the new one while
-// the others still read the old one. Matmul row groups and attention tasks are taken from per-phase counters, so
-// a thread that starts late (on a busy machine) simply takes less work.
+// A phase is a list of work items (chunks of matmul row groups, attention tasks, the residual update) that the
+// threads claim from a shared counter; a thread moves on to the next phase once every item of this one is done.
+// So there is no barrier that needs every thread: when the OS preempts one thread (the tokenizer and detokenizer
+// processes share the cores), the others finish its share of the phase instead of waiting for it to come back.
+// Each thread builds the small input of a matmul phase (norms, residual adds, SiLU) itself, after claiming its
+// first item of that phase (so the input cannot change underneath it); the residual stream is double-buffered.
 #include <torch/extension.h>
 
 #include <atomic>
@@ -36,27 +37,23 @@ namespace {
 using gguf_kernels::kQK;
 using gguf_kernels::kRows;
 
-// A barrier whose waiters spin (then yield) instead of sleeping: a phase lasts tens of microseconds, about what a
-// futex wake-up costs. After about a phase's length of spinning a waiter yields its core, so a thread that was
-// preempted (by the tokenizer or detokenizer process, say) gets it back sooner.
-class SpinBarrier {
- public:
-  static constexpr int kSpinsBeforeYield = 4000;
+// The work items of one phase: `next` hands them out, `done` counts the finished ones.
+struct Phase {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
 
-  void reset(int count) {
-    count_ = count;
-    arrived_.store(0);
+  // The next item for this thread, or -1 when all n are handed out.
+  int64_t claim(int64_t n) {
+    const int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+    return i < n ? i : -1;
   }
 
-  void wait() {
-    const int gen = generation_.load(std::memory_order_acquire);
-    if (arrived_.fetch_add(1, std::memory_order_acq_rel) == count_ - 1) {
-      arrived_.store(0, std::memory_order_relaxed);
-      generation_.fetch_add(1, std::memory_order_release);
-      return;
-    }
-    for (int spins = 0; generation_.load(std::memory_order_acquire) == gen; ++spins) {
-      if (spins < kSpinsBeforeYield) {
+  void finish() { done.fetch_add(1, std::memory_order_release); }
+
+  // Waits until all n items are finished: spins about as long as a phase lasts, then yields the core.
+  void wait(int64_t n) const {
+    for (int spins = 0; done.load(std::memory_order_acquire) < n; ++spins) {
+      if (spins < 4000) {
 #if defined(__x86_64__) || defined(__i386__)
         _mm_pause();
 #endif
@@ -65,11 +62,6 @@ class SpinBarrier {
       }
     }
   }
-
- private:
-  int count_ = 1;
-  std::atomic<int> arrived_{0};
-  std::atomic<int> generation_{0};
 };
 
 struct QuantLinear {
@@ -240,27 +232,20 @@ class DecodeStack {
     s.gate_up = torch::empty({B, 2 * inter_}, x.options());
     s.down = torch::empty({B, hidden_}, x.options());
     s.out = out.data_ptr<float>();
-    s.counters = std::make_unique<std::atomic<int64_t>[]>(kPhasesPerLayer * layers_.size() + 1);
-    for (size_t i = 0; i < kPhasesPerLayer * layers_.size() + 1; ++i) s.counters[i].store(0);
+    s.phases = std::make_unique<Phase[]>(kPhasesPerLayer * layers_.size() + 1);
 
     int threads = 1;
 #ifdef _OPENMP
     if (!omp_in_parallel()) threads = std::max(1, at::get_num_threads());
-#endif
-    s.barrier.reset(threads);
-#ifdef _OPENMP
+    s.threads = threads;
     if (threads > 1) {
 #pragma omp parallel num_threads(threads)
-      {
-        // The team may be smaller than asked for; the barrier must count the threads that actually run.
-#pragma omp single
-        s.barrier.reset(omp_get_num_threads());
-        run(s, omp_get_thread_num(), omp_get_num_threads());
-      }
+      run(s);
       return out;
     }
 #endif
-    run(s, 0, 1);
+    s.threads = 1;
+    run(s);
     return out;
   }
 
@@ -280,51 +265,88 @@ class DecodeStack {
     int64_t max_len = 1;
     torch::Tensor res[2], qkv, attn, o, gate_up, down;
     float* out = nullptr;
-    std::unique_ptr<std::atomic<int64_t>[]> counters;
-    SpinBarrier barrier;
+    int threads = 1;  // the team size asked for: sizes the matmul chunks identically in every thread
+    std::unique_ptr<Phase[]> phases;
   };
 
-  // y = input @ W.T (+ bias) for the row groups this thread takes; `input` is built in the thread's scratch.
-  void matmul_phase(Step& s, std::atomic<int64_t>& counter, int nthreads, const QuantLinear& lin, const float* input,
-                    Scratch& sc, float* y) const {
+  static int64_t matmul_chunk(const Step& s, const QuantLinear& lin) {
+    return std::max<int64_t>(1, gguf_kernels::row_groups(lin.n) / (4 * s.threads));
+  }
+
+  static int64_t matmul_items(const Step& s, const QuantLinear& lin) {
+    const int64_t chunk = matmul_chunk(s, lin);
+    return (gguf_kernels::row_groups(lin.n) + chunk - 1) / chunk;
+  }
+
+  // y = input @ W.T (+ bias) for the chunks of row groups this thread claims, starting with `item` (-1: none).
+  // Matmul items are numbered from `first` (the caller handles the items below it before calling this);
+  // `make_input` builds the input rows once, after the first successful claim.
+  template <typename MakeInput>
+  void matmul_items_loop(const Step& s, Phase& ph, int64_t n_items, int64_t first, const QuantLinear& lin,
+                         MakeInput&& make_input, Scratch& sc, float* y, int64_t item) const {
     const int64_t M = s.B;
-    sc.panels.resize(static_cast<size_t>(gguf_kernels::panel_floats(M, lin.k)));
-    sc.sums.resize(static_cast<size_t>(gguf_kernels::sum_floats(M, lin.k)));
-    const gguf_kernels::PreparedInput in =
-        gguf_kernels::prepare_input(lin.q4, input, M, lin.k, sc.panels.data(), sc.sums.data());
     const int64_t groups = gguf_kernels::row_groups(lin.n);
-    const int64_t chunk = std::max<int64_t>(1, groups / (4 * nthreads));
+    const int64_t chunk = matmul_chunk(s, lin);
     const uint8_t* w = lin.packed.data_ptr<uint8_t>();
     const float* bias = lin.bias.defined() ? lin.bias.data_ptr<float>() : nullptr;
-    for (int64_t c = counter.fetch_add(1, std::memory_order_relaxed); c * chunk < groups;
-         c = counter.fetch_add(1, std::memory_order_relaxed)) {
-      const int64_t g0 = c * chunk, g1 = std::min(groups, g0 + chunk);
+    const float* input = nullptr;
+    gguf_kernels::PreparedInput in{nullptr, nullptr};
+    for (; item >= 0; item = ph.claim(n_items)) {
+      if (input == nullptr) {
+        input = make_input();
+        sc.panels.resize(static_cast<size_t>(gguf_kernels::panel_floats(M, lin.k)));
+        sc.sums.resize(static_cast<size_t>(gguf_kernels::sum_floats(M, lin.k)));
+        in = gguf_kernels::prepare_input(lin.q4, input, M, lin.k, sc.panels.data(), sc.sums.data());
+      }
+      const int64_t g0 = (item - first) * chunk, g1 = std::min(groups, g0 + chunk);
       gguf_kernels::matmul_groups(lin.q4, w, lin.n, lin.k, M, input, in, y, lin.n, g0, g1);
       if (bias != nullptr) {
         const int64_t n0 = g0 * kRows, n1 = std::min(lin.n, g1 * kRows);
         for (int64_t m = 0; m < M; ++m)
           for (int64_t j = n0; j < n1; ++j) y[m * lin.n + j] += bias[j];
       }
+      ph.finish();
     }
   }
 
-  // x = RMSNorm(h) with h = res (+ add); thread 0 also stores h into res_out (when add is given). Returns x.
-  const float* norm_input(const Step& s, const float* res, const float* add, float* res_out, const torch::Tensor& w,
-                          int tid, Scratch& sc) const {
-    const int64_t n = s.B * hidden_;
-    sc.x.resize(static_cast<size_t>(n));
-    float* xin = sc.x.data();
-    if (add != nullptr) {
-      for (int64_t i = 0; i < n; ++i) xin[i] = res[i] + add[i];
-      if (tid == 0) std::copy(xin, xin + n, res_out);
-    } else {
-      std::copy(res, res + n, xin);
-    }
-    cpu_kernels::rms_norm_rows(xin, w.data_ptr<float>(), xin, s.B, hidden_, eps_);
-    return xin;
+  // A matmul phase whose input needs no residual update.
+  template <typename MakeInput>
+  void matmul_phase(const Step& s, Phase& ph, const QuantLinear& lin, MakeInput&& make_input, Scratch& sc,
+                    float* y) const {
+    const int64_t n = matmul_items(s, lin);
+    matmul_items_loop(s, ph, n, 0, lin, make_input, sc, y, ph.claim(n));
+    ph.wait(n);
   }
 
-  void attention_phase(Step& s, std::atomic<int64_t>& counter, const Layer& layer, Scratch& sc) const {
+  // A phase that first updates the residual (item 0: res_out = res + add) and then runs `lin` on
+  // RMSNorm(res + add) (every other item). With add == nullptr there is no update and the input is RMSNorm(res).
+  void norm_matmul_phase(const Step& s, Phase& ph, const float* res, const float* add, float* res_out,
+                         const torch::Tensor& norm, const QuantLinear& lin, Scratch& sc, float* y) const {
+    const int64_t rows = s.B * hidden_;
+    const int64_t first = add != nullptr ? 1 : 0;
+    const int64_t n = first + matmul_items(s, lin);
+    auto make_input = [&]() -> const float* {
+      sc.x.resize(static_cast<size_t>(rows));
+      float* xin = sc.x.data();
+      if (add != nullptr) {
+        for (int64_t i = 0; i < rows; ++i) xin[i] = res[i] + add[i];
+      } else {
+        std::copy(res, res + rows, xin);
+      }
+      cpu_kernels::rms_norm_rows(xin, norm.data_ptr<float>(), xin, s.B, hidden_, eps_);
+      return xin;
+    };
+    int64_t item = ph.claim(n);
+    if (item == 0 && first == 1) {
+      for (int64_t i = 0; i < rows; ++i) res_out[i] = res[i] + add[i];
+      ph.finish();
+      item = ph.claim(n);
+    }
+    matmul_items_loop(s, ph, n, first, lin, make_input, sc, y, item);
+    ph.wait(n);
+  }
+
+  void attention_phase(const Step& s, Phase& ph, const Layer& layer, Scratch& sc) const {
     const int64_t D = head_dim_, group = heads_ / kv_heads_;
     const int64_t q_size = heads_ * D, kv_size = kv_heads_ * D, qkv_n = layer.qkv.n;
     const int64_t slot_stride = kv_heads_ * D;
@@ -337,8 +359,7 @@ class DecodeStack {
     sc.scores.resize(static_cast<size_t>(group * s.max_len));
     sc.tmp.resize(static_cast<size_t>(std::max<int64_t>(rotary_dim_, 1)));
     const int64_t tasks = s.B * kv_heads_;
-    for (int64_t task = counter.fetch_add(1, std::memory_order_relaxed); task < tasks;
-         task = counter.fetch_add(1, std::memory_order_relaxed)) {
+    for (int64_t task = ph.claim(tasks); task >= 0; task = ph.claim(tasks)) {
       const int64_t b = task / kv_heads_, g = task % kv_heads_;
       float* row = qkv + b * qkv_n;
       float* q = row + g * group * D;
@@ -359,10 +380,12 @@ class DecodeStack {
       std::copy(v, v + D, vc + slot * slot_stride + g * D);
       cpu_kernels::attend_kv_head(q, group, D, kc + g * D, vc + g * D, slot_stride, s.table + s.rpi[b] * s.table_cols,
                                   s.lens[b], scale_, sc.scores.data(), attn + b * q_size + g * group * D);
+      ph.finish();
     }
+    ph.wait(tasks);
   }
 
-  void run(Step& s, int tid, int nthreads) const {
+  void run(Step& s) const {
     Scratch sc;
     const int64_t B = s.B;
     const float* res = s.x;  // the residual stream; layer 0 starts from the embeddings
@@ -375,48 +398,45 @@ class DecodeStack {
     float* gate_up = s.gate_up.data_ptr<float>();
     float* down = s.down.data_ptr<float>();
     for (const Layer& layer : layers_) {
-      // A: norm (+ residual add), QKV projection
+      // A: residual update, norm, QKV projection
       float* res_out = s.res[next].data_ptr<float>();
-      const float* xin = norm_input(s, res, mlp_out, res_out, layer.input_norm, tid, sc);
-      matmul_phase(s, s.counters[phase++], nthreads, layer.qkv, xin, sc, qkv);
+      norm_matmul_phase(s, s.phases[phase++], res, mlp_out, res_out, layer.input_norm, layer.qkv, sc, qkv);
       if (mlp_out != nullptr) {
         res = res_out;
         next ^= 1;
       }
-      s.barrier.wait();
       // B: attention
-      attention_phase(s, s.counters[phase++], layer, sc);
-      s.barrier.wait();
+      attention_phase(s, s.phases[phase++], layer, sc);
       // C: output projection
-      matmul_phase(s, s.counters[phase++], nthreads, layer.o, attn, sc, o);
-      s.barrier.wait();
-      // D: residual add, norm, gate/up projection
+      matmul_phase(s, s.phases[phase++], layer.o, [&]() -> const float* { return attn; }, sc, o);
+      // D: residual update, norm, gate/up projection
       res_out = s.res[next].data_ptr<float>();
-      xin = norm_input(s, res, o, res_out, layer.post_norm, tid, sc);
-      matmul_phase(s, s.counters[phase++], nthreads, layer.gate_up, xin, sc, gate_up);
+      norm_matmul_phase(s, s.phases[phase++], res, o, res_out, layer.post_norm, layer.gate_up, sc, gate_up);
       res = res_out;
       next ^= 1;
-      s.barrier.wait();
       // E: SwiGLU, down projection
-      sc.x.resize(static_cast<size_t>(B * inter_));
-      float* act = sc.x.data();
-      for (int64_t m = 0; m < B; ++m) {
-        const float* gu = gate_up + m * 2 * inter_;
-        cpu_kernels::silu_mul(gu, gu + inter_, act + m * inter_, inter_);
-      }
-      matmul_phase(s, s.counters[phase++], nthreads, layer.down, act, sc, down);
+      auto activation = [&]() -> const float* {
+        sc.x.resize(static_cast<size_t>(B * inter_));
+        float* act = sc.x.data();
+        for (int64_t m = 0; m < B; ++m) {
+          const float* gu = gate_up + m * 2 * inter_;
+          cpu_kernels::silu_mul(gu, gu + inter_, act + m * inter_, inter_);
+        }
+        return act;
+      };
+      matmul_phase(s, s.phases[phase++], layer.down, activation, sc, down);
       mlp_out = down;
-      s.barrier.wait();
     }
-    // Final residual add and norm, rows split between the threads.
-    std::atomic<int64_t>& counter = s.counters[phase];
+    // Final residual add and norm, one row per item.
+    Phase& ph = s.phases[phase];
     const float* w = final_norm_.data_ptr<float>();
-    for (int64_t m = counter.fetch_add(1, std::memory_order_relaxed); m < B;
-         m = counter.fetch_add(1, std::memory_order_relaxed)) {
+    for (int64_t m = ph.claim(B); m >= 0; m = ph.claim(B)) {
       float* orow = s.out + m * hidden_;
       for (int64_t i = 0; i < hidden_; ++i) orow[i] = res[m * hidden_ + i] + mlp_out[m * hidden_ + i];
       cpu_kernels::rms_norm_rows(orow, w, orow, 1, hidden_, eps_);
+      ph.finish();
     }
+    ph.wait(B);
   }
 
   int64_t hidden_, heads_, kv_heads_, head_dim_, rotary_dim_, inter_;
