@@ -77,10 +77,10 @@ class ModelRunner:
         kv_pool = KVPool(self.max_total_num_tokens, num_layers, num_kv_heads, head_dim, dtype, self.device)
         tree_cache = RadixCache(req_to_token_pool, allocator, disable=disable_radix_cache)
         self.mem = MemoryPools(req_to_token_pool, allocator, kv_pool, tree_cache)
-        self.fused_decode = None
-        if self.quant_bytes and hasattr(self.model, "model"):
-            self.fused_decode = build_fused_decode(self.model, kv_pool.k_buffer, kv_pool.v_buffer,
-                                                   gguf_kernel_max_rows)
+        # None unless the model has GGUF blocks on every linear layer and the compiled step is available.
+        self.fused_decode = build_fused_decode(self.model, kv_pool.k_buffer, kv_pool.v_buffer,
+                                               gguf_kernel_max_rows) if self.quant_bytes else None
+        if self.fused_decode is not None:
             self.model.model.fused_decode = self.fused_decode
         self.attn_backend = TorchSDPABackend()
         self.sampler = Sampler()

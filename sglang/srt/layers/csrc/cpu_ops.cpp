@@ -14,7 +14,6 @@
 
 using cpu_kernels::rms_norm_rows;
 
-
 // q [B, H, D] float32; k_cache, v_cache [S, Hkv, D] float32; kv_indices [B, >= max(seq_lens)] int64;
 // seq_lens [B] int64. Returns [B, H, D].
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,

@@ -234,17 +234,14 @@ class DecodeStack {
     s.out = out.data_ptr<float>();
     s.phases = std::make_unique<Phase[]>(kPhasesPerLayer * layers_.size() + 1);
 
-    int threads = 1;
 #ifdef _OPENMP
-    if (!omp_in_parallel()) threads = std::max(1, at::get_num_threads());
-    s.threads = threads;
-    if (threads > 1) {
-#pragma omp parallel num_threads(threads)
+    if (!omp_in_parallel()) s.threads = std::max(1, at::get_num_threads());
+    if (s.threads > 1) {
+#pragma omp parallel num_threads(s.threads)
       run(s);
       return out;
     }
 #endif
-    s.threads = 1;
     run(s);
     return out;
   }
