@@ -34,6 +34,7 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sglang.srt.layers.quantization import gguf_blocks as gb  # noqa: E402
+from sglang.srt.model_loader import gguf_reader  # noqa: E402
 
 
 def default_gguf() -> Path | None:
@@ -74,7 +75,7 @@ def random_raw(qtype: str, n: int, k: int, rng: np.random.Generator) -> np.ndarr
 def load_model_weights(path: Path | None) -> tuple[list[dict[str, gb.GGUFQuantWeight]], gb.GGUFQuantWeight, str]:
     """Per-layer quantized weights {qkv, o, gate_up, down} and the lm_head."""
     if path is not None and path.is_file():
-        t = gb.read_gguf_quant_tensors(path)
+        t = gguf_reader.read_gguf_quant_tensors(path)
 
         def w(name: str) -> gb.GGUFQuantWeight:
             return gb.GGUFQuantWeight(*t[name])

@@ -13,9 +13,10 @@ import time
 
 import torch
 
-from sglang.srt.managers.process_utils import load_model_info
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.mem_cache.memory_pools import MemoryPools, build_memory_pools
+from sglang.srt.model_executor.model_runner import ModelRunner, StepOutput
+from sglang.srt.model_loader.model_info import ModelInfo, load_model_info
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
 
@@ -33,12 +34,28 @@ def make_reqs(batch_size: int, input_len: int, output_len: int, vocab: int) -> l
     return reqs
 
 
-def run_once(runner: ModelRunner, batch_size: int, input_len: int, output_len: int) -> dict:
+def build_runner(info: ModelInfo, device: str, total_tokens: int, max_requests: int,
+                 gguf_kernel_max_rows: int) -> tuple[ModelRunner, MemoryPools]:
+    """A model runner and its KV memory (with a radix cache), as the scheduler builds them."""
+    runner = ModelRunner(info.model_dir, info.hf_config, info.dtype, device, gguf_path=info.gguf_path,
+                         gguf_kernel_max_rows=gguf_kernel_max_rows)
+    mem = build_memory_pools(runner.kv_cache_spec(), runner.device, info.context_len, total_tokens, 0.3,
+                             max_requests, disable_radix_cache=False)
+    runner.bind_kv_pool(mem.kv_pool)
+    return runner, mem
+
+
+def run_step(runner: ModelRunner, mem: MemoryPools, batch: ScheduleBatch) -> StepOutput:
+    forward_batch, sampling = batch.forward_inputs(mem, runner.vocab_size, runner.device)
+    return runner.forward(forward_batch, sampling)
+
+
+def run_once(runner: ModelRunner, mem: MemoryPools, batch_size: int, input_len: int, output_len: int) -> dict:
     reqs = make_reqs(batch_size, input_len, output_len, runner.vocab_size)
     batch = ScheduleBatch(reqs, is_decode=False)
-    batch.prepare_for_extend(runner.mem)
+    batch.prepare_for_extend(mem)
     start = time.perf_counter()
-    out = runner.forward(batch)
+    out = run_step(runner, mem, batch)
     prefill_s = time.perf_counter() - start
     for req, tok in zip(reqs, out.sample.next_token_ids.tolist()):
         req.output_ids.append(tok)
@@ -46,16 +63,15 @@ def run_once(runner: ModelRunner, batch_size: int, input_len: int, output_len: i
     steps = []
     for _ in range(output_len - 1):
         batch = ScheduleBatch(reqs, is_decode=True)
-        batch.prepare_for_decode(runner.mem)
+        batch.prepare_for_decode(mem)
         start = time.perf_counter()
-        out = runner.forward(batch)
+        out = run_step(runner, mem, batch)
         steps.append(time.perf_counter() - start)
         for req, tok in zip(reqs, out.sample.next_token_ids.tolist()):
             req.output_ids.append(tok)
     for req in reqs:
-        runner.mem.tree_cache.cache_finished_req(req)
-    runner.mem.tree_cache.reset()
-    runner.mem.allocator.clear()
+        mem.tree_cache.cache_finished_req(req)
+    mem.clear()
     median = statistics.median(steps) if steps else float("nan")
     return {
         "batch_size": batch_size, "input_len": input_len, "output_len": output_len,
@@ -81,13 +97,11 @@ def main() -> None:
     server_args = ServerArgs(model_path=args.model_path, dtype=args.dtype)
     info = load_model_info(server_args)
     need = max(args.batch_size) * (args.input_len + args.output_len) + 16
-    runner = ModelRunner(info["model_dir"], info["hf_config"], info["dtype"], server_args.device,
-                         info["context_len"], need, 0.3, max(args.batch_size), disable_radix_cache=False,
-                         gguf_path=info["gguf_path"], gguf_kernel_max_rows=args.gguf_kernel_max_rows)
-    run_once(runner, 1, 16, 4)  # warm-up
+    runner, mem = build_runner(info, server_args.device, need, max(args.batch_size), args.gguf_kernel_max_rows)
+    run_once(runner, mem, 1, 16, 4)  # warm-up
     for bs in args.batch_size:
-        result = {"dtype": str(info["dtype"]), "threads": torch.get_num_threads(),
-                  **run_once(runner, bs, args.input_len, args.output_len)}
+        result = {"dtype": str(info.dtype), "threads": torch.get_num_threads(),
+                  **run_once(runner, mem, bs, args.input_len, args.output_len)}
         print(json.dumps(result))
         if args.result_file:
             with open(args.result_file, "a") as f:

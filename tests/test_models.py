@@ -89,6 +89,8 @@ class PagedCache:
         self.free_slots: list[int] = (torch.randperm(size, generator=generator) + 1).tolist()
         self.cached_lens: dict[int, int] = {}
         self.backend = TorchSDPABackend()
+        # A decode strategy (the fused CPU step) the runner would use for the batches it accepts.
+        self.decode_strategy = None
 
     def forward(
         self, model, batch: list[tuple[int, list[int]]], all_logits: bool = False, hidden: bool = False
@@ -121,11 +123,14 @@ class PagedCache:
             attn_backend=self.backend,
             logits_indices=torch.arange(len(input_ids)) if all_logits else None,
         )
-        self.backend.init_forward_metadata(forward_batch)
         with torch.inference_mode():
-            if hidden:
+            if self.decode_strategy is not None and self.decode_strategy.accepts(forward_batch):
+                out = self.decode_strategy.forward(model, forward_batch)
+            elif hidden:
+                self.backend.init_forward_metadata(forward_batch)
                 out = model.forward_hidden(forward_batch.input_ids, forward_batch.positions, forward_batch)
             else:
+                self.backend.init_forward_metadata(forward_batch)
                 out = model(forward_batch.input_ids, forward_batch.positions, forward_batch)
         for (row, _), seq_len in zip(batch, seq_lens):
             self.cached_lens[row] = seq_len

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from sglang.srt.mem_cache.allocator import TokenSlotAllocator
+from sglang.srt.mem_cache.no_prefix_cache import NoPrefixCache
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.mem_cache.req_to_token import ReqToTokenPool
 
@@ -15,7 +16,7 @@ from sglang.srt.mem_cache.req_to_token import ReqToTokenPool
 def make_cache(size: int = 64, rows: int = 4, context: int = 64, disable: bool = False, device: str = "cpu"):
     pool = ReqToTokenPool(rows, context, device=device)
     alloc = TokenSlotAllocator(size, device=device)
-    return RadixCache(pool, alloc, disable=disable), pool, alloc
+    return (NoPrefixCache(pool, alloc) if disable else RadixCache(pool, alloc)), pool, alloc
 
 
 def insert_new(cache: RadixCache, key: list[int]) -> torch.Tensor:
@@ -345,13 +346,12 @@ def test_tensors_stay_on_the_configured_device(device):
     assert cache.evict(100) == 7 and alloc.available_size() == alloc.size
 
 
-# ---- disable mode -----------------------------------------------------------------------------------
-def test_disable_mode_shares_nothing_and_frees_everything():
+# ---- no prefix cache (--disable-radix-cache) ----------------------------------------------------------
+def test_no_prefix_cache_shares_nothing_and_frees_everything():
     cache, pool, alloc = make_cache(disable=True)
-    assert cache.insert([1, 2, 3], torch.tensor([1, 2, 3])) == 0
     assert cache.total_size() == 0
     m = cache.match_prefix([1, 2, 3])
-    assert m.indices.numel() == 0 and m.last_node is cache.root_node
+    assert m.indices.numel() == 0 and m.last_node is None
     for _ in range(2):
         req = FakeReq([1, 2, 3, 4, 5])
         admit(cache, req, 3)
@@ -365,7 +365,6 @@ def test_disable_mode_shares_nothing_and_frees_everything():
         assert alloc.available_size() == alloc.size and pool.available_size() == pool.size
     assert cache.evict(100) == 0
     assert cache.total_size() == cache.evictable_size() == cache.protected_size() == 0
-    cache.check_integrity()
 
 
 def test_reset_forgets_everything():

@@ -34,6 +34,7 @@ def make_req(params: SamplingParams | None = None, seed: int = 0, prompt=(1, 2, 
         stop_token_ids=set(stop_ids),
         sampling_seed=seed,
         penalty_state=None,
+        return_logprob=False,
     )
 
 

@@ -9,7 +9,7 @@ sequence, flagged as `ForwardMode.DECODE` so backends can take a cheaper path.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -53,24 +53,14 @@ class ForwardBatch:
     # Indices into the flat token dimension whose hidden states become logits.
     # None means the last token of each sequence.
     logits_indices: Optional[torch.Tensor] = None
+    # Whether the runner returns log-softmax of every logits row (some request asked for input logprobs).
+    return_input_logprobs: bool = False
     # Backend-specific metadata, filled by attn_backend.init_forward_metadata().
     attn_metadata: Any = None
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
 
     def last_token_indices(self) -> torch.Tensor:
         ends = torch.tensor(self.extend_seq_lens_cpu, dtype=torch.int64).cumsum(0) - 1
         return ends.to(self.input_ids.device)
-
-    def extend_start_locs(self) -> list[int]:
-        starts, acc = [], 0
-        for n in self.extend_seq_lens_cpu:
-            starts.append(acc)
-            acc += n
-        return starts
 
 
 def build_positions(prefix_lens: list[int], extend_lens: list[int], device: torch.device) -> torch.Tensor:

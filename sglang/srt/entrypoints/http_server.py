@@ -119,7 +119,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/get_model_info")
     @app.get("/model_info")
     async def model_info():
-        cfg = state.model_info["hf_config"]
+        cfg = state.model_info.hf_config
         return ORJSONResponse({
             "model_path": args.model_path,
             "tokenizer_path": args.tokenizer_path,

@@ -11,9 +11,11 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from sglang.srt.managers.detokenizer_manager import run_detokenizer_process
-from sglang.srt.managers.process_utils import load_model_info, load_tokenizer_for
+from sglang.srt.managers.process_utils import load_tokenizer_for
+from sglang.srt.model_loader.model_info import load_model_info
 from sglang.srt.managers.scheduler.scheduler import run_scheduler_process
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
+from sglang.srt.model_loader.model_info import ModelInfo
 from sglang.srt.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -25,7 +27,7 @@ STARTUP_TIMEOUT_S = 600
 class Subprocesses:
     tokenizer_manager: TokenizerManager
     scheduler_info: dict
-    model_info: dict
+    model_info: ModelInfo
     procs: list
     stopping: bool = False
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.forward_batch import ForwardBatch
+from sglang.srt.layers.linear import DENSE, LinearMethod
 
 
 def select_logit_rows(hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
@@ -32,8 +32,11 @@ class LogitsProcessor(nn.Module):
         self.vocab_size = int(config.vocab_size)
         # Some checkpoints scale logits (e.g. Cohere-style configs); 1.0 for the families here.
         self.logit_scale = float(getattr(config, "logit_scale", None) or 1.0)
-        # (quantized LM head, max rows): set by the GGUF loader; small batches project with it.
-        self.quant_head: Optional[tuple[Any, int]] = None
+        # How the LM head multiplies: dense unless the loader chose another method (e.g. GGUF blocks).
+        self.head_method: LinearMethod = DENSE
+
+    def set_head_method(self, method: LinearMethod) -> None:
+        self.head_method = method
 
     def forward(
         self,
@@ -44,10 +47,7 @@ class LogitsProcessor(nn.Module):
     ) -> torch.Tensor:
         selected = select_logit_rows(hidden_states, forward_batch)
         # Matmul in the weight dtype (as the reference models do), then widen for sampling.
-        if self.quant_head is not None and selected.shape[0] <= self.quant_head[1]:
-            logits = self.quant_head[0].linear(selected, lm_head_bias).float()
-        else:
-            logits = F.linear(selected, lm_head_weight, lm_head_bias).float()
+        logits = self.head_method.apply(lm_head_weight, selected, lm_head_bias).float()
         if self.logit_scale != 1.0:
             logits.mul_(self.logit_scale)
         return logits[:, : self.vocab_size] if logits.shape[1] > self.vocab_size else logits

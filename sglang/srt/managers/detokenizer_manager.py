@@ -7,6 +7,7 @@ from typing import Optional
 
 import zmq
 
+from sglang.srt.managers.finish_reason import FinishMatched
 from sglang.srt.managers.incremental_detokenizer import IncrementalDetokenizer
 from sglang.srt.managers.io_struct import BatchStrOutput, BatchTokenIDOutput
 from sglang.srt.server_args import PortArgs, ServerArgs
@@ -69,7 +70,7 @@ class DetokenizerManager:
             state.text += state.decoder.flush()
             del self.states[rid]
             reason = msg.finished_reasons[i]
-            matched = reason.get("matched") if reason.get("type") == "stop" else None
+            matched = reason.matched if isinstance(reason, FinishMatched) else None
             if isinstance(matched, str) and not msg.no_stop_trim[i]:
                 pos = state.text.find(matched)
                 if pos >= 0:

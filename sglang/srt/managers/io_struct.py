@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from sglang.srt.managers.finish_reason import FinishReason
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 
@@ -52,7 +53,7 @@ class BatchTokenIDOutput:
     """Scheduler -> detokenizer: per request, the output ids produced since the last message."""
 
     rids: list[str]
-    finished_reasons: list[Optional[dict]]
+    finished_reasons: list[Optional[FinishReason]]
     new_output_ids: list[list[int]]
     # All output ids so far are needed when a stop string must be trimmed or text re-decoded.
     output_lens: list[int]
@@ -74,7 +75,7 @@ class BatchStrOutput:
     """Detokenizer -> tokenizer manager: new text and ids per request."""
 
     rids: list[str]
-    finished_reasons: list[Optional[dict]]
+    finished_reasons: list[Optional[FinishReason]]
     new_texts: list[str]
     new_output_ids: list[list[int]]
     prompt_tokens: list[int]

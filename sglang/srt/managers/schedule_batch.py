@@ -8,20 +8,13 @@ from typing import Any, Optional
 
 import torch
 
+from sglang.srt.constrained.base_grammar_backend import BaseGrammarObject
+from sglang.srt.forward_batch import ForwardBatch, ForwardMode, build_positions
+from sglang.srt.managers.finish_reason import FinishAbort, FinishReason
+from sglang.srt.mem_cache.memory_pools import MemoryPools, OutOfKVMemory
+from sglang.srt.sampling.penalties import RequestPenaltyState
+from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
-
-
-# Finish reasons serialize to the `meta_info.finish_reason` dicts of the native API.
-def finish_length(length: int) -> dict:
-    return {"type": "length", "length": length}
-
-
-def finish_matched(matched: int | str | None) -> dict:
-    return {"type": "stop", "matched": matched}
-
-
-def finish_abort(message: str = "Aborted", status_code: int | None = None, err_type: str | None = None) -> dict:
-    return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
 
 
 @dataclass
@@ -64,8 +57,8 @@ class Req:
         self.stream = stream
 
         self.output_ids: list[int] = []
-        self.finished_reason: Optional[dict] = None
-        self.to_abort: Optional[dict] = None
+        self.finished_reason: Optional[FinishReason] = None
+        self.to_abort: Optional[FinishAbort] = None
 
         # Memory: row in req_to_token, prefix from the radix tree, slots this request allocated.
         self.req_pool_idx: Optional[int] = None
@@ -78,15 +71,17 @@ class Req:
         self.extend_input_len = 0
         self.kv_committed_len = 0  # tokens of the row whose K/V are computed
         self.is_chunked = False
-        self.penalty_state: Any = None
-        self.grammar: Any = None
+        self.penalty_state: Optional[RequestPenaltyState] = None
+        self.grammar: Optional[BaseGrammarObject] = None
 
         # Accounting.
         self.cached_tokens = 0
         self.already_computed = 0
         self.retractions = 0
         self.logprobs = LogprobState() if return_logprob else None
+        # How much of output_ids / of the (input, output) logprob entries was sent to the detokenizer.
         self.sent_output_len = 0
+        self.sent_logprobs: tuple[int, int] = (0, 0)
         self.created_time = time.monotonic()
         self.first_token_time: Optional[float] = None
         self.last_token_time: Optional[float] = None
@@ -136,36 +131,8 @@ class Req:
         self.is_chunked = False
         self.penalty_state = None
 
-    def max_new_tokens(self) -> int:
-        return self.sampling_params.max_new_tokens  # clamped by the scheduler at admission
-
     def __repr__(self) -> str:
         return f"Req(rid={self.rid}, input={len(self.origin_input_ids)}, output={len(self.output_ids)})"
-
-
-class OutOfKVMemory(RuntimeError):
-    """Slot allocation failed even after evicting the cache; the scheduler's budgets should prevent this."""
-
-
-@dataclass
-class MemoryPools:
-    """The three memory levels plus the prefix cache, shared by the scheduler and the model runner."""
-
-    req_to_token_pool: Any
-    allocator: Any
-    kv_pool: Any
-    tree_cache: Any
-
-    def alloc_slots(self, n: int) -> torch.Tensor:
-        if self.allocator.available_size() < n:
-            self.tree_cache.evict(n - self.allocator.available_size())
-        slots = self.allocator.alloc(n)
-        if slots is None:
-            raise OutOfKVMemory(f"cannot allocate {n} KV slots")
-        return slots
-
-    def available_tokens(self) -> int:
-        return self.allocator.available_size() + self.tree_cache.evictable_size()
 
 
 class ScheduleBatch:
@@ -249,3 +216,37 @@ class ScheduleBatch:
             self.seq_lens.append(pos + 1)
             self.logit_positions.append([i])
             self.sample_row.append(0)
+
+    # ---- what the model runner receives -------------------------------------------------------------------
+    def forward_inputs(self, mem: MemoryPools, vocab_size: int, device: torch.device
+                       ) -> tuple[ForwardBatch, Optional[SamplingBatchInfo]]:
+        """The ForwardBatch of this step and the sampling inputs of its sampling rows (None when none samples)."""
+        flat_positions = [p for rows in self.logit_positions for p in rows]
+        sample_rows, sample_reqs, offset = [], [], 0
+        for req, rows, s in zip(self.reqs, self.logit_positions, self.sample_row):
+            if s is not None:
+                sample_rows.append(offset + s)
+                sample_reqs.append(req)
+            offset += len(rows)
+        forward_batch = ForwardBatch(
+            forward_mode=ForwardMode.DECODE if self.is_decode else ForwardMode.EXTEND,
+            batch_size=len(self.reqs),
+            input_ids=torch.tensor(self.input_ids, dtype=torch.int64, device=device),
+            positions=build_positions(self.prefix_lens, self.extend_lens, device),
+            req_pool_indices=torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64, device=device),
+            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int64, device=device),
+            out_cache_loc=self.out_cache_loc.to(device),
+            seq_lens_cpu=self.seq_lens,
+            extend_prefix_lens_cpu=self.prefix_lens,
+            extend_seq_lens_cpu=self.extend_lens,
+            req_to_token_pool=mem.req_to_token_pool,
+            token_to_kv_pool=mem.kv_pool,
+            logits_indices=torch.tensor(flat_positions, dtype=torch.int64, device=device),
+            return_input_logprobs=any(r.return_logprob and len(rows) > (s is not None) for r, rows, s in
+                                      zip(self.reqs, self.logit_positions, self.sample_row)),
+        )
+        sampling = None
+        if sample_reqs:
+            sampling = SamplingBatchInfo.from_reqs(sample_reqs, vocab_size, device, logit_rows=sample_rows)
+            sampling.fill_grammar_bitmask(sample_reqs)
+        return forward_batch, sampling

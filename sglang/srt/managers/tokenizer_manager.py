@@ -12,6 +12,7 @@ from typing import Any, AsyncIterator, Optional
 import zmq
 import zmq.asyncio
 
+from sglang.srt.managers.finish_reason import ABORT_BEFORE_PREFILL, FinishAbort, FinishReason
 from sglang.srt.managers.generate_input import GenerateReqInput
 from sglang.srt.managers.io_struct import (
     AbortReq,
@@ -24,11 +25,11 @@ from sglang.srt.managers.io_struct import (
 )
 from sglang.srt.managers.logprob_format import LogprobFormatter
 from sglang.srt.metrics import ServerMetrics
+from sglang.srt.model_loader.model_info import ModelInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -41,20 +42,26 @@ class ReqState:
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
     finished: bool = False
-    meta: dict = field(default_factory=dict)
+    finish_reason: Optional[FinishReason] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    retractions: int = 0
     logprobs: Optional[LogprobFormatter] = None
     last_output_time: Optional[float] = None
 
 
 class TokenizerManager:
-    def __init__(self, server_args: ServerArgs, port_args: PortArgs, tokenizer, model_info: dict,
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs, tokenizer, model_info: ModelInfo,
                  scheduler_info: dict) -> None:
         self.server_args = server_args
         self.tokenizer = tokenizer
         self.model_info = model_info
         self.scheduler_info = scheduler_info
-        self.context_len = model_info["context_len"]
-        self.vocab_size = model_info["hf_config"].vocab_size
+        self.context_len = model_info.context_len
+        # The KV cache bounds a prompt below the context length: the scheduler reports the bound at startup.
+        self.max_req_input_len = scheduler_info["max_req_input_len"]
+        self.vocab_size = model_info.vocab_size
         self.preferred_sampling_params = (
             json.loads(server_args.preferred_sampling_params) if server_args.preferred_sampling_params else {}
         )
@@ -94,6 +101,19 @@ class TokenizerManager:
         if n >= self.context_len:
             raise ValueError(
                 f"The input ({n} tokens) is longer than the model's context length ({self.context_len} tokens)."
+            )
+        if n > self.max_req_input_len:
+            if not self.server_args.allow_auto_truncate:
+                raise ValueError(
+                    f"Input length ({n} tokens) exceeds the maximum allowed length ({self.max_req_input_len} "
+                    "tokens). Use a shorter input or enable --allow-auto-truncate."
+                )
+            input_ids = input_ids[: self.max_req_input_len]
+            n = len(input_ids)
+        start = item["logprob_start_len"]
+        if item["return_logprob"] and start is not None and start >= n:
+            raise ValueError(
+                f"logprob_start_len ({start}) is superior or equal to the length of the input ({n} tokens)."
             )
         params = SamplingParams.from_dict({**self.preferred_sampling_params, **item["sampling_params"]})
         params.normalize(self.tokenizer)
@@ -190,19 +210,20 @@ class TokenizerManager:
                 yield out
 
     def _raise_if_error(self, state: ReqState) -> None:
-        reason = state.meta.get("finish_reason") or {}
-        if reason.get("type") == "abort" and reason.get("status_code") == 400:
-            raise ValueError(reason["message"])
+        reason = state.finish_reason
+        if isinstance(reason, FinishAbort) and reason.is_bad_request:
+            raise ValueError(reason.message)
 
     def _make_output(self, state: ReqState) -> dict:
-        meta: dict[str, Any] = {"id": state.rid, "finish_reason": state.meta.get("finish_reason")}
-        meta["prompt_tokens"] = state.meta.get("prompt_tokens", 0)
+        reason = state.finish_reason.to_json() if state.finish_reason is not None else None
+        meta: dict[str, Any] = {"id": state.rid, "finish_reason": reason}
+        meta["prompt_tokens"] = state.prompt_tokens
         meta["weight_version"] = self.server_args.weight_version
-        meta["total_retractions"] = state.meta.get("retractions", 0)
+        meta["total_retractions"] = state.retractions
         if state.logprobs is not None:
             meta.update(state.logprobs.to_meta())
-        meta["completion_tokens"] = state.meta.get("completion_tokens", 0)
-        meta["cached_tokens"] = state.meta.get("cached_tokens", 0)
+        meta["completion_tokens"] = state.completion_tokens
+        meta["cached_tokens"] = state.cached_tokens
         if state.finished:
             meta["e2e_latency"] = time.monotonic() - state.created
         if self.tokenizer is None:
@@ -240,11 +261,11 @@ class TokenizerManager:
                 state.last_output_time = now
             state.text += msg.new_texts[i]
             state.output_ids.extend(msg.new_output_ids[i])
-            state.meta.update(
-                finish_reason=msg.finished_reasons[i], prompt_tokens=msg.prompt_tokens[i],
-                completion_tokens=msg.completion_tokens[i], cached_tokens=msg.cached_tokens[i],
-                retractions=msg.retractions[i],
-            )
+            state.finish_reason = msg.finished_reasons[i]
+            state.prompt_tokens = msg.prompt_tokens[i]
+            state.completion_tokens = msg.completion_tokens[i]
+            state.cached_tokens = msg.cached_tokens[i]
+            state.retractions = msg.retractions[i]
             if state.logprobs is not None and msg.logprobs[i] is not None:
                 state.logprobs.extend(msg.logprobs[i])
             if msg.finished_reasons[i] is not None:
@@ -252,8 +273,8 @@ class TokenizerManager:
                 if self.server_args.log_requests:
                     self._log_finished(state)
                 reason = msg.finished_reasons[i]
-                if reason.get("type") == "abort" and reason.get("message") == "Abort before prefill":
-                    state.meta.update(prompt_tokens=0, completion_tokens=0)
+                if isinstance(reason, FinishAbort) and reason.message == ABORT_BEFORE_PREFILL:
+                    state.prompt_tokens = state.completion_tokens = 0
             state.event.set()
 
     def close(self) -> None:
@@ -269,8 +290,8 @@ class TokenizerManager:
         limit = 2048 if self.server_args.log_requests_level >= 2 else 256
         logger.info(
             "Finish: rid=%s, finish_reason=%s, prompt_tokens=%s, completion_tokens=%s, cached_tokens=%s, "
-            "output=%r", state.rid, state.meta.get("finish_reason"), state.meta.get("prompt_tokens"),
-            state.meta.get("completion_tokens"), state.meta.get("cached_tokens"), state.text[:limit],
+            "output=%r", state.rid, state.finish_reason, state.prompt_tokens,
+            state.completion_tokens, state.cached_tokens, state.text[:limit],
         )
 
     # ---- control --------------------------------------------------------------------------------------

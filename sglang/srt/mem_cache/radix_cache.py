@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from sglang.srt.mem_cache.allocator import TokenSlotAllocator
+from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult
 from sglang.srt.mem_cache.req_to_token import ReqToTokenPool
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
 
 
 class TreeNode:
@@ -41,12 +44,6 @@ class TreeNode:
         return f"TreeNode(len={len(self.key)}, lock_ref={self.lock_ref}, children={len(self.children)})"
 
 
-@dataclass
-class MatchResult:
-    indices: torch.Tensor  # int64 KV slots of the matched prefix (len == matched tokens)
-    last_node: TreeNode  # node to lock while a request uses the prefix
-
-
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -55,18 +52,12 @@ def _common_prefix_len(a: list[int], b: list[int]) -> int:
     return i
 
 
-class RadixCache:
-    """Prefix cache over KV slots. With `disable=True` it shares nothing: every request owns its slots."""
+class RadixCache(BasePrefixCache):
+    """Prefix cache over KV slots, shared by every request whose tokens start the same way."""
 
-    def __init__(
-        self,
-        req_to_token_pool: ReqToTokenPool,
-        allocator: TokenSlotAllocator,
-        disable: bool = False,
-    ) -> None:
+    def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: TokenSlotAllocator) -> None:
         self.req_to_token_pool = req_to_token_pool
         self.allocator = allocator
-        self.disable = disable
         self.device = allocator.device
         # A logical clock rather than wall time: equal timestamps would make LRU order arbitrary.
         self._clock = itertools.count(1)
@@ -93,7 +84,7 @@ class RadixCache:
     def match_prefix(self, key: list[int]) -> MatchResult:
         """The longest cached prefix of `key`. A match that ends inside a node splits that node, so
         the returned last_node covers exactly the matched tokens and can be locked on its own."""
-        if self.disable or not key:
+        if not key:
             return MatchResult(self._empty_indices(), self.root_node)
         now = next(self._clock)
         node = self.root_node
@@ -119,8 +110,6 @@ class RadixCache:
         For those, the tree keeps its own slots and the caller's copies (value[:returned]) remain the
         caller's to free.
         """
-        if self.disable:
-            return 0
         if len(key) != len(value):
             raise ValueError(f"key has {len(key)} tokens but value has {len(value)} slots")
         # A private copy: callers often pass a view of a req_to_token row that is reused later.
@@ -161,7 +150,7 @@ class RadixCache:
 
     # ---- locking --------------------------------------------------------------------------------------
     def inc_lock_ref(self, node: Optional[TreeNode]) -> None:
-        if self.disable or node is None:
+        if node is None:
             return
         while node is not self.root_node:
             if node.lock_ref == 0:
@@ -171,7 +160,7 @@ class RadixCache:
             node = node.parent
 
     def dec_lock_ref(self, node: Optional[TreeNode]) -> None:
-        if self.disable or node is None:
+        if node is None:
             return
         while node is not self.root_node:
             if node.lock_ref <= 0:
@@ -188,7 +177,7 @@ class RadixCache:
 
         Returns how many slots were freed (whole nodes go, so it may exceed `num_tokens`).
         """
-        if self.disable or num_tokens <= 0:
+        if num_tokens <= 0:
             return 0
         tie = itertools.count()
         heap = [(leaf.last_access_time, next(tie), leaf) for leaf in self._evictable_leaves()]
@@ -222,23 +211,16 @@ class RadixCache:
         return leaves
 
     # ---- request hand-off -----------------------------------------------------------------------------
-    def cache_finished_req(self, req: Any) -> None:
+    def cache_finished_req(self, req: "Req") -> None:
         """Give a finished (or aborted, or retracted) request's KV to the tree and free its row."""
         row = req.req_pool_idx
         table_row = self.req_to_token_pool.req_to_token[row]
-        allocated = getattr(req, "kv_allocated_len", 0)
-        if self.disable:
-            self.allocator.free(table_row[:allocated].clone())
-            self.req_to_token_pool.free(row)
-            return
+        allocated = req.kv_allocated_len
 
         # The last output token never ran through the model, so it has no K/V; and slots that were
         # allocated but never computed (request stopped mid-step) must not be shared.
         token_ids = (list(req.origin_input_ids) + list(req.output_ids))[:-1]
-        cached_len = min(len(token_ids), allocated)
-        committed = getattr(req, "kv_committed_len", None)
-        if committed is not None:
-            cached_len = min(cached_len, committed)
+        cached_len = min(len(token_ids), allocated, req.kv_committed_len)
         protected = self._protected_len(req)
         kv = table_row[:allocated].clone()
 
@@ -249,10 +231,8 @@ class RadixCache:
         self.req_to_token_pool.free(row)
         self.dec_lock_ref(req.last_node)
 
-    def cache_unfinished_req(self, req: Any) -> None:
+    def cache_unfinished_req(self, req: "Req") -> None:
         """After a prefill chunk: move the request's computed KV into the tree and lock it there."""
-        if self.disable:
-            return
         row = req.req_pool_idx
         token_ids = list(req.fill_ids)
         kv = self.req_to_token_pool.req_to_token[row, : len(token_ids)].clone()
@@ -274,10 +254,10 @@ class RadixCache:
         req.cache_protected_len = len(new_indices)
 
     @staticmethod
-    def _protected_len(req: Any) -> int:
+    def _protected_len(req: "Req") -> int:
         # The matched prefix belongs to the tree from admission on, even while cache_protected_len
         # still says 0 (it is only raised once a prefill chunk has been cached).
-        return max(getattr(req, "cache_protected_len", 0), len(req.prefix_indices))
+        return max(req.cache_protected_len, len(req.prefix_indices))
 
     # ---- checks ---------------------------------------------------------------------------------------
     def check_integrity(self) -> None:

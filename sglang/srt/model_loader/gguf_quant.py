@@ -1,49 +1,34 @@
-"""Small-batch matmuls straight from a GGUF file's quantized blocks.
+"""Choosing the GGUF-blocks linear method at load time for a model read from a Q4_1 / Q8_0 GGUF file.
 
-A model loaded from a Q4_1 / Q8_0 GGUF keeps its float weights (dequantized exactly, for prefill and large
-decode batches, where the dense GEMM is compute-bound) and also gets the original blocks of each linear
-layer and of the LM head. A projection of at most `max_rows` token rows then runs the quantized kernel: it
-reads ~4.5 bits per weight instead of 32, which is what bounds a small decode step. The blocks are attached
-only where their dequantized values equal the loaded weights bit for bit, so both paths compute with the same
-weights.
+A model loaded from such a file keeps its float weights (dequantized exactly) and every linear layer and the LM
+head also get the file's original blocks through `GGUFLinearMethod` (layers/quantization/gguf_linear.py), which
+runs batches of at most `max_rows` rows on them. The blocks are attached only where their dequantized values
+equal the loaded weights bit for bit, so both paths compute with the same weights.
 """
 
 from __future__ import annotations
 
 import logging
-import types
 from typing import Any, Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from sglang.srt.layers.linear import Linear
 from sglang.srt.layers.quantization.gguf_blocks import (
     GGUFQuantWeight,
     kernels_available,
     kernels_unavailable_reason,
-    read_gguf_quant_tensors,
     rotary_rows_gguf_to_hf,
 )
+from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
+from sglang.srt.model_loader.gguf_reader import read_gguf_quant_tensors
 
 logger = logging.getLogger(__name__)
 
 # Largest number of token rows sent to the quantized kernel (benchmarks/RESULTS.md: the dense float32 GEMM
 # wins beyond this on the development machine).
 DEFAULT_MAX_ROWS = 64
-
-
-def _quantized_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if x.dim() == 2 and x.shape[0] <= self.quant_max_rows:
-        return self.quant_weight.linear(x, self.bias)
-    return F.linear(x, self.weight, self.bias)
-
-
-def attach_quant_weight(module: nn.Linear, weight: GGUFQuantWeight, max_rows: int) -> None:
-    """Make `module` multiply batches of up to `max_rows` rows with `weight` (whose values must equal its own)."""
-    module.quant_weight = weight
-    module.quant_max_rows = max_rows
-    module.forward = types.MethodType(_quantized_linear_forward, module)
 
 
 def _matching(candidates: list[Callable[[], Optional[GGUFQuantWeight]]], target: torch.Tensor) -> Optional[
@@ -74,7 +59,7 @@ def attach_gguf_quant_weights(model: nn.Module, gguf_path: str, config: Any, max
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     attached = 0
-    plan: list[tuple[nn.Module, GGUFQuantWeight]] = []
+    plan: list[tuple[Linear, Optional[GGUFQuantWeight]]] = []
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
         q, k, v = (block(f"blk.{i}.attn_{n}.weight") for n in ("q", "k", "v"))
@@ -106,10 +91,11 @@ def attach_gguf_quant_weights(model: nn.Module, gguf_path: str, config: Any, max
     if head is not None:
         head_weight = _matching([lambda: block("output.weight"), lambda: block("token_embd.weight")], head.weight)
     for module, weight in plan:
-        attach_quant_weight(module, weight, max_rows)
+        assert weight is not None
+        module.set_linear_method(GGUFLinearMethod(weight, max_rows))
         attached += weight.nbytes
     if head_weight is not None and hasattr(model, "logits_processor"):
-        model.logits_processor.quant_head = (head_weight, max_rows)
+        model.logits_processor.set_head_method(GGUFLinearMethod(head_weight, max_rows))
         attached += head_weight.nbytes
     logger.info("Attached %.1f MB of GGUF blocks for matmuls of up to %d rows", attached / 2**20, max_rows)
     return attached

@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator, Optional
 
 import torch
+from torch import nn
+
+from sglang.srt.layers.linear import MergedLinear, copy_checked
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PYTORCH_INDEX = "pytorch_model.bin.index.json"
@@ -56,3 +59,71 @@ def _iterate_pickled(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         yield from state.items()
     finally:
         del state
+
+
+# Buffers some checkpoints carry that are derived from the config, not learned.
+_DERIVED_BUFFER_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def load_checkpoint_weights(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], tied_aliases: Optional[dict[str, str]] = None
+) -> None:
+    """Copy checkpoint tensors into `model`, slicing q/k/v and gate/up into their fused modules.
+
+    `tied_aliases` maps a checkpoint name onto the parameter it shares storage with (lm_head -> embeddings);
+    it is used only when the target itself is absent from the checkpoint. Raises ValueError naming every
+    missing or unexpected checkpoint weight.
+    """
+    tied_aliases = tied_aliases or {}
+    params = dict(model.named_parameters())
+    shard_targets: dict[str, tuple[MergedLinear, str, str]] = {}
+    fused_param_names: set[str] = set()
+    for prefix, module in model.named_modules():
+        if not isinstance(module, MergedLinear):
+            continue
+        parent = prefix.rsplit(".", 1)[0] if "." in prefix else ""
+        for leaf, _ in module.named_parameters(recurse=False):
+            fused_param_names.add(f"{prefix}.{leaf}")
+            for shard_name in module.shard_rows:
+                checkpoint_name = f"{parent}.{shard_name}.{leaf}" if parent else f"{shard_name}.{leaf}"
+                shard_targets[checkpoint_name] = (module, shard_name, leaf)
+    expected = set(shard_targets) | {name for name in params if name not in fused_param_names}
+
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    alias_tensors: dict[str, tuple[str, torch.Tensor]] = {}
+    with torch.no_grad():
+        for name, tensor in weights:
+            if name.endswith(_DERIVED_BUFFER_SUFFIXES):
+                continue
+            if name in shard_targets:
+                module, shard_name, leaf = shard_targets[name]
+                module.load_shard(leaf, shard_name, tensor, name)
+            elif name in params and name not in fused_param_names:
+                copy_checked(params[name].data, tensor, name)
+            elif name in tied_aliases:
+                if tied_aliases[name] not in loaded:
+                    alias_tensors[tied_aliases[name]] = (name, tensor)
+                continue
+            else:
+                unexpected.append(name)
+                continue
+            loaded.add(name)
+            alias_tensors.pop(name, None)
+        for target, (source_name, tensor) in alias_tensors.items():
+            if target not in loaded:
+                copy_checked(params[target].data, tensor, source_name)
+                loaded.add(target)
+
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"Checkpoint is missing {len(missing)} weight(s): {_name_list(missing)}")
+    if unexpected:
+        raise ValueError(
+            f"Checkpoint has {len(unexpected)} weight(s) the model does not use: {_name_list(sorted(unexpected))}"
+        )
+
+
+def _name_list(names: list[str], limit: int = 12) -> str:
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown}, ... ({len(names) - limit} more)"

@@ -14,17 +14,14 @@ from torch import nn
 
 from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.layers.activation import SiluAndMul
-from sglang.srt.layers.fused_decode import FusedDecode
 from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.linear import Linear, MergedLinear
 from sglang.srt.layers.logits_processor import LogitsProcessor
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb, get_rope
+from sglang.srt.model_loader.weights import load_checkpoint_weights
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
-
-# Buffers some checkpoints carry that are derived from the config, not learned.
-_DERIVED_BUFFER_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-
 
 @dataclass(frozen=True)
 class DecoderOptions:
@@ -34,104 +31,6 @@ class DecoderOptions:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
-
-
-class MergedLinear(nn.Linear):
-    """Several projections of the same input in one matmul; the output rows are the shards, in order."""
-
-    def __init__(
-        self,
-        in_features: int,
-        shards: list[tuple[str, int]],
-        bias: bool,
-        dtype: Optional[torch.dtype],
-        device: Optional[torch.device | str],
-    ) -> None:
-        super().__init__(in_features, sum(size for _, size in shards), bias=bias, dtype=dtype, device=device)
-        # checkpoint module name (e.g. "k_proj") -> (first output row, number of rows)
-        self.shard_rows: dict[str, tuple[int, int]] = {}
-        offset = 0
-        for shard_name, size in shards:
-            self.shard_rows[shard_name] = (offset, size)
-            offset += size
-
-    def load_shard(self, param_name: str, shard_name: str, tensor: torch.Tensor, checkpoint_name: str) -> None:
-        start, size = self.shard_rows[shard_name]
-        target = getattr(self, param_name).data.narrow(0, start, size)
-        _copy_checked(target, tensor, checkpoint_name)
-
-
-def _copy_checked(target: torch.Tensor, tensor: torch.Tensor, checkpoint_name: str) -> None:
-    if tuple(target.shape) != tuple(tensor.shape):
-        raise ValueError(
-            f"Checkpoint weight {checkpoint_name} has shape {tuple(tensor.shape)}, "
-            f"the model expects {tuple(target.shape)}"
-        )
-    target.copy_(tensor)
-
-
-def load_checkpoint_weights(
-    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], tied_aliases: Optional[dict[str, str]] = None
-) -> None:
-    """Copy checkpoint tensors into `model`, slicing q/k/v and gate/up into their fused modules.
-
-    `tied_aliases` maps a checkpoint name onto the parameter it shares storage with (lm_head -> embeddings);
-    it is used only when the target itself is absent from the checkpoint. Raises ValueError naming every
-    missing or unexpected checkpoint weight.
-    """
-    tied_aliases = tied_aliases or {}
-    params = dict(model.named_parameters())
-    shard_targets: dict[str, tuple[MergedLinear, str, str]] = {}
-    fused_param_names: set[str] = set()
-    for prefix, module in model.named_modules():
-        if not isinstance(module, MergedLinear):
-            continue
-        parent = prefix.rsplit(".", 1)[0] if "." in prefix else ""
-        for leaf, _ in module.named_parameters(recurse=False):
-            fused_param_names.add(f"{prefix}.{leaf}")
-            for shard_name in module.shard_rows:
-                checkpoint_name = f"{parent}.{shard_name}.{leaf}" if parent else f"{shard_name}.{leaf}"
-                shard_targets[checkpoint_name] = (module, shard_name, leaf)
-    expected = set(shard_targets) | {name for name in params if name not in fused_param_names}
-
-    loaded: set[str] = set()
-    unexpected: list[str] = []
-    alias_tensors: dict[str, tuple[str, torch.Tensor]] = {}
-    with torch.no_grad():
-        for name, tensor in weights:
-            if name.endswith(_DERIVED_BUFFER_SUFFIXES):
-                continue
-            if name in shard_targets:
-                module, shard_name, leaf = shard_targets[name]
-                module.load_shard(leaf, shard_name, tensor, name)
-            elif name in params and name not in fused_param_names:
-                _copy_checked(params[name].data, tensor, name)
-            elif name in tied_aliases:
-                if tied_aliases[name] not in loaded:
-                    alias_tensors[tied_aliases[name]] = (name, tensor)
-                continue
-            else:
-                unexpected.append(name)
-                continue
-            loaded.add(name)
-            alias_tensors.pop(name, None)
-        for target, (source_name, tensor) in alias_tensors.items():
-            if target not in loaded:
-                _copy_checked(params[target].data, tensor, source_name)
-                loaded.add(target)
-
-    missing = sorted(expected - loaded)
-    if missing:
-        raise ValueError(f"Checkpoint is missing {len(missing)} weight(s): {_name_list(missing)}")
-    if unexpected:
-        raise ValueError(
-            f"Checkpoint has {len(unexpected)} weight(s) the model does not use: {_name_list(sorted(unexpected))}"
-        )
-
-
-def _name_list(names: list[str], limit: int = 12) -> str:
-    shown = ", ".join(names[:limit])
-    return shown if len(names) <= limit else f"{shown}, ... ({len(names) - limit} more)"
 
 
 def head_dim_of(config: Any) -> int:
@@ -154,7 +53,7 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedLinear(
             hidden_size, [("gate_proj", intermediate_size), ("up_proj", intermediate_size)], bias, dtype, device
         )
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype, device=device)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype=dtype, device=device)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -186,7 +85,7 @@ class LlamaAttention(nn.Module):
             dtype,
             device,
         )
-        self.o_proj = nn.Linear(self.q_size, hidden_size, bias=options.o_proj_bias, dtype=dtype, device=device)
+        self.o_proj = Linear(self.q_size, hidden_size, options.o_proj_bias, dtype=dtype, device=device)
         if options.qk_norm:
             eps = config.rms_norm_eps
             self.q_norm: Optional[RMSNorm] = RMSNorm(self.head_dim, eps, dtype=dtype, device=device)
@@ -274,15 +173,15 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
-        # Set by the model runner when the whole decode step can run as one compiled call (CPU, GGUF blocks).
-        self.fused_decode: Optional[FusedDecode] = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, CosSin]:
+        """Token embeddings and the rotary (cos, sin) of each position: the inputs of the first layer."""
         hidden_states = self.embed_tokens(input_ids)
         # One table lookup per forward, shared by every layer.
-        cos_sin = self.rotary_emb.lookup(positions, hidden_states.dtype)
-        if self.fused_decode is not None and self.fused_decode.accepts(hidden_states, forward_batch):
-            return self.fused_decode(hidden_states, cos_sin, forward_batch)
+        return hidden_states, self.rotary_emb.lookup(positions, hidden_states.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        hidden_states, cos_sin = self.embed(input_ids, positions)
         residual: Optional[torch.Tensor] = None
         for layer in self.layers:
             hidden_states, residual = layer(cos_sin, hidden_states, forward_batch, residual)
@@ -324,10 +223,12 @@ class LlamaForCausalLM(nn.Module):
         """Final normed hidden states [num_tokens, hidden_size] of every token in the batch."""
         return self.model(input_ids, positions, forward_batch)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    def compute_logits(self, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         """float32 logits [num_selected, vocab] for the rows the logits processor selects."""
-        hidden_states = self.model(input_ids, positions, forward_batch)
         return self.logits_processor(hidden_states, self.lm_head.weight, forward_batch)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        return self.compute_logits(self.model(input_ids, positions, forward_batch), forward_batch)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         aliases = {"lm_head.weight": "model.embed_tokens.weight"} if self.tie_word_embeddings else {}

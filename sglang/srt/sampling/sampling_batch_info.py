@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -46,9 +46,16 @@ class SamplingBatchInfo:
     # fill_grammar_bitmask (rows of requests without a grammar are left out).
     grammar_bitmask: Optional[torch.Tensor] = None
     grammar_rows: Optional[list[int]] = None
+    # Row i samples from row logit_rows[i] of the forward's logits.
+    logit_rows: list[int] = field(default_factory=list)
+    # Logprobs of the chosen tokens, with per-row top-k and chosen-id extras (None when no row wants them).
+    return_logprob: bool = False
+    top_logprobs_nums: Optional[list[int]] = None
+    token_ids_logprobs: Optional[list[Optional[list[int]]]] = None
 
     @classmethod
-    def from_reqs(cls, reqs: list, vocab_size: int, device) -> "SamplingBatchInfo":
+    def from_reqs(cls, reqs: list, vocab_size: int, device, logit_rows: Optional[list[int]] = None
+                  ) -> "SamplingBatchInfo":
         device = torch.device(device)
         seeds, steps, sampled, greedy = [], [], [], []
         penalized, biased, below_min = [], [], []
@@ -65,6 +72,7 @@ class SamplingBatchInfo:
             if steps[-1] < params.min_new_tokens:
                 below_min.append(i)
 
+        want_logprob = any(r.return_logprob for r in reqs)
         temperatures = top_ps = top_ks = min_ps = None
         sampled_rows = greedy_rows = None
         top_k_values: list[int] = []
@@ -106,6 +114,11 @@ class SamplingBatchInfo:
             penalties=BatchedPenalties.from_reqs(reqs, penalized, device),
             logit_bias=SparseLogitBias.from_reqs(reqs, biased, device),
             min_tokens_mask=MinNewTokensMask.from_reqs(reqs, below_min, vocab_size, device),
+            logit_rows=list(range(len(reqs))) if logit_rows is None else logit_rows,
+            return_logprob=want_logprob,
+            top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else 0 for r in reqs] if want_logprob else None,
+            token_ids_logprobs=[r.token_ids_logprob if r.return_logprob else None for r in reqs]
+            if want_logprob else None,
         )
 
     @property

@@ -81,7 +81,7 @@ def _validation_message(e: ValidationError) -> str:
 def register_openai_routes(app: FastAPI, state) -> None:
     tm = state.tm
     args = state.args
-    defaults = state.model_info["generation_defaults"] if args.sampling_defaults == "model" else {}
+    defaults = state.model_info.generation_defaults if args.sampling_defaults == "model" else {}
     chat = ChatHandler(tm, load_chat_template(args.chat_template), defaults)
     completions = CompletionHandler(tm)
 

@@ -8,7 +8,8 @@ from concurrent.futures import Future
 from typing import Callable, Optional
 
 from sglang.srt.constrained.base_grammar_backend import BaseGrammarBackend, InvalidGrammar, constraint_key
-from sglang.srt.managers.schedule_batch import Req, finish_abort
+from sglang.srt.managers.finish_reason import FinishAbort, bad_request
+from sglang.srt.managers.schedule_batch import Req
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +38,7 @@ class GrammarQueue:
         if key is None:
             return req
         if self.backend is None:
-            req.finished_reason = finish_abort(
-                NO_BACKEND_MESSAGE.format(kind=key[0]), status_code=400, err_type="BadRequestError"
-            )
+            req.finished_reason = bad_request(NO_BACKEND_MESSAGE.format(kind=key[0]))
             return req
         future = self.backend.get_future(key)
         if future.done():
@@ -60,10 +59,8 @@ class GrammarQueue:
                 ready.append(req)
             elif now - start > self.timeout_s:
                 self.backend.forget(key)
-                req.finished_reason = finish_abort(
-                    f"Grammar compilation timed out after {self.timeout_s:g} s (--grammar-compile-timeout).",
-                    status_code=400, err_type="BadRequestError",
-                )
+                req.finished_reason = bad_request(
+                    f"Grammar compilation timed out after {self.timeout_s:g} s (--grammar-compile-timeout).")
                 ready.append(req)
             else:
                 still.append((req, key, future, start))
@@ -77,7 +74,7 @@ class GrammarQueue:
 
     def _resolve(self, req: Req, compiled) -> None:
         if isinstance(compiled, InvalidGrammar):
-            req.finished_reason = finish_abort(compiled.message, status_code=400, err_type="BadRequestError")
+            req.finished_reason = bad_request(compiled.message)
         else:
             req.grammar = self.backend.new_matcher(compiled)
 
@@ -88,9 +85,7 @@ def accept_sampled_token(req: Req, token: int) -> None:
         return
     # Only possible when every token was masked out (for instance min_new_tokens hiding the only allowed EOS).
     logger.warning("Request %s: the grammar rejected token %d; finishing the request", req.rid, token)
-    req.finished_reason = finish_abort(
-        f"The grammar rejected the sampled token {token}.", status_code=None, err_type=None
-    )
+    req.finished_reason = FinishAbort(f"The grammar rejected the sampled token {token}.")
 
 
 def jump_forward_tokens(req: Req, tokenizer) -> list[int]:

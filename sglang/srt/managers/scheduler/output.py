@@ -7,7 +7,8 @@ from typing import Optional
 import torch
 
 from sglang.srt.managers.io_struct import BatchTokenIDOutput
-from sglang.srt.managers.schedule_batch import Req, finish_length, finish_matched
+from sglang.srt.managers.finish_reason import FinishLength, FinishMatched
+from sglang.srt.managers.schedule_batch import Req
 
 
 def check_finished(req: Req, tokenizer) -> None:
@@ -19,23 +20,23 @@ def check_finished(req: Req, tokenizer) -> None:
         return
     params = req.sampling_params
     if len(req.output_ids) >= params.max_new_tokens:
-        req.finished_reason = finish_length(params.max_new_tokens)
+        req.finished_reason = FinishLength(params.max_new_tokens)
         return
     last = req.output_ids[-1] if req.output_ids else None
     if last is None:
         return
     if req.grammar is not None and req.grammar.is_terminated():
-        req.finished_reason = finish_matched(last)
+        req.finished_reason = FinishMatched(last)
         return
     if not params.ignore_eos and last in req.stop_token_ids:
-        req.finished_reason = finish_matched(last)
+        req.finished_reason = FinishMatched(last)
         return
     if params.stop and tokenizer is not None:
         tail_len = params.stop_str_max_len + 2
         tail = tokenizer.decode(req.output_ids[-tail_len:])
         for stop in params.stop:
             if stop and stop in tail:
-                req.finished_reason = finish_matched(stop)
+                req.finished_reason = FinishMatched(stop)
                 return
 
 
@@ -84,7 +85,7 @@ def logprob_increment(req: Req) -> Optional[dict]:
     state = req.logprobs
     if state is None:
         return None
-    sent = getattr(req, "sent_logprobs", (0, 0))
+    sent = req.sent_logprobs
     n_in, n_out = len(state.input_token_idx), len(state.output_token_idx)
     inc = {
         "input_token_val": state.input_token_val[sent[0]:],
@@ -125,9 +126,8 @@ def build_output_message(reqs: list[Req]) -> BatchTokenIDOutput:
         msg.logprobs.append(logprob_increment(req))
         reason = req.finished_reason
         # A stop token is not part of the text; the last token of a grammar that ended by itself is.
-        matched = reason.get("matched") if reason else None
         msg.trim_last_token.append(
-            bool(reason and reason.get("type") == "stop" and isinstance(matched, int)
-                 and matched in req.stop_token_ids and not params.no_stop_trim)
+            isinstance(reason, FinishMatched) and isinstance(reason.matched, int)
+            and reason.matched in req.stop_token_ids and not params.no_stop_trim
         )
     return msg

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from sglang.srt.managers.schedule_batch import MemoryPools, Req
+from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.mem_cache.memory_pools import MemoryPools
 
 # Decode tokens reserved per running request are capped so a huge max_new_tokens does not block admission.
 MAX_RESERVED_DECODE_TOKENS = 4096

@@ -18,7 +18,8 @@ from sglang.srt.managers.io_struct import (
     GetInternalStateReqOutput,
     TokenizedGenerateReqInput,
 )
-from sglang.srt.managers.schedule_batch import Req, ScheduleBatch, finish_abort
+from sglang.srt.managers.finish_reason import ABORT_BEFORE_PREFILL, FinishAbort
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.managers.scheduler.output import (
     build_output_message,
     check_finished,
@@ -29,7 +30,9 @@ from sglang.srt.managers.scheduler.grammar import GrammarQueue, accept_sampled_t
 from sglang.srt.managers.scheduler.policy import SchedulePolicy
 from sglang.srt.managers.scheduler.prefill_adder import PrefillAdder
 from sglang.srt.constrained.base_grammar_backend import create_grammar_backend
+from sglang.srt.mem_cache.memory_pools import build_memory_pools
 from sglang.srt.model_executor.model_runner import ModelRunner, StepOutput
+from sglang.srt.model_loader.model_info import ModelInfo
 from sglang.srt.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -43,7 +46,7 @@ IN_BATCH_PREFIX_LEN = 32
 
 
 class Scheduler:
-    def __init__(self, server_args: ServerArgs, port_args: PortArgs, model_info: dict, tokenizer) -> None:
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs, model_info: ModelInfo, tokenizer) -> None:
         self.args = server_args
         self.tokenizer = tokenizer
         ctx = zmq.Context(2)
@@ -53,24 +56,24 @@ class Scheduler:
         self.send_to_detokenizer.connect(port_args.detokenizer_ipc_name)
 
         self.runner = ModelRunner(
-            model_dir=model_info["model_dir"],
-            hf_config=model_info["hf_config"],
-            dtype=model_info["dtype"],
+            model_dir=model_info.model_dir,
+            hf_config=model_info.hf_config,
+            dtype=model_info.dtype,
             device=server_args.device,
-            context_len=model_info["context_len"],
-            max_total_tokens=server_args.max_total_tokens,
-            mem_fraction_static=server_args.mem_fraction_static,
-            max_running_requests=server_args.max_running_requests,
-            disable_radix_cache=server_args.disable_radix_cache,
-            gguf_path=model_info.get("gguf_path"),
+            gguf_path=model_info.gguf_path,
             gguf_kernel_max_rows=server_args.gguf_kernel_max_rows,
         )
-        self.mem = self.runner.mem
-        self.context_len = model_info["context_len"]
-        self.max_total_num_tokens = self.runner.max_total_num_tokens
+        self.mem = build_memory_pools(
+            self.runner.kv_cache_spec(), self.runner.device, model_info.context_len, server_args.max_total_tokens,
+            server_args.mem_fraction_static, server_args.max_running_requests, server_args.disable_radix_cache,
+        )
+        self.runner.bind_kv_pool(self.mem.kv_pool)
+        self.context_len = model_info.context_len
+        self.max_total_num_tokens = self.mem.max_total_num_tokens
+        self.max_running_requests = self.mem.max_running_requests
         self.max_req_len = min(self.context_len - 1, self.max_total_num_tokens - 1)
         self.max_req_input_len = self.max_req_len - 5
-        self.eos_token_ids = set(model_info["eos_token_ids"])
+        self.eos_token_ids = set(model_info.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         self.policy = SchedulePolicy(server_args.schedule_policy, self.mem.tree_cache, server_args.random_seed)
@@ -101,10 +104,10 @@ class Scheduler:
         return {
             "max_total_num_tokens": self.max_total_num_tokens,
             "max_req_input_len": self.max_req_input_len,
-            "max_running_requests": self.runner.max_running_requests,
+            "max_running_requests": self.max_running_requests,
             "context_len": self.context_len,
             "weight_bytes": self.runner.weight_bytes,
-            "kv_bytes": self.runner.kv_bytes,
+            "kv_bytes": self.mem.kv_bytes,
         }
 
     # ---- main loop ------------------------------------------------------------------------------------
@@ -122,7 +125,8 @@ class Scheduler:
                     else:
                         self.check_memory()
                 continue
-            result = self.runner.forward(batch)
+            forward_batch, sampling = batch.forward_inputs(self.mem, self.runner.vocab_size, self.runner.device)
+            result = self.runner.forward(forward_batch, sampling)
             finished_or_streamed = self.process_result(batch, result)
             if finished_or_streamed:
                 self.send_to_detokenizer.send_pyobj(build_output_message(finished_or_streamed))
@@ -169,11 +173,6 @@ class Scheduler:
             token_ids_logprob=msg.token_ids_logprob,
             stream=msg.stream,
         )
-        error = self._validate_length(req)
-        if error is not None:
-            req.finished_reason = finish_abort(error, status_code=400, err_type="BadRequestError")
-            self.send_to_detokenizer.send_pyobj(build_output_message([req]))
-            return
         cap = self.max_req_len - len(req.origin_input_ids) - 1
         if params.max_new_tokens is None or params.max_new_tokens > cap:
             params.max_new_tokens = max(cap, 0)
@@ -190,24 +189,6 @@ class Scheduler:
         for req in self.grammar_queue.pop_ready():
             self._enqueue(req)
 
-    def _validate_length(self, req: Req) -> Optional[str]:
-        n = len(req.origin_input_ids)
-        if n > self.max_req_input_len:
-            if not self.args.allow_auto_truncate:
-                return (
-                    f"Input length ({n} tokens) exceeds the maximum allowed length ({self.max_req_input_len} "
-                    "tokens). Use a shorter input or enable --allow-auto-truncate."
-                )
-            req.origin_input_ids = req.origin_input_ids[: self.max_req_input_len]
-        if req.return_logprob and req.logprob_start_len is not None and req.logprob_start_len >= len(
-            req.origin_input_ids
-        ):
-            return (
-                f"logprob_start_len ({req.logprob_start_len}) is superior or equal to the length of the "
-                f"input ({len(req.origin_input_ids)} tokens)."
-            )
-        return None
-
     # ---- aborts ---------------------------------------------------------------------------------------
     def abort(self, msg: AbortReq) -> None:
         def match(req: Req) -> bool:
@@ -216,11 +197,11 @@ class Scheduler:
         for req in [r for r in self.waiting if match(r)] + self.grammar_queue.remove_matching(match):
             if req in self.waiting:
                 self.waiting.remove(req)
-            req.finished_reason = finish_abort("Abort before prefill")
+            req.finished_reason = FinishAbort(ABORT_BEFORE_PREFILL)
             self.send_to_detokenizer.send_pyobj(build_output_message([req]))
         for req in self.running + ([self.chunked_req] if self.chunked_req else []):
             if match(req) and req.to_abort is None:
-                req.to_abort = finish_abort("Abort in waiting queue" if req.is_chunked else "Aborted by request")
+                req.to_abort = FinishAbort("Abort in waiting queue" if req.is_chunked else "Aborted by request")
 
     def process_aborts(self) -> None:
         aborted = [r for r in self.running if r.to_abort is not None]
@@ -254,7 +235,7 @@ class Scheduler:
     def get_prefill_batch(self) -> Optional[ScheduleBatch]:
         adder = PrefillAdder(
             self.mem, self.running, self.new_token_ratio, self.args.max_prefill_tokens,
-            self.args.chunked_prefill_size, self.runner.max_running_requests,
+            self.args.chunked_prefill_size, self.max_running_requests,
         )
         if self.chunked_req is not None:
             if not adder.add_chunked(self.chunked_req):
@@ -395,9 +376,7 @@ class Scheduler:
     def flush_cache(self) -> bool:
         if not self.is_idle():
             return False
-        self.mem.tree_cache.reset()
-        self.mem.allocator.clear()
-        self.mem.req_to_token_pool.clear()
+        self.mem.clear()
         logger.info("Cache flushed successfully!")
         return True
 
@@ -407,7 +386,7 @@ class Scheduler:
         cached = self.mem.tree_cache.total_size()
         protected = self.mem.tree_cache.protected_size()
         rows_free = self.mem.req_to_token_pool.available_size()
-        rows_total = self.runner.max_running_requests + 1
+        rows_total = self.max_running_requests + 1
         if free + cached != self.max_total_num_tokens or protected != 0 or rows_free != rows_total:
             self.invariant_error = (
                 f"memory leak: free={free} cached={cached} protected={protected} "
@@ -461,7 +440,8 @@ class Scheduler:
         )
 
 
-def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, model_info: dict, pipe_writer) -> None:
+def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, model_info: ModelInfo, pipe_writer
+                          ) -> None:
     """Entry point of the scheduler process."""
     from sglang.srt.managers.process_utils import configure_child_process, load_tokenizer_for
 

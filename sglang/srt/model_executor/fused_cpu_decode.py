@@ -1,4 +1,4 @@
-"""The decode step of a Llama-family model on CPU in one compiled call (csrc/decode_stack.cpp).
+"""The fused CPU decode strategy: a Llama-family decode step in one compiled call (layers/csrc/decode_stack.cpp).
 
 Run op by op from Python, a batch-1 decode step of SmolLM2-135M spends more time in dispatch (about 15 aten ops,
 5 kernel calls and a dozen module calls per layer, 30 layers) than in arithmetic. When every linear layer of the
@@ -12,7 +12,6 @@ off.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional
 
 import torch
@@ -22,8 +21,7 @@ from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.layers.cpu_extension import CpuExtension
 from sglang.srt.layers.cpu_ops import CSRC
 from sglang.srt.layers.quantization.gguf_blocks import KERNELS_HEADER
-
-logger = logging.getLogger(__name__)
+from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
 
 DISABLE_ENV = "SGLANG_DISABLE_FUSED_DECODE"
 _EXTENSION = CpuExtension("sglang_decode_stack", CSRC / "decode_stack.cpp", "fused CPU decode step", DISABLE_ENV,
@@ -34,44 +32,70 @@ def available() -> bool:
     return _EXTENSION.available()
 
 
-class FusedDecode:
-    """Runs the decoder layers and final norm of decode batches of up to `max_rows` sequences."""
+def unavailable_reason() -> Optional[str]:
+    return _EXTENSION.unavailable_reason()
+
+
+class FusedCpuDecode:
+    """Runs decode batches of up to `max_rows` sequences: embeddings, the fused layer stack, then the LM head."""
+
+    name = "fused CPU decode step"
 
     def __init__(self, stack: Any, max_rows: int) -> None:
         self.stack = stack
         self.max_rows = max_rows
 
-    def accepts(self, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> bool:
-        return (forward_batch.forward_mode.is_decode() and 0 < forward_batch.batch_size <= self.max_rows
-                and hidden_states.dtype == torch.float32)
+    def accepts(self, forward_batch: ForwardBatch) -> bool:
+        return forward_batch.forward_mode.is_decode() and 0 < forward_batch.batch_size <= self.max_rows
 
-    def __call__(self, hidden_states: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                 forward_batch: ForwardBatch) -> torch.Tensor:
-        batch = hidden_states.shape[0]
-        cos, sin = cos_sin  # [B, 1, rotary_dim]
-        return self.stack.forward(
+    def forward(self, model: nn.Module, forward_batch: ForwardBatch) -> torch.Tensor:
+        hidden_states, (cos, sin) = model.model.embed(forward_batch.input_ids, forward_batch.positions)
+        batch = hidden_states.shape[0]  # cos/sin: [B, 1, rotary_dim]
+        hidden_states = self.stack.forward(
             hidden_states, cos.view(batch, -1), sin.view(batch, -1), forward_batch.out_cache_loc,
             forward_batch.req_to_token_pool.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
         )
+        return model.compute_logits(hidden_states, forward_batch)
 
 
 def _quant_args(module: nn.Module) -> Optional[tuple[torch.Tensor, str, Optional[torch.Tensor]]]:
-    weight = getattr(module, "quant_weight", None)
-    if weight is None:
+    method = getattr(module, "linear_method", None)
+    if not isinstance(method, GGUFLinearMethod):
         return None
     bias = getattr(module, "bias", None)
-    return weight.packed, weight.qtype, None if bias is None else bias.detach().contiguous()
+    return method.quant_weight.packed, method.quant_weight.qtype, None if bias is None else bias.detach().contiguous()
+
+
+def why_not_fused(model: nn.Module, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor],
+                  max_rows: int) -> Optional[str]:
+    """Why the fused step cannot run this model with these K/V buffers, or None when it can."""
+    backbone = getattr(model, "model", None)
+    layers = getattr(backbone, "layers", None)
+    if not layers or not hasattr(backbone, "embed") or not hasattr(model, "compute_logits"):
+        return f"{type(model).__name__} is not a Llama-family decoder"
+    if max_rows <= 0:
+        return "--gguf-kernel-max-rows is 0"
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in [*k_buffers, *v_buffers]):
+        return "the KV cache is not float32 on CPU"
+    if any(_quant_args(m) is None for layer in layers
+           for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)):
+        return "not every linear layer runs on GGUF Q4_1/Q8_0 blocks"
+    eps = backbone.norm.variance_epsilon
+    if any(n is not None and n.variance_epsilon != eps for layer in layers for n in (
+            layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn.q_norm, layer.self_attn.k_norm)):
+        return "the layers' RMSNorm epsilons differ"
+    if not available():
+        return f"the extension is unavailable ({unavailable_reason()})"
+    return None
 
 
 def build_fused_decode(model: nn.Module, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor],
-                       max_rows: int) -> Optional[FusedDecode]:
-    """A FusedDecode for `model.model` (a LlamaModel), or None when it cannot run this model."""
-    backbone = getattr(model, "model", None)
-    layers = getattr(backbone, "layers", None)
-    if not layers or max_rows <= 0 or not available():
+                       max_rows: int) -> Optional[FusedCpuDecode]:
+    """A FusedCpuDecode for a Llama-family `model`, or None when it cannot run it (see why_not_fused)."""
+    if why_not_fused(model, k_buffers, v_buffers, max_rows) is not None:
         return None
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in [*k_buffers, *v_buffers]):
-        return None
+    backbone = model.model
+    layers = backbone.layers
     first = layers[0].self_attn
     rotary = backbone.rotary_emb
     stack = _EXTENSION.module().DecodeStack(
@@ -83,13 +107,8 @@ def build_fused_decode(model: nn.Module, k_buffers: list[torch.Tensor], v_buffer
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = [_quant_args(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-        if any(args is None for args in linears):
-            return None
         norms = [layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm]
-        if any(n is not None and n.variance_epsilon != backbone.norm.variance_epsilon for n in norms):
-            return None
         stack.add_layer(*linears[0], *linears[1], *linears[2], *linears[3],
                         *(None if n is None else n.weight.detach() for n in norms))
     stack.set_kv_cache(k_buffers, v_buffers)
-    logger.info("Decode batches of up to %d sequences run the fused CPU decode step", max_rows)
-    return FusedDecode(stack, max_rows)
+    return FusedCpuDecode(stack, max_rows)

@@ -1,0 +1,98 @@
+"""Reading the quantized tensors of a GGUF file straight from its header, without decoding its metadata."""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import Any, Sequence
+
+import numpy as np
+
+from sglang.srt.layers.quantization.gguf_blocks import BLOCK_BYTES, row_bytes
+
+# GGUF metadata value types: fixed sizes in bytes; 8 = string, 9 = array.
+_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+_GGUF_ALIGNMENT_KEY = "general.alignment"
+# Type ids of the block formats the kernels read (ggml's enum).
+_GGML_TYPE_NAMES = {3: "Q4_1", 8: "Q8_0"}
+
+
+def gguf_tensor_table(path: str | os.PathLike) -> tuple[np.ndarray, list[tuple[str, list[int], int, int]]]:
+    """(the memory-mapped file, [(name, dims as listed, ggml type id, absolute data offset)]).
+
+    Reads only the header: metadata values are skipped, not decoded (gguf's own reader decodes every one,
+    which costs seconds for a tokenizer vocabulary of tens of thousands of strings)."""
+    data = np.memmap(os.fspath(path), dtype=np.uint8, mode="r")
+    buf = memoryview(data)
+    pos = 0
+
+    def take(fmt: str) -> Any:
+        nonlocal pos
+        values = struct.unpack_from("<" + fmt, buf, pos)
+        pos += struct.calcsize("<" + fmt)
+        return values[0] if len(values) == 1 else values
+
+    def string() -> str:
+        nonlocal pos
+        length = take("Q")
+        text = bytes(buf[pos : pos + length]).decode("utf-8")
+        pos += length
+        return text
+
+    def skip_value(vtype: int) -> None:
+        nonlocal pos
+        if vtype in _GGUF_SCALAR_SIZES:
+            pos += _GGUF_SCALAR_SIZES[vtype]
+        elif vtype == _GGUF_STRING:
+            length = take("Q")  # read before adding: `pos += take(...)` would lose take's own advance
+            pos += length
+        elif vtype == _GGUF_ARRAY:
+            elem_type, count = take("IQ")
+            if elem_type in _GGUF_SCALAR_SIZES:
+                pos += _GGUF_SCALAR_SIZES[elem_type] * count
+            else:
+                for _ in range(count):
+                    skip_value(elem_type)
+        else:
+            raise ValueError(f"{path}: unknown GGUF metadata type {vtype}")
+
+    magic, version, n_tensors, n_kv = take("4sIQQ")
+    if magic != b"GGUF" or version < 2:
+        raise ValueError(f"{path} is not a GGUF file of version 2 or later")
+    alignment = 32
+    for _ in range(n_kv):
+        key, vtype = string(), take("I")
+        if key == _GGUF_ALIGNMENT_KEY and vtype == 4:
+            alignment = take("I")
+        else:
+            skip_value(vtype)
+    infos = []
+    for _ in range(n_tensors):
+        name = string()
+        n_dims = take("I")
+        dims = [take("Q") for _ in range(n_dims)]
+        infos.append((name, dims, take("I"), take("Q")))
+    start = -(-pos // alignment) * alignment
+    return data, [(name, dims, ttype, start + offset) for name, dims, ttype, offset in infos]
+
+
+def read_gguf_quant_tensors(
+    path: str | os.PathLike, names: Sequence[str] | None = None
+) -> dict[str, tuple[str, np.ndarray, int, int]]:
+    """The Q4_1 / Q8_0 matrices of a GGUF file: {name: (qtype_name, raw uint8 [N, row_bytes], N, K)}.
+
+    The arrays are read-only views of the memory-mapped file. Only 2-D tensors are returned (gguf lists dims
+    reversed, [K, N]); `names` restricts the result to those tensors.
+    """
+    wanted = set(names) if names is not None else None
+    data, table = gguf_tensor_table(path)
+    out: dict[str, tuple[str, np.ndarray, int, int]] = {}
+    for name, dims, ttype, offset in table:
+        qname = _GGML_TYPE_NAMES.get(ttype)
+        if (wanted is not None and name not in wanted) or qname not in BLOCK_BYTES or len(dims) != 2:
+            continue
+        k, n = dims
+        nbytes = n * row_bytes(qname, k)
+        out[name] = (qname, data[offset : offset + nbytes].reshape(n, row_bytes(qname, k)), n, k)
+    return out

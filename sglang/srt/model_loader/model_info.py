@@ -1,0 +1,78 @@
+"""What every process needs to know about the served model, computed once in the parent process."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from sglang.srt.server_args import ServerArgs
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_dir: str  # local Hugging Face directory (converted from GGUF when the source is a .gguf file)
+    gguf_path: Optional[str]  # the GGUF file the model came from, when it did
+    hf_config: Any  # transformers PretrainedConfig, with --json-model-override-args applied
+    dtype: torch.dtype
+    context_len: int
+    eos_token_ids: tuple[int, ...]
+    # Sampling defaults from generation_config.json (temperature, top_p, ...), only those it sets.
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+
+def load_model_info(server_args: ServerArgs) -> ModelInfo:
+    """Facts every process needs about the model, computed once in the parent."""
+    from transformers import AutoConfig, GenerationConfig
+
+    from sglang.srt.model_loader.dtype import resolve_dtype
+    from sglang.srt.model_loader.resolve import gguf_source_for, resolve_model_path
+
+    model_dir = resolve_model_path(server_args.model_path)
+    hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=server_args.trust_remote_code)
+    overrides = json.loads(server_args.json_model_override_args or "{}")
+    for k, v in overrides.items():
+        setattr(hf_config, k, v)
+    context_len = server_args.context_length or _config_context_len(hf_config)
+    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    dtype = resolve_dtype(server_args.dtype, server_args.device, config_dtype)
+    eos = _as_list(getattr(hf_config, "eos_token_id", None))
+    generation_defaults: dict = {}
+    try:
+        gen = GenerationConfig.from_pretrained(model_dir)
+        eos += _as_list(gen.eos_token_id)
+        for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+            val = getattr(gen, key, None)
+            if val is not None and key in (gen.to_diff_dict() or {}):
+                generation_defaults[key] = val
+    except (OSError, ValueError):
+        pass
+    return ModelInfo(
+        model_dir=model_dir,
+        gguf_path=gguf_source_for(server_args.model_path),
+        hf_config=hf_config,
+        dtype=dtype,
+        context_len=context_len,
+        eos_token_ids=tuple(sorted(set(eos))),
+        generation_defaults=generation_defaults,
+    )
+
+
+def _as_list(x) -> list[int]:
+    if x is None:
+        return []
+    return [int(i) for i in x] if isinstance(x, (list, tuple, set)) else [int(x)]
+
+
+def _config_context_len(hf_config) -> int:
+    for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions"):
+        val = getattr(hf_config, key, None)
+        if val:
+            return int(val)
+    return 2048
