@@ -4,7 +4,7 @@ PORT ?= 30000
 MODEL ?= HuggingFaceTB/SmolLM2-135M-Instruct
 STAMP := $(VENV)/.installed
 
-.PHONY: setup serve test clean
+.PHONY: setup serve test lint clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,11 @@ serve: setup
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# Style and types: ruff (lint + import order) on the whole tree, mypy on the runtime.
+lint: setup
+	$(VENV)/bin/ruff check sglang tests benchmarks
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV)

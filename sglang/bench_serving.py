@@ -24,10 +24,11 @@ import os
 import random
 import sys
 import time
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
-from typing import Any, AsyncIterator, Iterator, Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 
@@ -417,7 +418,7 @@ async def _iter_sse_data(response) -> AsyncIterator[str]:
         yield line[5:].strip().decode("utf-8")
 
 
-async def _iter_sse_events(response, output: "RequestFuncOutput") -> AsyncIterator[dict]:
+async def _iter_sse_events(response, output: RequestFuncOutput) -> AsyncIterator[dict]:
     """The JSON events of a stream up to `[DONE]`; an error event is recorded on `output` and ends the stream."""
     async for raw in _iter_sse_data(response):
         if raw == "[DONE]":

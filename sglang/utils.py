@@ -19,7 +19,24 @@ import requests
 from sglang.test.test_utils import is_in_ci
 
 # A socket kept bound (not listening) on each launched server's port, so no other launch picks it.
-_port_locks: "weakref.WeakKeyDictionary[subprocess.Popen, socket.socket]" = weakref.WeakKeyDictionary()
+_port_locks: weakref.WeakKeyDictionary[subprocess.Popen, socket.socket] = weakref.WeakKeyDictionary()
+
+
+
+# Printed once the server answers, as SGLang's own helper does.
+SERVER_NOTE = (
+    "\n\n"
+    "                    NOTE: Typically, the server runs in a separate terminal.\n"
+    "                    In this notebook, we run the server and notebook code together, so their outputs are "
+    "combined.\n"
+    "                    To improve clarity, the server logs are displayed in the original black color, while the "
+    "notebook outputs are highlighted in blue.\n"
+    "                    To reduce the log length, we set the log level to warning for the server, the default log "
+    "level is info.\n"
+    "                    We are running those notebooks in a CI environment, so the throughput is not representative "
+    "of the actual performance.\n"
+    "                    "
+)
 
 
 def normalize_base_url(url: str) -> str:
@@ -122,15 +139,7 @@ def wait_for_server(base_url: str, timeout: Optional[float] = None) -> None:
             )
             if response.status_code == 200:
                 time.sleep(5)
-                print_highlight(
-                    """\n
-                    NOTE: Typically, the server runs in a separate terminal.
-                    In this notebook, we run the server and notebook code together, so their outputs are combined.
-                    To improve clarity, the server logs are displayed in the original black color, while the notebook outputs are highlighted in blue.
-                    To reduce the log length, we set the log level to warning for the server, the default log level is info.
-                    We are running those notebooks in a CI environment, so the throughput is not representative of the actual performance.
-                    """
-                )
+                print_highlight(SERVER_NOTE)
                 return
         except requests.exceptions.RequestException:
             time.sleep(1)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_models import PagedCache, max_diff
 
 from sglang.srt.model_loader.loader import load_model
-from test_models import PagedCache, max_diff
 
 # 30 float32 layers, logits up to ~40. Prefill measures identical here; decode differs by ~4e-5 because a
 # one-query SDPA over the paged cache sums in another order than transformers' cached attention. The bound

@@ -27,8 +27,6 @@ from sglang.srt.constrained.base_grammar_backend import (
 from sglang.srt.managers.schedule_batch import Req
 from sglang.srt.managers.scheduler.grammar import GrammarQueue, jump_forward_tokens
 from sglang.srt.sampling.sampling_params import SamplingParams
-from sglang.test.test_utils import DEFAULT_SMALL_MODEL_NAME_FOR_TEST as SMOLLM2
-from tests.server_fixtures import running_server
 from sglang.test.structured_cases import (
     ANSWER_EBNF,
     CHARACTER_REGEX,
@@ -39,6 +37,8 @@ from sglang.test.structured_cases import (
     WEATHER_SCHEMA,
     chat_prompt,
 )
+from sglang.test.test_utils import DEFAULT_SMALL_MODEL_NAME_FOR_TEST as SMOLLM2
+from tests.server_fixtures import running_server
 
 IP_QUESTION = "What is the IP address of the Google DNS servers?"
 CHARACTER_QUESTION = (

@@ -47,8 +47,8 @@ class ForwardBatch:
     seq_lens_cpu: list[int]
     extend_prefix_lens_cpu: list[int]
     extend_seq_lens_cpu: list[int]
-    req_to_token_pool: "ReqToTokenPool"
-    token_to_kv_pool: "KVPool"
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool: KVPool
     attn_backend: Any = None
     # Indices into the flat token dimension whose hidden states become logits.
     # None means the last token of each sequence.

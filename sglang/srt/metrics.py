@@ -6,6 +6,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from sglang.srt.managers.io_struct import SchedulerState
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                    80.0, 160.0)
 
@@ -53,10 +55,10 @@ class ServerMetrics:
         self.generation_tokens.labels(**self.labels).inc(completion_tokens)
         self.num_requests.labels(**self.labels).inc()
 
-    def render(self, scheduler_state: dict) -> bytes:
-        self.num_running_reqs.labels(**self.labels).set(scheduler_state["num_running_reqs"])
-        self.num_queue_reqs.labels(**self.labels).set(scheduler_state["num_queue_reqs"])
-        self.token_usage.labels(**self.labels).set(scheduler_state["token_usage"])
-        self.cache_hit_rate.labels(**self.labels).set(scheduler_state["cache_hit_rate"])
-        self.gen_throughput.labels(**self.labels).set(scheduler_state["last_gen_throughput"])
+    def render(self, state: SchedulerState) -> bytes:
+        self.num_running_reqs.labels(**self.labels).set(state.num_running_reqs)
+        self.num_queue_reqs.labels(**self.labels).set(state.num_queue_reqs)
+        self.token_usage.labels(**self.labels).set(state.token_usage)
+        self.cache_hit_rate.labels(**self.labels).set(state.cache_hit_rate)
+        self.gen_throughput.labels(**self.labels).set(state.last_gen_throughput)
         return generate_latest(self.registry)

@@ -172,7 +172,7 @@ class ServerArgs:
         add_server_args(parser)
 
     @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
 
@@ -247,7 +247,7 @@ class PortArgs:
     detokenizer_ipc_name: str
 
     @staticmethod
-    def init_new() -> "PortArgs":
+    def init_new() -> PortArgs:
         import tempfile
 
         base = tempfile.mkdtemp(prefix="sglang-ipc-")

@@ -77,7 +77,8 @@ class LLGuidanceBackend(BaseGrammarBackend):
                 trigger = next((t for t in tag["triggers"] if s["begin"].startswith(t)), None)
                 if trigger is None:
                     raise ValueError(f"no trigger in structural_tag.triggers starts {s['begin']!r}")
-                schema = close_declared_objects(s["schema"] if isinstance(s["schema"], dict) else json.loads(s["schema"]))
+                raw = s["schema"]
+                schema = close_declared_objects(raw if isinstance(raw, dict) else json.loads(raw))
                 tags.append(llguidance.StructTag(trigger=trigger, begin=s["begin"], grammar=schema, end=s["end"]))
             grammar = llguidance.StructTag.to_grammar(tags)
         else:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any, AsyncIterator, Iterator, Optional, Union
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from typing import Any, Optional, Union
 
 from sglang.srt.entrypoints.launch import launch_subprocesses, watch_children
 from sglang.srt.managers.generate_input import GenerateReqInput
@@ -77,7 +78,7 @@ class Engine:
             return self._iterate(gen)
         return self.loop.run_until_complete(gen.__anext__())
 
-    def _iterate(self, gen: AsyncIterator[dict]) -> Iterator[dict]:
+    def _iterate(self, gen: AsyncGenerator[dict, None]) -> Iterator[dict]:
         try:
             while True:
                 try:
@@ -116,7 +117,7 @@ class Engine:
         return self.loop.run_until_complete(self.tokenizer_manager.flush_cache())
 
     def get_internal_state(self) -> dict:
-        return self.loop.run_until_complete(self.tokenizer_manager.get_internal_state())
+        return self.loop.run_until_complete(self.tokenizer_manager.get_internal_state()).to_dict()
 
     def get_server_info(self) -> dict:
         state = self.get_internal_state()
@@ -141,7 +142,7 @@ class Engine:
         if not self.loop.is_closed():
             self.loop.close()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -9,17 +9,19 @@ import os
 import signal
 import threading
 import time
-from typing import Any, AsyncIterator, Optional
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any, Optional
 
 import orjson
 import requests
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import ORJSONResponse, PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse, Response
 
 from sglang.srt.entrypoints.launch import Subprocesses, launch_subprocesses, watch_children
 from sglang.srt.entrypoints.openai.routes import install_api_key_check, register_openai_routes
+from sglang.srt.entrypoints.responses import ORJSONResponse
 from sglang.srt.entrypoints.sse import open_stream, sse_json, sse_response
 from sglang.srt.managers.generate_input import GenerateReqInput
 from sglang.srt.managers.process_utils import configure_logging
@@ -46,6 +48,7 @@ class ServerState:
         self.subs = subs
         self.tm = subs.tokenizer_manager
         self.model_info = subs.model_info
+        self.created = time.time()
         # Set once the warm-up request has run; /health answers 503 until then.
         self.ready = threading.Event()
 
@@ -139,19 +142,23 @@ def build_app(state: ServerState) -> FastAPI:
         info = dataclasses.asdict(args)
         info.update(
             status="ready",
-            max_total_num_tokens=internal["max_total_num_tokens"],
-            max_req_input_len=internal["max_req_input_len"],
+            max_total_num_tokens=internal.info.max_total_num_tokens,
+            max_req_input_len=internal.info.max_req_input_len,
             internal_states=[{
-                "last_gen_throughput": internal["last_gen_throughput"],
+                "last_gen_throughput": internal.last_gen_throughput,
                 "memory_usage": {
-                    "weight": internal["weight_bytes"] / 2**30,
-                    "kvcache": internal["kv_bytes"] / 2**30,
-                    "token_capacity": internal["max_total_num_tokens"],
+                    "weight": internal.info.weight_bytes / 2**30,
+                    "kvcache": internal.info.kv_bytes / 2**30,
+                    "token_capacity": internal.info.max_total_num_tokens,
                     "cuda_graph": 0,
                 },
-                "load": internal["load"],
-                **{k: internal[k] for k in ("num_running_reqs", "num_queue_reqs", "token_usage", "cache_hit_rate",
-                                            "num_grammar_queue_reqs", "num_jump_forward_tokens")},
+                "load": internal.load,
+                "num_running_reqs": internal.num_running_reqs,
+                "num_queue_reqs": internal.num_queue_reqs,
+                "token_usage": internal.token_usage,
+                "cache_hit_rate": internal.cache_hit_rate,
+                "num_grammar_queue_reqs": internal.num_grammar_queue_reqs,
+                "num_jump_forward_tokens": internal.num_jump_forward_tokens,
             }],
             version=__version__,
         )
@@ -160,7 +167,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/get_load")
     async def get_load():
         internal = await tm.get_internal_state()
-        return ORJSONResponse({"load": internal["load"]})
+        return ORJSONResponse({"load": internal.load})
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
@@ -240,7 +247,7 @@ def build_app(state: ServerState) -> FastAPI:
 def model_card(state: ServerState) -> dict:
     name = state.args.served_model_name
     return {
-        "id": name, "object": "model", "created": int(state.subs.scheduler_info.get("created", time.time())),
+        "id": name, "object": "model", "created": int(state.created),
         "owned_by": "sglang", "root": name, "max_model_len": state.tm.context_len,
     }
 
@@ -249,7 +256,7 @@ def _health_timeout() -> float:
     return float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", "20"))
 
 
-async def _first_or_disconnect(request: Request, gen: AsyncIterator[Any]) -> Optional[Any]:
+async def _first_or_disconnect(request: Request, gen: AsyncGenerator[Any, None]) -> Optional[Any]:
     """Await the final output, aborting the request if the client goes away first."""
     task = asyncio.ensure_future(gen.__anext__())
     try:

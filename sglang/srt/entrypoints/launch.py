@@ -7,15 +7,16 @@ import multiprocessing as mp
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 from sglang.srt.managers.detokenizer_manager import run_detokenizer_process
+from sglang.srt.managers.io_struct import SchedulerInfo, SchedulerStartupError
 from sglang.srt.managers.process_utils import load_tokenizer_for
-from sglang.srt.model_loader.model_info import load_model_info
-from sglang.srt.managers.scheduler.scheduler import run_scheduler_process
+from sglang.srt.managers.scheduler import run_scheduler_process
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
-from sglang.srt.model_loader.model_info import ModelInfo
+from sglang.srt.model_loader.model_info import ModelInfo, load_model_info
 from sglang.srt.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ STARTUP_TIMEOUT_S = 600
 @dataclass
 class Subprocesses:
     tokenizer_manager: TokenizerManager
-    scheduler_info: dict
+    scheduler_info: SchedulerInfo
     model_info: ModelInfo
     procs: list
     stopping: bool = False
@@ -76,10 +77,10 @@ def launch_subprocesses(server_args: ServerArgs) -> Subprocesses:
             if time.monotonic() > deadline:
                 raise RuntimeError("The scheduler did not start in time.")
         info = reader.recv()
-        if info.get("status") != "ready":
-            raise RuntimeError(f"The scheduler failed to start: {info.get('error')}")
+        if isinstance(info, SchedulerStartupError):
+            raise RuntimeError(f"The scheduler failed to start: {info.error}")
     except BaseException:
-        Subprocesses(None, {}, model_info, procs).shutdown()  # type: ignore[arg-type]
+        Subprocesses(None, None, model_info, procs).shutdown()  # type: ignore[arg-type]
         raise
     tokenizer = load_tokenizer_for(server_args)
     manager = TokenizerManager(server_args, port_args, tokenizer, model_info, info)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Callable, Optional
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any, Optional
 
 import orjson
 from fastapi.responses import Response, StreamingResponse
@@ -15,7 +16,7 @@ def sse_json(obj: Any) -> bytes:
 
 
 async def open_stream(
-    gen: AsyncIterator[dict], error_response: Callable[[str], Response]
+    gen: AsyncGenerator[dict, None], error_response: Callable[[str], Response]
 ) -> tuple[Optional[AsyncIterator[dict]], Optional[Response]]:
     """Wait for the first output, so that request errors still become plain HTTP 400 responses.
 
@@ -34,7 +35,7 @@ async def open_stream(
 
 
 def sse_response(
-    gen: AsyncIterator[dict], events: AsyncIterator[bytes], error_event: Callable[[str], bytes]
+    gen: AsyncGenerator[dict, None], events: AsyncIterator[bytes], error_event: Callable[[str], bytes]
 ) -> StreamingResponse:
     """Stream `events` (built from `gen`); errors become an SSE error event; always ends with [DONE]."""
 

@@ -16,8 +16,9 @@ import platform
 import shutil
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

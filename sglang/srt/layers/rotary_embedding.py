@@ -119,6 +119,9 @@ def _dynamic_ntk_freqs(base: float, rotary_dim: int, factor: float, max_position
 class RotaryEmbedding(nn.Module):
     """Holds the cos/sin table of one model and rotates the query/key heads of a forward."""
 
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+
     def __init__(
         self,
         head_dim: int,
@@ -197,12 +200,12 @@ class RotaryEmbedding(nn.Module):
         sin_signed = torch.cat([-sin, sin], dim=-1).to(dtype).unsqueeze(1)
         return cos_full, sin_signed
 
-    def apply(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Rotate x [T, heads, head_dim] with rows from `lookup`; returns a new tensor."""
         return apply_rotary_emb(x, cos_sin[0], cos_sin[1], self.rotary_dim)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.apply(x, self.lookup(positions, x.dtype))
+        return self.rotate(x, self.lookup(positions, x.dtype))
 
     def extra_repr(self) -> str:
         return f"rope_type={self.rope_type}, rotary_dim={self.rotary_dim}, base={self.base}, cache_len={self.cache_len}"

@@ -45,8 +45,8 @@ def get_top_logprobs(logprobs: torch.Tensor, k: list[int]) -> list[Optional[tupl
         return out
     k_max = min(max(k[i] for i in rows), logprobs.shape[-1])
     source = logprobs if len(rows) == logprobs.shape[0] else logprobs[rows]
-    values, ids = source.topk(k_max, dim=-1)
-    values, ids = values.tolist(), ids.tolist()
+    top_values, top_ids = source.topk(k_max, dim=-1)
+    values, ids = top_values.tolist(), top_ids.tolist()
     for j, i in enumerate(rows):
         out[i] = (values[j][: k[i]], ids[j][: k[i]])
     return out
@@ -163,7 +163,8 @@ def _top_k_top_p_thresholds(
             break
         width = min(vocab, max(min(ks[j], probe) if ps[j] < 1.0 else ks[j] for j in pending))
         if len(pending) == len(ks):
-            index, sub, sub_ks, sub_ps = slice(None), weights, top_ks, top_ps
+            index: slice | torch.Tensor = slice(None)
+            sub, sub_ks, sub_ps = weights, top_ks, top_ps
         else:
             index = torch.tensor(pending, dtype=torch.int64, device=weights.device)
             sub, sub_ks, sub_ps = weights[index], top_ks[index], top_ps[index]

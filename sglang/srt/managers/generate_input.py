@@ -7,6 +7,20 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
 
+@dataclass(frozen=True)
+class GenerateItem:
+    """One request of a (possibly batched, possibly n > 1) GenerateReqInput: a text or token-id prompt."""
+
+    rid: str
+    text: Optional[str]
+    input_ids: Optional[list[int]]
+    sampling_params: dict[str, Any]
+    return_logprob: bool
+    logprob_start_len: int
+    top_logprobs_num: int
+    token_ids_logprob: Optional[list[int]]
+
+
 @dataclass
 class GenerateReqInput:
     text: Optional[Union[str, list[str]]] = None
@@ -31,7 +45,7 @@ class GenerateReqInput:
     return_hidden_states: Any = False
 
     @classmethod
-    def from_json(cls, body: dict) -> "GenerateReqInput":
+    def from_json(cls, body: dict) -> GenerateReqInput:
         """Build from a request body; unknown keys are ignored as upstream does."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in body.items() if k in names})
@@ -43,8 +57,8 @@ class GenerateReqInput:
             return len(self.input_ids) == 0 or isinstance(self.input_ids[0], int)
         return True
 
-    def expand(self) -> list[dict]:
-        """One dict per generated sequence (prompt x n), in output order; raises ValueError on bad input."""
+    def expand(self) -> list[GenerateItem]:
+        """One item per generated sequence (prompt x n), in output order; raises ValueError on bad input."""
         given = [x is not None for x in (self.text, self.input_ids, self.input_embeds)]
         if not any(given):
             raise ValueError("Either text, input_ids or input_embeds should be provided.")
@@ -53,6 +67,7 @@ class GenerateReqInput:
         if self.text is not None and self.input_ids is not None:
             raise ValueError("Either text or input_ids should be provided, not both.")
         single = self.is_single()
+        prompts: list[Any]
         if self.text is not None:
             prompts = [self.text] if single else list(self.text)
             kind = "text"
@@ -73,7 +88,7 @@ class GenerateReqInput:
         if batch == 0:
             raise ValueError("text cannot be an empty list.")
 
-        params = self.sampling_params if self.sampling_params is not None else {}
+        params: Any = self.sampling_params if self.sampling_params is not None else {}
         if isinstance(params, list):
             if len(params) != batch:
                 raise ValueError("The length of sampling_params should be equal to the batch size.")
@@ -108,7 +123,7 @@ class GenerateReqInput:
                 raise ValueError("Cannot use list token_ids_logprob with parallel_sample_num > 1")
             if len(tids) != batch:
                 raise ValueError("The length of token_ids_logprob should be equal to the batch size.")
-            tids_list = tids
+            tids_list: list[Any] = tids
         else:
             tids_list = [tids] * batch
         rids = self._rids(batch, single and n == 1)
@@ -120,15 +135,16 @@ class GenerateReqInput:
                 sp.pop("n", None)
                 if n > 1 and sp.get("sampling_seed") is not None:
                     sp["sampling_seed"] = int(sp["sampling_seed"]) * 1_000_003 + j
-                items.append({
-                    kind: prompts[i],
-                    "sampling_params": sp,
-                    "rid": rids[i] if n == 1 else uuid.uuid4().hex,
-                    "return_logprob": bool(values["return_logprob"][i]),
-                    "logprob_start_len": values["logprob_start_len"][i],
-                    "top_logprobs_num": values["top_logprobs_num"][i],
-                    "token_ids_logprob": tids_list[i],
-                })
+                items.append(GenerateItem(
+                    rid=rids[i] if n == 1 else uuid.uuid4().hex,
+                    text=prompts[i] if kind == "text" else None,
+                    input_ids=None if kind == "text" else list(prompts[i]),
+                    sampling_params=sp,
+                    return_logprob=bool(values["return_logprob"][i]),
+                    logprob_start_len=values["logprob_start_len"][i],
+                    top_logprobs_num=values["top_logprobs_num"][i],
+                    token_ids_logprob=tids_list[i],
+                ))
         return items
 
     def _rids(self, batch: int, single: bool) -> list[str]:

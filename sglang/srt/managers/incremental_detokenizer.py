@@ -15,7 +15,8 @@ the slow Python tokenizers implement it); passing it through keeps both kinds co
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 REPLACEMENT_CHAR = "\ufffd"
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from sglang.srt.managers.finish_reason import FinishReason
@@ -43,9 +43,51 @@ class GetInternalStateReq:
     pass
 
 
+@dataclass(frozen=True)
+class SchedulerInfo:
+    """What the scheduler reports once at startup, after sizing the KV cache."""
+
+    max_total_num_tokens: int
+    max_req_input_len: int
+    max_running_requests: int
+    context_len: int
+    weight_bytes: int
+    kv_bytes: int
+
+
+@dataclass(frozen=True)
+class SchedulerStartupError:
+    error: str
+
+
+@dataclass(frozen=True)
+class SchedulerState:
+    """A snapshot of the scheduler's load and cache, answered to GetInternalStateReq."""
+
+    info: SchedulerInfo
+    last_gen_throughput: float
+    num_running_reqs: int
+    num_queue_reqs: int
+    num_grammar_queue_reqs: int
+    num_jump_forward_tokens: int
+    token_usage: float
+    used_kv_tokens: int
+    cache_hit_rate: float
+    evictable_size: int
+    free_kv_tokens: int
+    invariant_error: Optional[str]
+    # KV tokens in use plus the prompt tokens still waiting: what /get_load reports.
+    load: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """The flat dict of Engine.get_internal_state() and the server's internal_states."""
+        out = asdict(self)
+        return {**out.pop("info"), **out}
+
+
 @dataclass
 class GetInternalStateReqOutput:
-    state: dict[str, Any]
+    state: SchedulerState
 
 
 @dataclass

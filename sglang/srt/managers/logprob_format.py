@@ -31,7 +31,7 @@ class LogprobFormatter:
         return [[v, i, self._text(i)] for v, i in zip(vals, ids)]
 
     def _tops(self, tops: list) -> list:
-        out = []
+        out: list[Any] = []
         for entry in tops:
             if entry is None:
                 out.append(None)

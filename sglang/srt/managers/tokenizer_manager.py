@@ -6,14 +6,15 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import Any, Optional
 
 import zmq
 import zmq.asyncio
 
 from sglang.srt.managers.finish_reason import ABORT_BEFORE_PREFILL, FinishAbort, FinishReason
-from sglang.srt.managers.generate_input import GenerateReqInput
+from sglang.srt.managers.generate_input import GenerateItem, GenerateReqInput
 from sglang.srt.managers.io_struct import (
     AbortReq,
     BatchStrOutput,
@@ -21,6 +22,8 @@ from sglang.srt.managers.io_struct import (
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    SchedulerInfo,
+    SchedulerState,
     TokenizedGenerateReqInput,
 )
 from sglang.srt.managers.logprob_format import LogprobFormatter
@@ -53,14 +56,14 @@ class ReqState:
 
 class TokenizerManager:
     def __init__(self, server_args: ServerArgs, port_args: PortArgs, tokenizer, model_info: ModelInfo,
-                 scheduler_info: dict) -> None:
+                 scheduler_info: SchedulerInfo) -> None:
         self.server_args = server_args
         self.tokenizer = tokenizer
         self.model_info = model_info
         self.scheduler_info = scheduler_info
         self.context_len = model_info.context_len
         # The KV cache bounds a prompt below the context length: the scheduler reports the bound at startup.
-        self.max_req_input_len = scheduler_info["max_req_input_len"]
+        self.max_req_input_len = scheduler_info.max_req_input_len
         self.vocab_size = model_info.vocab_size
         self.preferred_sampling_params = (
             json.loads(server_args.preferred_sampling_params) if server_args.preferred_sampling_params else {}
@@ -79,19 +82,19 @@ class TokenizerManager:
         )
 
     # ---- request path ---------------------------------------------------------------------------------
-    def tokenize_item(self, item: dict) -> TokenizedGenerateReqInput:
+    def tokenize_item(self, item: GenerateItem) -> TokenizedGenerateReqInput:
         """Validate one expanded item (see GenerateReqInput.expand) and tokenize it. Raises ValueError."""
-        if "text" in item:
+        if item.text is not None:
             if self.tokenizer is None:
                 raise ValueError(
                     "The engine initialized with skip_tokenizer_init=True cannot accept text prompts. Please "
                     "provide input_ids or re-initialize the engine with skip_tokenizer_init=False."
                 )
-            input_text = item["text"]
+            input_text = item.text
             input_ids = self.tokenizer.encode(input_text)
         else:
             input_text = None
-            input_ids = list(item["input_ids"])
+            input_ids = list(item.input_ids or [])
             bad = [t for t in input_ids if t < 0 or t >= self.vocab_size]
             if bad:
                 raise ValueError(f"input_ids contains token id {bad[0]} outside the vocabulary [0, {self.vocab_size}).")
@@ -110,12 +113,12 @@ class TokenizerManager:
                 )
             input_ids = input_ids[: self.max_req_input_len]
             n = len(input_ids)
-        start = item["logprob_start_len"]
-        if item["return_logprob"] and start is not None and start >= n:
+        start = item.logprob_start_len
+        if item.return_logprob and start is not None and start >= n:
             raise ValueError(
                 f"logprob_start_len ({start}) is superior or equal to the length of the input ({n} tokens)."
             )
-        params = SamplingParams.from_dict({**self.preferred_sampling_params, **item["sampling_params"]})
+        params = SamplingParams.from_dict({**self.preferred_sampling_params, **item.sampling_params})
         params.normalize(self.tokenizer)
         params.verify(self.vocab_size)
         if params.max_new_tokens is not None and params.max_new_tokens + n >= self.context_len:
@@ -125,19 +128,19 @@ class TokenizerManager:
                 f"and {params.max_new_tokens} tokens for the completion. Please reduce the number of tokens in "
                 "the input messages or the completion to fit within the limit."
             )
-        tids = item["token_ids_logprob"]
+        tids = item.token_ids_logprob
         if tids is not None and any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in tids):
             raise ValueError(f"token_ids_logprob must hold token ids in [0, {self.vocab_size}).")
-        top = item["top_logprobs_num"]
+        top = item.top_logprobs_num
         if not isinstance(top, int) or top < 0:
             raise ValueError(f"top_logprobs_num must be a non-negative integer, got {top}.")
         return TokenizedGenerateReqInput(
-            rid=item["rid"], input_text=input_text, input_ids=input_ids, sampling_params=params,
-            return_logprob=item["return_logprob"], logprob_start_len=item["logprob_start_len"],
+            rid=item.rid, input_text=input_text, input_ids=input_ids, sampling_params=params,
+            return_logprob=item.return_logprob, logprob_start_len=item.logprob_start_len,
             top_logprobs_num=top, token_ids_logprob=tids,
         )
 
-    async def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[Any]:
+    async def generate_request(self, obj: GenerateReqInput) -> AsyncGenerator[Any, None]:
         """Yield output dicts: for a single request, one per stream event (or one at the end); for a batch,
         each yielded dict carries "index", and without streaming one final list is yielded instead."""
         self._ensure_recv_loop()
@@ -310,6 +313,6 @@ class TokenizerManager:
         out: FlushCacheReqOutput = await self._control(FlushCacheReq(), FlushCacheReqOutput)
         return out.success
 
-    async def get_internal_state(self) -> dict:
+    async def get_internal_state(self) -> SchedulerState:
         out: GetInternalStateReqOutput = await self._control(GetInternalStateReq(), GetInternalStateReqOutput)
         return out.state

@@ -30,11 +30,11 @@ class BasePrefixCache(ABC):
         """The longest cached prefix of `key`."""
 
     @abstractmethod
-    def cache_unfinished_req(self, req: "Req") -> None:
+    def cache_unfinished_req(self, req: Req) -> None:
         """After a prefill chunk: take over the request's computed KV and point the request at it."""
 
     @abstractmethod
-    def cache_finished_req(self, req: "Req") -> None:
+    def cache_finished_req(self, req: Req) -> None:
         """Take (or free) a finished, aborted or retracted request's KV and free its request row."""
 
     @abstractmethod

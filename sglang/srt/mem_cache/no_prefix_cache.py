@@ -23,10 +23,10 @@ class NoPrefixCache(BasePrefixCache):
     def match_prefix(self, key: list[int]) -> MatchResult:
         return MatchResult(self._empty, None)
 
-    def cache_unfinished_req(self, req: "Req") -> None:
+    def cache_unfinished_req(self, req: Req) -> None:
         return None
 
-    def cache_finished_req(self, req: "Req") -> None:
+    def cache_finished_req(self, req: Req) -> None:
         row = req.req_pool_idx
         self.allocator.free(self.req_to_token_pool.req_to_token[row, : req.kv_allocated_len].clone())
         self.req_to_token_pool.free(row)

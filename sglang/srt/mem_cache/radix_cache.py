@@ -30,7 +30,7 @@ class TreeNode:
         self,
         key: Optional[list[int]] = None,
         value: Optional[torch.Tensor] = None,
-        parent: Optional["TreeNode"] = None,
+        parent: Optional[TreeNode] = None,
     ) -> None:
         self.key: list[int] = key if key is not None else []
         self.value: torch.Tensor = value if value is not None else torch.empty(0, dtype=torch.int64)
@@ -211,7 +211,7 @@ class RadixCache(BasePrefixCache):
         return leaves
 
     # ---- request hand-off -----------------------------------------------------------------------------
-    def cache_finished_req(self, req: "Req") -> None:
+    def cache_finished_req(self, req: Req) -> None:
         """Give a finished (or aborted, or retracted) request's KV to the tree and free its row."""
         row = req.req_pool_idx
         table_row = self.req_to_token_pool.req_to_token[row]
@@ -231,7 +231,7 @@ class RadixCache(BasePrefixCache):
         self.req_to_token_pool.free(row)
         self.dec_lock_ref(req.last_node)
 
-    def cache_unfinished_req(self, req: "Req") -> None:
+    def cache_unfinished_req(self, req: Req) -> None:
         """After a prefill chunk: move the request's computed KV into the tree and lock it there."""
         row = req.req_pool_idx
         token_ids = list(req.fill_ids)
@@ -254,7 +254,7 @@ class RadixCache(BasePrefixCache):
         req.cache_protected_len = len(new_indices)
 
     @staticmethod
-    def _protected_len(req: "Req") -> int:
+    def _protected_len(req: Req) -> int:
         # The matched prefix belongs to the tree from admission on, even while cache_protected_len
         # still says 0 (it is only raised once a prefill chunk has been cached).
         return max(req.cache_protected_len, len(req.prefix_indices))

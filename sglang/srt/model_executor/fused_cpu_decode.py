@@ -48,7 +48,7 @@ class FusedCpuDecode:
     def accepts(self, forward_batch: ForwardBatch) -> bool:
         return forward_batch.forward_mode.is_decode() and 0 < forward_batch.batch_size <= self.max_rows
 
-    def forward(self, model: nn.Module, forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, model: Any, forward_batch: ForwardBatch) -> torch.Tensor:
         hidden_states, (cos, sin) = model.model.embed(forward_batch.input_ids, forward_batch.positions)
         batch = hidden_states.shape[0]  # cos/sin: [B, 1, rotary_dim]
         hidden_states = self.stack.forward(
@@ -66,7 +66,7 @@ def _quant_args(module: nn.Module) -> Optional[tuple[torch.Tensor, str, Optional
     return method.quant_weight.packed, method.quant_weight.qtype, None if bias is None else bias.detach().contiguous()
 
 
-def why_not_fused(model: nn.Module, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor],
+def why_not_fused(model: Any, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor],
                   max_rows: int) -> Optional[str]:
     """Why the fused step cannot run this model with these K/V buffers, or None when it can."""
     backbone = getattr(model, "model", None)
@@ -75,6 +75,9 @@ def why_not_fused(model: nn.Module, k_buffers: list[torch.Tensor], v_buffers: li
         return f"{type(model).__name__} is not a Llama-family decoder"
     if max_rows <= 0:
         return "--gguf-kernel-max-rows is 0"
+    dtype = backbone.embed_tokens.weight.dtype
+    if dtype != torch.float32:
+        return f"the model runs in {dtype} (the step and the GGUF blocks compute in float32; --dtype float32)"
     if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in [*k_buffers, *v_buffers]):
         return "the KV cache is not float32 on CPU"
     if any(_quant_args(m) is None for layer in layers
@@ -89,7 +92,7 @@ def why_not_fused(model: nn.Module, k_buffers: list[torch.Tensor], v_buffers: li
     return None
 
 
-def build_fused_decode(model: nn.Module, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor],
+def build_fused_decode(model: Any, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor],
                        max_rows: int) -> Optional[FusedCpuDecode]:
     """A FusedCpuDecode for a Llama-family `model`, or None when it cannot run it (see why_not_fused)."""
     if why_not_fused(model, k_buffers, v_buffers, max_rows) is not None:

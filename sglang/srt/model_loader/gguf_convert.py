@@ -15,8 +15,8 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 logger = logging.getLogger(__name__)
 

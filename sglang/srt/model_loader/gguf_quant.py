@@ -9,10 +9,11 @@ equal the loaded weights bit for bit, so both paths compute with the same weight
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, Optional
 
 import torch
-from torch import nn
 
 from sglang.srt.layers.linear import Linear
 from sglang.srt.layers.quantization.gguf_blocks import (
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_ROWS = 64
 
 
-def _matching(candidates: list[Callable[[], Optional[GGUFQuantWeight]]], target: torch.Tensor) -> Optional[
+def _matching(candidates: Sequence[Callable[[], Optional[GGUFQuantWeight]]], target: torch.Tensor) -> Optional[
         GGUFQuantWeight]:
     """The first candidate whose dequantized weight equals `target` exactly."""
     for make in candidates:
@@ -41,7 +42,7 @@ def _matching(candidates: list[Callable[[], Optional[GGUFQuantWeight]]], target:
     return None
 
 
-def attach_gguf_quant_weights(model: nn.Module, gguf_path: str, config: Any, max_rows: int = DEFAULT_MAX_ROWS) -> int:
+def attach_gguf_quant_weights(model: Any, gguf_path: str, config: Any, max_rows: int = DEFAULT_MAX_ROWS) -> int:
     """Attach GGUF blocks to the linear layers of a Llama-family model; returns the bytes attached."""
     if not kernels_available():
         logger.info("Quantized GGUF kernels unavailable (%s); using float weights only", kernels_unavailable_reason())
@@ -74,13 +75,13 @@ def attach_gguf_quant_weights(model: nn.Module, gguf_path: str, config: Any, max
             ])
 
         gate, up = block(f"blk.{i}.ffn_gate.weight"), block(f"blk.{i}.ffn_up.weight")
+        gate_up = [partial(GGUFQuantWeight.concat, [gate, up])] if gate is not None and up is not None else []
         matches = [
-            (attn.qkv_proj, _matching([qkv_hf_order, lambda q=q, k=k, v=v: GGUFQuantWeight.concat([q, k, v])],
+            (attn.qkv_proj, _matching([qkv_hf_order, partial(GGUFQuantWeight.concat, [q, k, v])],
                                       attn.qkv_proj.weight)),
-            (attn.o_proj, _matching([lambda i=i: block(f"blk.{i}.attn_output.weight")], attn.o_proj.weight)),
-            (mlp.gate_up_proj, _matching([lambda g=gate, u=up: GGUFQuantWeight.concat([g, u]) if g and u else None],
-                                         mlp.gate_up_proj.weight)),
-            (mlp.down_proj, _matching([lambda i=i: block(f"blk.{i}.ffn_down.weight")], mlp.down_proj.weight)),
+            (attn.o_proj, _matching([partial(block, f"blk.{i}.attn_output.weight")], attn.o_proj.weight)),
+            (mlp.gate_up_proj, _matching(gate_up, mlp.gate_up_proj.weight)),
+            (mlp.down_proj, _matching([partial(block, f"blk.{i}.ffn_down.weight")], mlp.down_proj.weight)),
         ]
         if any(w is None for _, w in matches):
             logger.info("GGUF blocks of layer %d do not match the loaded weights; using float weights only", i)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import struct
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -24,7 +25,7 @@ def gguf_tensor_table(path: str | os.PathLike) -> tuple[np.ndarray, list[tuple[s
     Reads only the header: metadata values are skipped, not decoded (gguf's own reader decodes every one,
     which costs seconds for a tokenizer vocabulary of tens of thousands of strings)."""
     data = np.memmap(os.fspath(path), dtype=np.uint8, mode="r")
-    buf = memoryview(data)
+    buf = memoryview(data)  # type: ignore[arg-type]  # np.memmap exposes the buffer protocol
     pos = 0
 
     def take(fmt: str) -> Any:

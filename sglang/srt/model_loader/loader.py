@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,7 +26,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device) -
     model_class = get_model_class(architectures_of(config))
     # Built on the meta device, then given real but uninitialised storage: random initialisation of
     # weights that the checkpoint overwrites anyway would cost seconds for larger models.
-    model = model_class(config, dtype=dtype, device=torch.device("meta"))
+    model: Any = model_class(config, dtype=dtype, device=torch.device("meta"))
     model.to_empty(device=device)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):

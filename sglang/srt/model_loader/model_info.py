@@ -40,7 +40,7 @@ def load_model_info(server_args: ServerArgs) -> ModelInfo:
     for k, v in overrides.items():
         setattr(hf_config, k, v)
     context_len = server_args.context_length or _config_context_len(hf_config)
-    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    config_dtype = getattr(hf_config, "dtype", None)
     dtype = resolve_dtype(server_args.dtype, server_args.device, config_dtype)
     eos = _as_list(getattr(hf_config, "eos_token_id", None))
     generation_defaults: dict = {}

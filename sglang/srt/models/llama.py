@@ -6,8 +6,9 @@ and `gate_up_proj`; `load_weights` slices checkpoint tensors into those fused ma
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn

@@ -34,7 +34,7 @@ class RequestPenaltyState:
     @classmethod
     def build(
         cls, prompt_ids: list[int], output_ids: list[int], includes_prompt: bool, device
-    ) -> "RequestPenaltyState":
+    ) -> RequestPenaltyState:
         counts = Counter(output_ids)
         order = list(dict.fromkeys((prompt_ids if includes_prompt else []) + output_ids))
         return cls(
@@ -90,7 +90,7 @@ class BatchedPenalties:
     repetition: Optional[torch.Tensor]  # float32 [N]; None when no row sets a repetition penalty
 
     @classmethod
-    def from_reqs(cls, reqs: list, rows: list[int], device: torch.device) -> Optional["BatchedPenalties"]:
+    def from_reqs(cls, reqs: list, rows: list[int], device: torch.device) -> Optional[BatchedPenalties]:
         """`rows`: the indices of the requests with a penalty set."""
         if not rows:
             return None
@@ -130,7 +130,7 @@ class SparseLogitBias:
     values: torch.Tensor  # float32 [N]
 
     @classmethod
-    def from_reqs(cls, reqs: list, rows: list[int], device: torch.device) -> Optional["SparseLogitBias"]:
+    def from_reqs(cls, reqs: list, rows: list[int], device: torch.device) -> Optional[SparseLogitBias]:
         """`rows`: the indices of the requests with a logit_bias set."""
         pair_rows: list[int] = []
         ids: list[int] = []
@@ -167,7 +167,7 @@ class MinNewTokensMask:
     @classmethod
     def from_reqs(
         cls, reqs: list, rows: list[int], vocab_size: int, device: torch.device
-    ) -> Optional["MinNewTokensMask"]:
+    ) -> Optional[MinNewTokensMask]:
         """`rows`: the indices of the requests that have not yet reached their min_new_tokens."""
         pair_rows: list[int] = []
         ids: list[int] = []

@@ -55,10 +55,15 @@ class SamplingBatchInfo:
 
     @classmethod
     def from_reqs(cls, reqs: list, vocab_size: int, device, logit_rows: Optional[list[int]] = None
-                  ) -> "SamplingBatchInfo":
+                  ) -> SamplingBatchInfo:
         device = torch.device(device)
-        seeds, steps, sampled, greedy = [], [], [], []
-        penalized, biased, below_min = [], [], []
+        seeds: list[int] = []
+        steps: list[int] = []
+        sampled: list[int] = []
+        greedy: list[int] = []
+        penalized: list[int] = []
+        biased: list[int] = []
+        below_min: list[int] = []
         # One pass over the requests: this runs for every decode step.
         for i, req in enumerate(reqs):
             params = req.sampling_params

@@ -44,7 +44,7 @@ class SamplingParams:
 
     # ---- construction from untrusted JSON ----------------------------------------------------------------
     @classmethod
-    def from_dict(cls, d: Optional[dict]) -> "SamplingParams":
+    def from_dict(cls, d: Optional[dict]) -> SamplingParams:
         """Build from a request's `sampling_params` object; unknown keys and wrong types raise ValueError."""
         if d is None:
             return cls()

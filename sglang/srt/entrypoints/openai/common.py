@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Optional
-
-from fastapi.responses import ORJSONResponse
+from collections.abc import AsyncIterator
+from typing import Any, Optional
 
 from sglang.srt.entrypoints.openai.protocol import ErrorResponse, SamplingExtras, UsageInfo
+from sglang.srt.entrypoints.responses import ORJSONResponse
 from sglang.srt.entrypoints.sse import open_stream, sse_json, sse_response
+
 
 def error_response(message: str, status: int = 400, err_type: str = "BadRequestError",
                    param: Optional[str] = None) -> ORJSONResponse:
@@ -107,10 +108,10 @@ class OpenAIHandler:
             return error_response(str(e))
         gen = self.tm.generate_request(obj)
         if req.stream:
-            outputs, error = await open_stream(gen, error_response)
-            if error is not None:
+            stream, error = await open_stream(gen, error_response)
+            if error is not None or stream is None:
                 return error
-            return sse_response(gen, self.stream_events(req, outputs), sse_error)
+            return sse_response(gen, self.stream_events(req, stream), sse_error)
         try:
             outputs = as_list(await gen.__anext__())
         except ValueError as e:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Optional
+from collections.abc import AsyncIterator
+from typing import Any, Optional
 
 from sglang.srt.entrypoints.openai.common import (
     OpenAIHandler,
@@ -23,7 +24,7 @@ class CompletionHandler(OpenAIHandler):
             sp["json_schema"] = req.json_schema
         prompt = req.prompt
         want_logprobs = req.logprobs is not None
-        kwargs = dict(
+        kwargs: dict[str, Any] = dict(
             sampling_params=sp, stream=req.stream, rid=req.rid, return_logprob=want_logprobs,
             top_logprobs_num=req.logprobs or 0, return_text_in_logprobs=True,
             logprob_start_len=0 if (req.echo and want_logprobs) else -1,
@@ -93,7 +94,8 @@ class CompletionHandler(OpenAIHandler):
 
 
 def completion_logprobs(meta: dict, echo: bool) -> dict:
-    tokens, tops = [], []
+    tokens: list[Any] = []
+    tops: list[Any] = []
     if echo:
         tokens += meta.get("input_token_logprobs") or []
         tops += meta.get("input_top_logprobs") or [None] * len(meta.get("input_token_logprobs") or [])

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import hmac
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
-from fastapi.responses import ORJSONResponse
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from sglang.srt.entrypoints.openai.chat import ChatHandler
 from sglang.srt.entrypoints.openai.common import error_response
 from sglang.srt.entrypoints.openai.completions import CompletionHandler
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from sglang.srt.entrypoints.responses import ORJSONResponse
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ def install_api_key_check(app: FastAPI, api_key: str) -> None:
         return await call_next(request)
 
 
-async def parse_body(request: Request, model: type) -> Any:
+async def parse_body(request: Request, model: type[BaseModel]) -> Any:
     """Parse a JSON body into `model`; returns the model or an error response."""
     ctype = request.headers.get("content-type", "")
     if "application/json" not in ctype:

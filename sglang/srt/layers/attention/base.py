@@ -18,18 +18,18 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward_extend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "AttentionLayerSpec", forward_batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         """q: [T, H, D], k/v: [T, Hkv, D] for the new tokens. Stores k/v, returns [T, H * Dv]."""
 
     @abstractmethod
     def forward_decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "AttentionLayerSpec", forward_batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         """Same contract as forward_extend with exactly one new token per sequence."""
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "AttentionLayerSpec", forward_batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         if forward_batch.forward_mode.is_decode():
             return self.forward_decode(q, k, v, layer, forward_batch)

@@ -2,8 +2,8 @@
 
 Decode is batched. On CPU a compiled kernel reads each sequence's K/V rows from the pool by slot index (see
 sglang/srt/layers/cpu_ops.py); otherwise the KV slots of all sequences are gathered into one padded
-[B, Hkv, max_len, D] tensor and a key mask hides the padding, so every layer runs a single SDPA call. Extend runs one SDPA call per sequence with a
-causal mask shifted by the sequence's cached prefix.
+[B, Hkv, max_len, D] tensor and a key mask hides the padding, so every layer runs a single SDPA call. Extend runs
+one SDPA call per sequence with a causal mask shifted by the sequence's cached prefix.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from sglang.srt.forward_batch import ForwardBatch
-from sglang.srt.layers.attention.base import AttentionBackend, AttentionLayerSpec
 from sglang.srt.layers import cpu_ops
+from sglang.srt.layers.attention.base import AttentionBackend, AttentionLayerSpec
 
 
 @dataclass

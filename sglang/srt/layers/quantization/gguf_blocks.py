@@ -32,8 +32,9 @@ about as much as streaming 100-200 KB of weights.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -248,7 +249,7 @@ class GGUFQuantWeight:
     # -- construction helpers (all work on the raw blocks, then repack) --
 
     @classmethod
-    def from_packed(cls, qtype: Any, packed: torch.Tensor, n: int, k: int) -> "GGUFQuantWeight":
+    def from_packed(cls, qtype: Any, packed: torch.Tensor, n: int, k: int) -> GGUFQuantWeight:
         obj = cls.__new__(cls)
         obj.qtype = normalize_qtype(qtype)
         obj.n, obj.k = int(n), int(k)
@@ -263,7 +264,7 @@ class GGUFQuantWeight:
         """The raw GGUF blocks, uint8 [n, row_bytes]."""
         return unpack_to_raw(self.qtype, self.packed, self.n, self.k)
 
-    def select_rows(self, index: Any) -> "GGUFQuantWeight":
+    def select_rows(self, index: Any) -> GGUFQuantWeight:
         """A weight made of output rows `index` (a slice, a bool mask or integer indices, repeats allowed)."""
         raw = self.raw()
         if not isinstance(index, slice):
@@ -275,7 +276,7 @@ class GGUFQuantWeight:
             raise ValueError("row selection must keep a 2-D, non-empty set of rows")
         return GGUFQuantWeight(self.qtype, rows, rows.shape[0], self.k)
 
-    def permute_rows(self, perm: Any) -> "GGUFQuantWeight":
+    def permute_rows(self, perm: Any) -> GGUFQuantWeight:
         """Output rows reordered: row i of the result is row perm[i] of this weight."""
         perm = torch.as_tensor(perm, dtype=torch.int64)
         if perm.shape != (self.n,) or not torch.equal(torch.sort(perm).values, torch.arange(self.n)):
@@ -283,7 +284,7 @@ class GGUFQuantWeight:
         return self.select_rows(perm)
 
     @staticmethod
-    def concat(weights: Sequence["GGUFQuantWeight"]) -> "GGUFQuantWeight":
+    def concat(weights: Sequence[GGUFQuantWeight]) -> GGUFQuantWeight:
         """Concatenation along N (output rows), e.g. fused QKV or gate/up. All parts must share qtype and K."""
         if not weights:
             raise ValueError("nothing to concatenate")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Callable, Optional
+from typing import Optional
 
 from sglang.srt.constrained.base_grammar_backend import BaseGrammarBackend, InvalidGrammar, constraint_key
 from sglang.srt.managers.finish_reason import FinishAbort, bad_request

@@ -6,8 +6,8 @@ from typing import Optional
 
 import torch
 
-from sglang.srt.managers.io_struct import BatchTokenIDOutput
 from sglang.srt.managers.finish_reason import FinishLength, FinishMatched
+from sglang.srt.managers.io_struct import BatchTokenIDOutput
 from sglang.srt.managers.schedule_batch import Req
 
 

@@ -10,28 +10,29 @@ from typing import Optional
 import torch
 import zmq
 
+from sglang.srt.constrained.base_grammar_backend import create_grammar_backend
+from sglang.srt.managers.finish_reason import ABORT_BEFORE_PREFILL, FinishAbort
 from sglang.srt.managers.io_struct import (
     AbortReq,
     FlushCacheReq,
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    SchedulerInfo,
+    SchedulerStartupError,
+    SchedulerState,
     TokenizedGenerateReqInput,
 )
-from sglang.srt.managers.finish_reason import ABORT_BEFORE_PREFILL, FinishAbort
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+from sglang.srt.managers.scheduler.grammar import GrammarQueue
 from sglang.srt.managers.scheduler.output import (
     build_output_message,
-    check_finished,
-    record_input_logprobs,
-    record_output_logprob,
 )
-from sglang.srt.managers.scheduler.grammar import GrammarQueue, accept_sampled_token, jump_forward_tokens
 from sglang.srt.managers.scheduler.policy import SchedulePolicy
 from sglang.srt.managers.scheduler.prefill_adder import PrefillAdder
-from sglang.srt.constrained.base_grammar_backend import create_grammar_backend
+from sglang.srt.managers.scheduler.results import process_result
 from sglang.srt.mem_cache.memory_pools import build_memory_pools
-from sglang.srt.model_executor.model_runner import ModelRunner, StepOutput
+from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.model_loader.model_info import ModelInfo
 from sglang.srt.server_args import PortArgs, ServerArgs
 
@@ -100,15 +101,15 @@ class Scheduler:
         self.total_cached_tokens = 0
         self.invariant_error: Optional[str] = None
 
-    def info(self) -> dict:
-        return {
-            "max_total_num_tokens": self.max_total_num_tokens,
-            "max_req_input_len": self.max_req_input_len,
-            "max_running_requests": self.max_running_requests,
-            "context_len": self.context_len,
-            "weight_bytes": self.runner.weight_bytes,
-            "kv_bytes": self.mem.kv_bytes,
-        }
+    def info(self) -> SchedulerInfo:
+        return SchedulerInfo(
+            max_total_num_tokens=self.max_total_num_tokens,
+            max_req_input_len=self.max_req_input_len,
+            max_running_requests=self.max_running_requests,
+            context_len=self.context_len,
+            weight_bytes=self.runner.weight_bytes,
+            kv_bytes=self.mem.kv_bytes,
+        )
 
     # ---- main loop ------------------------------------------------------------------------------------
     def event_loop(self) -> None:
@@ -127,7 +128,7 @@ class Scheduler:
                 continue
             forward_batch, sampling = batch.forward_inputs(self.mem, self.runner.vocab_size, self.runner.device)
             result = self.runner.forward(forward_batch, sampling)
-            finished_or_streamed = self.process_result(batch, result)
+            finished_or_streamed = process_result(self, batch, result)
             if finished_or_streamed:
                 self.send_to_detokenizer.send_pyobj(build_output_message(finished_or_streamed))
 
@@ -277,26 +278,6 @@ class Scheduler:
         batch.prepare_for_decode(self.mem)
         return batch
 
-    def jump_forward(self, req: Req) -> bool:
-        """Append the tokens the grammar forces (jump-forward decoding). True when any were appended: the
-        request then computes their KV in one extend instead of one decode step per token."""
-        tokens = jump_forward_tokens(req, self.tokenizer)
-        if not tokens:
-            return False
-        req.output_ids.extend(tokens)
-        self.num_jump_forward_tokens += len(tokens)
-        check_finished(req, self.tokenizer)
-        return True
-
-    def requeue_for_prefill(self, req: Req) -> None:
-        """Hand the request's KV to the prefix cache and put it first in the queue; its next prefill matches
-        everything computed so far and extends only the new tokens."""
-        self.running.remove(req)
-        req.already_computed = req.kv_committed_len  # so the re-prefill does not count as cache hits
-        self.release(req)
-        req.reset_for_reprefill()
-        self.waiting.insert(0, req)
-
     def retract_one(self) -> None:
         """Free the KV of the request with the least progress; it re-runs later from its tokens so far."""
         victim = min(self.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)))
@@ -306,71 +287,6 @@ class Scheduler:
         self.waiting.insert(0, victim)
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
         logger.info("Retract request %s (#running-req: %d)", victim.rid, len(self.running))
-
-    # ---- results --------------------------------------------------------------------------------------
-    def process_result(self, batch: ScheduleBatch, result: StepOutput) -> list[Req]:
-        self.forward_ct += 1
-        sampled = result.sample.next_token_ids.tolist() if result.sample is not None else []
-        sample_idx = 0
-        logit_row = 0
-        outputs: list[Req] = []
-        now = time.monotonic()
-        for i, req in enumerate(batch.reqs):
-            rows = batch.logit_positions[i]
-            sample_pos = batch.sample_row[i]
-            if not batch.is_decode:
-                req.kv_committed_len = len(req.fill_ids)
-                n_input_rows = len(rows) - (1 if sample_pos is not None else 0)
-                if req.return_logprob and not req.output_ids and result.input_logprobs is not None:
-                    first = max(batch.prefix_lens[i], req.input_logprob_start())
-                    record_input_logprobs(
-                        req, result.input_logprobs, list(range(logit_row, logit_row + n_input_rows)), first
-                    )
-                elif req.return_logprob and not req.output_ids and req.logprobs.input_token_idx == []:
-                    record_input_logprobs(req, torch.empty(0), [], 0)
-                # The computed prompt goes into the prefix cache now, not when the request finishes, so that
-                # requests admitted while this one decodes can share it.
-                self.mem.tree_cache.cache_unfinished_req(req)
-                if req.is_chunked:
-                    logit_row += len(rows)
-                    continue
-            else:
-                req.kv_committed_len = req.seqlen
-            logit_row += len(rows)
-            token = sampled[sample_idx]
-            row_in_sample = sample_idx
-            sample_idx += 1
-            if req.sampling_params.max_new_tokens > 0 and req.to_abort is None:
-                req.output_ids.append(token)
-                self.num_generated_tokens += 1
-                if req.return_logprob:
-                    record_output_logprob(req, result.sample, row_in_sample, token)
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                req.last_token_time = now
-                accept_sampled_token(req, token)
-            check_finished(req, self.tokenizer)
-            jumped = False
-            if not req.finished() and self.enable_jump_forward and req.grammar is not None and not req.return_logprob:
-                jumped = self.jump_forward(req)
-            if req.finished():
-                if req in self.running:
-                    self.running.remove(req)
-                self.release(req)
-                outputs.append(req)
-            else:
-                if not batch.is_decode:
-                    self.running.append(req)
-                if jumped:
-                    self.requeue_for_prefill(req)
-                if req.stream and len(req.output_ids) - req.sent_output_len >= self._stream_interval(req):
-                    outputs.append(req)
-        if batch.is_decode:
-            self._maybe_log_decode()
-        return outputs
-
-    def _stream_interval(self, req: Req) -> int:
-        return req.sampling_params.stream_interval or self.args.stream_interval
 
     # ---- cache control, invariants, state -------------------------------------------------------------
     def flush_cache(self) -> bool:
@@ -398,25 +314,25 @@ class Scheduler:
         used = self.max_total_num_tokens - self.mem.available_tokens()
         return used / self.max_total_num_tokens
 
-    def internal_state(self) -> dict:
+    def internal_state(self) -> SchedulerState:
         if self.is_idle():
             self.check_memory()
-        return {
-            **self.info(),
-            "last_gen_throughput": self.last_gen_throughput,
-            "num_running_reqs": len(self.running) + (self.chunked_req is not None),
-            "num_queue_reqs": len(self.waiting) + len(self.grammar_queue),
-            "num_grammar_queue_reqs": len(self.grammar_queue),
-            "num_jump_forward_tokens": self.num_jump_forward_tokens,
-            "token_usage": self.token_usage(),
-            "used_kv_tokens": self.max_total_num_tokens - self.mem.available_tokens(),
-            "cache_hit_rate": self.total_cached_tokens / max(1, self.total_prompt_tokens),
-            "evictable_size": self.mem.tree_cache.evictable_size(),
-            "free_kv_tokens": self.mem.allocator.available_size(),
-            "invariant_error": self.invariant_error,
-            "load": self.max_total_num_tokens - self.mem.available_tokens()
-            + sum(len(r.origin_input_ids) for r in self.waiting),
-        }
+        used = self.max_total_num_tokens - self.mem.available_tokens()
+        return SchedulerState(
+            info=self.info(),
+            last_gen_throughput=self.last_gen_throughput,
+            num_running_reqs=len(self.running) + (self.chunked_req is not None),
+            num_queue_reqs=len(self.waiting) + len(self.grammar_queue),
+            num_grammar_queue_reqs=len(self.grammar_queue),
+            num_jump_forward_tokens=self.num_jump_forward_tokens,
+            token_usage=self.token_usage(),
+            used_kv_tokens=used,
+            cache_hit_rate=self.total_cached_tokens / max(1, self.total_prompt_tokens),
+            evictable_size=self.mem.tree_cache.evictable_size(),
+            free_kv_tokens=self.mem.allocator.available_size(),
+            invariant_error=self.invariant_error,
+            load=used + sum(len(r.origin_input_ids) for r in self.waiting),
+        )
 
     # ---- logging --------------------------------------------------------------------------------------
     def _log_prefill(self, batch: ScheduleBatch, cached: int) -> None:
@@ -453,7 +369,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, model_in
         scheduler = Scheduler(server_args, port_args, model_info, tokenizer)
     except Exception as e:  # report the failure to the parent instead of dying silently
         logger.exception("Scheduler failed to start")
-        pipe_writer.send({"status": "error", "error": f"{type(e).__name__}: {e}"})
+        pipe_writer.send(SchedulerStartupError(f"{type(e).__name__}: {e}"))
         return
-    pipe_writer.send({"status": "ready", **scheduler.info()})
+    pipe_writer.send(scheduler.info())
     scheduler.event_loop()
