@@ -188,15 +188,15 @@ def test_grammar_queue_waits_caches_and_times_out():
     while not bad.finished() and time.monotonic() < deadline:
         queue.pop_ready()
         time.sleep(0.01)
-    assert bad.finished_reason["status_code"] == 400
-    assert bad.finished_reason["message"] == "Invalid grammar request with regex: no good"
+    assert bad.finished_reason.status_code == 400
+    assert bad.finished_reason.message == "Invalid grammar request with regex: no good"
 
     backend.release.clear()
     slow = make_req({"ebnf": "slow"})
     assert queue.submit(slow) is None
     time.sleep(0.4)
     assert queue.pop_ready() == [slow]
-    assert slow.finished_reason["status_code"] == 400 and "timed out" in slow.finished_reason["message"]
+    assert slow.finished_reason.status_code == 400 and "timed out" in slow.finished_reason.message
     backend.release.set()
     backend.shutdown()
 
@@ -204,7 +204,7 @@ def test_grammar_queue_waits_caches_and_times_out():
 def test_grammar_queue_without_backend_refuses():
     req = make_req({"json_schema": "{}"})
     assert GrammarQueue(None, 1.0).submit(req) is req
-    assert req.finished_reason["status_code"] == 400 and "--grammar-backend none" in req.finished_reason["message"]
+    assert req.finished_reason.status_code == 400 and "--grammar-backend none" in req.finished_reason.message
 
 
 def test_grammar_queue_abort_removes_pending():

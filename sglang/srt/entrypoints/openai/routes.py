@@ -16,6 +16,7 @@ from sglang.srt.entrypoints.openai.common import error_response
 from sglang.srt.entrypoints.openai.completions import CompletionHandler
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from sglang.srt.entrypoints.responses import ORJSONResponse
+from sglang.srt.entrypoints.server_state import model_card
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +104,6 @@ def register_openai_routes(app: FastAPI, state) -> None:
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str):
-        from sglang.srt.entrypoints.http_server import model_card
-
         if model != args.served_model_name:
             return ORJSONResponse({"error": {
                 "message": f"The model '{model}' does not exist", "type": "invalid_request_error",

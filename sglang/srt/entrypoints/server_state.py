@@ -1,0 +1,51 @@
+"""What the HTTP routes share (`ServerState`, on `app.state.server`) and the helpers every route uses."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import orjson
+from fastapi import Request
+
+from sglang.srt.entrypoints.launch import Subprocesses
+from sglang.srt.entrypoints.responses import ORJSONResponse
+from sglang.srt.server_args import ServerArgs
+
+
+class ServerState:
+    """Args, subprocesses, the tokenizer manager and readiness of one running server."""
+
+    def __init__(self, server_args: ServerArgs, subs: Subprocesses) -> None:
+        self.args = server_args
+        self.subs = subs
+        self.tm = subs.tokenizer_manager
+        self.model_info = subs.model_info
+        self.created = time.time()
+        # Set once the warm-up request has run; /health answers 503 until then.
+        self.ready = threading.Event()
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def native_error(message: str, status: int = 400) -> ORJSONResponse:
+    return ORJSONResponse({"error": {"message": message}}, status_code=status)
+
+
+async def read_json(request: Request) -> Any:
+    body = await request.body()
+    try:
+        return orjson.loads(body) if body else {}
+    except orjson.JSONDecodeError as e:
+        raise ValueError(f"Invalid JSON body: {e}") from None
+
+
+def model_card(state: ServerState) -> dict:
+    name = state.args.served_model_name
+    return {
+        "id": name, "object": "model", "created": int(state.created),
+        "owned_by": "sglang", "root": name, "max_model_len": state.tm.context_len,
+    }
