@@ -199,3 +199,25 @@ def test_model_runner_uses_fused_decode_on_the_packaged_model(smollm2_dir):
     for a, b in zip(results[True][0], results[False][0]):
         torch.testing.assert_close(a, b, atol=2e-3, rtol=1e-4)
     assert results[True][1] == results[False][1]
+
+
+def test_decode_plan_names_the_path_and_the_reason(tmp_path):
+    """The one `Decode path:` log line says which code runs a decode batch of 8 sequences, and why."""
+    from sglang.srt.layers.attention.torch_sdpa_backend import TorchSDPABackend
+    from sglang.srt.model_executor.decode_strategy import plan_decode
+
+    config = tiny_config("llama")
+    _, ours = build_models(tmp_path, config)
+    cache = PagedCache(config, torch.float32)
+    cpu = torch.device("cpu")
+    plain = plan_decode(ours, cache.pool, TorchSDPABackend(), MAX_ROWS, cpu)
+    assert plain.fused is None
+    assert plain.description.startswith("Decode path: every batch layer by layer (linears: ")
+    assert "dense" in plain.description and "not every linear layer runs on GGUF Q4_1/Q8_0 blocks" in plain.description
+    quantize_linears(ours)
+    fused = plan_decode(ours, cache.pool, TorchSDPABackend(), MAX_ROWS, cpu)
+    assert fused.fused is not None and fused.fused.max_rows == MAX_ROWS
+    assert f"batches of 1-{MAX_ROWS} sequences run the fused CPU decode step" in fused.description
+    assert "GGUF Q4_1 blocks up to 8 rows, dense beyond" in fused.description
+    off = plan_decode(ours, cache.pool, TorchSDPABackend(), 0, cpu)
+    assert off.fused is None and "--gguf-kernel-max-rows is 0" in off.description
