@@ -1,5 +1,6 @@
 """SGLang-compatible serving engine and frontend language."""
 
+from sglang.global_config import global_config  # noqa: F401 - the object, not the module of that name
 from sglang.version import __version__
 
 # Public names and the module that defines each. They load on first use, so `import sglang` stays light
@@ -7,7 +8,6 @@ from sglang.version import __version__
 _LAZY = {
     "Engine": "sglang.srt.entrypoints.engine",
     "ServerArgs": "sglang.srt.server_args",
-    "global_config": "sglang.global_config",
     "RuntimeEndpoint": "sglang.lang.backend.runtime_endpoint",
     "Runtime": "sglang.lang.backend.runtime",
     "OpenAI": "sglang.lang.backend.openai",
@@ -24,7 +24,7 @@ _LAZY = {
     },
 }
 
-__all__ = ["__version__", *_LAZY]
+__all__ = ["__version__", "global_config", *_LAZY]
 
 
 def __getattr__(name: str):
