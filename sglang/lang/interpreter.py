@@ -328,10 +328,12 @@ class StreamExecutor:
         size = int(size)
         if size < 1:
             raise ValueError(f"fork() needs a positive number of branches, got {size}")
-        if size > 1 and self.text_:
+        # Wait for the queued expressions first: the text decides whether there is a prefix to share.
+        self.sync()
+        if size > 1 and self.text_ and self.error_ is None:
             # Send the shared prefix once; every branch then finds it in the prefix cache.
             self.submit(SglCommitLazy())
-        self.sync()
+            self.sync()
         if self.error_ is not None:
             raise RuntimeError(f"Cannot fork a failed program state: {self.error_}") from self.error_
         exes = []
