@@ -66,6 +66,7 @@ class StreamExecutor:
         self.variable_event: dict[Any, threading.Event] = {}
         self.meta_info: dict[Any, Any] = {}
         self.is_finished = False
+        self.ended = False
         self.error_: Optional[BaseException] = None
 
         self.text_ = ""
@@ -90,8 +91,10 @@ class StreamExecutor:
     def submit(self, expr: SglExpr) -> None:
         self._init_var_event(expr)
         if self.use_thread:
-            if self.is_finished:
-                raise RuntimeError(f"The program state no longer runs expressions: {self.error_ or 'it has ended'}")
+            if self.error_ is not None:
+                raise RuntimeError(f"The program state failed earlier: {self.error_}") from self.error_
+            if self.ended:
+                raise RuntimeError("The program has ended; its state no longer runs expressions")
             self.queue.put(expr)
         else:
             self._execute(expr)
@@ -101,6 +104,9 @@ class StreamExecutor:
             self.queue.join()
 
     def end(self) -> None:
+        if self.ended:
+            return
+        self.ended = True
         if self.use_thread and self.worker.is_alive():
             self.queue.put(None)
         self.backend.end_program(self)
