@@ -39,6 +39,7 @@ class LogprobState:
 
 
 class Req:
+    priority: int = 0  # larger is admitted first; set by the scheduler from the request
     def __init__(
         self,
         rid: str,

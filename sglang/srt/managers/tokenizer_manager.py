@@ -130,6 +130,7 @@ class TokenizerManager:
         states = []
         for t in tokenized:
             t.stream = obj.stream
+            t.priority = obj.priority or 0
             state = ReqState(rid=t.rid, created=time.monotonic())
             if t.return_logprob:
                 state.logprobs = LogprobFormatter(

@@ -169,6 +169,7 @@ class Scheduler:
             token_ids_logprob=msg.token_ids_logprob,
             stream=msg.stream,
         )
+        req.priority = msg.priority
         error = self._validate_length(req)
         if error is not None:
             req.finished_reason = finish_abort(error, status_code=400, err_type="BadRequestError")
@@ -260,7 +261,8 @@ class Scheduler:
             if not adder.add_chunked(self.chunked_req):
                 return None
         prefixes_in_batch: set[tuple[int, ...]] = set()
-        for req in self.policy.order(self.waiting):
+        # Stable: the policy's order holds within each priority level.
+        for req in sorted(self.policy.order(self.waiting), key=lambda r: -r.priority):
             head = tuple(req.fill_ids[:IN_BATCH_PREFIX_LEN])
             if len(head) == IN_BATCH_PREFIX_LEN and len(req.prefix_indices) < IN_BATCH_PREFIX_LEN:
                 # Another request of this batch computes the same uncached prefix: wait one round and take
