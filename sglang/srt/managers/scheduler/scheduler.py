@@ -28,6 +28,7 @@ from sglang.srt.managers.scheduler.output import (
 from sglang.srt.managers.scheduler.grammar import GrammarQueue, accept_sampled_token, jump_forward_tokens
 from sglang.srt.managers.scheduler.policy import SchedulePolicy
 from sglang.srt.managers.scheduler.prefill_adder import PrefillAdder
+from sglang.srt.managers.scheduler.priority import PriorityGate, by_priority
 from sglang.srt.constrained.base_grammar_backend import create_grammar_backend
 from sglang.srt.model_executor.model_runner import ModelRunner, StepOutput
 from sglang.srt.server_args import PortArgs, ServerArgs
@@ -261,8 +262,8 @@ class Scheduler:
             if not adder.add_chunked(self.chunked_req):
                 return None
         prefixes_in_batch: set[tuple[int, ...]] = set()
-        # Stable: the policy's order holds within each priority level.
-        for req in sorted(self.policy.order(self.waiting), key=lambda r: -r.priority):
+        gate = PriorityGate()
+        for req in by_priority(self.policy.order(self.waiting)):
             head = tuple(req.fill_ids[:IN_BATCH_PREFIX_LEN])
             if len(head) == IN_BATCH_PREFIX_LEN and len(req.prefix_indices) < IN_BATCH_PREFIX_LEN:
                 # Another request of this batch computes the same uncached prefix: wait one round and take
@@ -270,7 +271,7 @@ class Scheduler:
                 if head in prefixes_in_batch:
                     continue
                 prefixes_in_batch.add(head)
-            if not adder.add(req):
+            if not gate.admits(req, adder.selected) or not adder.add(req):
                 break
         if not adder.selected:
             return None
