@@ -1,15 +1,16 @@
 """Interactive chat latency while a large batch file runs (Batches API).
 
     python benchmarks/bench_batch_latency.py [--url http://127.0.0.1:30000] [--batch-lines 1000]
-        [--requests 100] [--batch-max-inflight 32] [--model-path HuggingFaceTB/SmolLM2-135M-Instruct]
+        [--requests 100] [--batch-max-inflight 16] [--model-path HuggingFaceTB/SmolLM2-135M-Instruct]
 
 Without --url a server is started (with --batch-max-inflight and a temporary --file-storage-path) and stopped.
 Three phases, each sending the same streamed chat requests one after another (a short pause between them) and
 timing the first streamed chunk (TTFT: the chunk comes with the first generated token):
   idle       nothing else runs
   batch      a --batch-lines batch (chat lines, --batch-max-tokens each) is in progress
-  online     the same lines sent instead as concurrent online requests (--batch-max-inflight at a time, normal
-             priority): what the batch would cost interactive traffic without its bound and lower priority
+  online     the same lines sent instead as online requests by a client keeping --online-concurrency in flight,
+             at normal priority: what the batch work would cost interactive traffic without its in-flight bound
+             and lower priority
 Printed: p50/p90/p99/max TTFT per phase, and how many batch lines finished during the batch phase.
 The batch is cancelled after its phase, so the run stays short.
 """
@@ -111,10 +112,11 @@ async def run(args: argparse.Namespace, url: str) -> dict:
 
     if not args.skip_online:
         stop = asyncio.Event()
-        load = asyncio.ensure_future(online_load(client, lines, args.batch_max_inflight, stop))
+        load = asyncio.ensure_future(online_load(client, lines, args.online_concurrency, stop))
         await asyncio.sleep(5)
         t0 = time.perf_counter()
-        results["online"] = summary(await interactive(client, model, args.requests, args.max_tokens, args.pause))
+        results["online"] = summary(await interactive(client, model, args.online_requests, args.max_tokens,
+                                                      args.pause))
         elapsed = time.perf_counter() - t0
         stop.set()
         done = await load
@@ -128,10 +130,12 @@ def main() -> None:
     p.add_argument("--model-path", default="HuggingFaceTB/SmolLM2-135M-Instruct")
     p.add_argument("--batch-lines", type=int, default=1000)
     p.add_argument("--batch-max-tokens", type=int, default=64)
-    p.add_argument("--batch-max-inflight", type=int, default=32)
+    p.add_argument("--batch-max-inflight", type=int, default=16)
     p.add_argument("--requests", type=int, default=100, help="interactive requests per phase")
     p.add_argument("--max-tokens", type=int, default=8, help="tokens per interactive request")
     p.add_argument("--pause", type=float, default=0.1, help="seconds between interactive requests")
+    p.add_argument("--online-concurrency", type=int, default=64)
+    p.add_argument("--online-requests", type=int, default=30, help="interactive requests in the online phase")
     p.add_argument("--skip-online", action="store_true")
     args = p.parse_args()
     if args.url:

@@ -54,7 +54,7 @@ class ServerArgs:
     api_key: Optional[str] = None
     file_storage_path: str = "sglang_storage"
     max_file_size: int = 512 * 1024 * 1024  # bytes, per uploaded file
-    batch_max_inflight: int = 32  # batch lines in flight at once, over all batches
+    batch_max_inflight: int = 16  # batch lines in flight at once, over all batches
     enable_cache_report: bool = False
     reasoning_parser: Optional[str] = None
     tool_call_parser: Optional[str] = None
