@@ -17,8 +17,12 @@ MAX_FILE_SIZE = 256 * 1024
 
 
 @pytest.fixture(scope="module")
-def base_url(tmp_path_factory):
-    storage = tmp_path_factory.mktemp("storage")
+def storage(tmp_path_factory):
+    return tmp_path_factory.mktemp("data") / "storage"
+
+
+@pytest.fixture(scope="module")
+def base_url(storage):
     with running_server("--log-level", "warning", "--file-storage-path", str(storage),
                         "--max-file-size", str(MAX_FILE_SIZE), "--batch-max-inflight", "4") as url:
         yield url
@@ -51,6 +55,13 @@ def wait_done(client, batch_id: str, timeout: float = 120):
             return b
         time.sleep(0.5)
     raise AssertionError(f"batch {batch_id} did not finish: {b.status}")
+
+
+def test_storage_folder_is_created_on_first_upload(client, storage):
+    assert client.files.list().data == [] and client.batches.list().data == []
+    assert not storage.exists()
+    upload(client, jsonl([chat_line(0)]))
+    assert (storage / "metadata.db").exists()
 
 
 def test_file_crud(client):

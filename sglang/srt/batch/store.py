@@ -91,15 +91,26 @@ class Store:
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
         self.tmp_dir = os.path.join(self.root, "tmp")
-        os.makedirs(self.tmp_dir, exist_ok=True)
+        self.db_path = os.path.join(self.root, "metadata.db")
         self.lock = threading.RLock()
-        self.db = sqlite3.connect(os.path.join(self.root, "metadata.db"), check_same_thread=False,
-                                  isolation_level=None)
-        self.db.row_factory = sqlite3.Row
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=FULL")
+        self._db: Optional[sqlite3.Connection] = None
+
+    def exists(self) -> bool:
+        return self._db is not None or os.path.exists(self.db_path)
+
+    @property
+    def db(self) -> sqlite3.Connection:
+        """Opened on first use, so a server that never sees a file or batch leaves no folder behind."""
         with self.lock:
-            self.db.executescript(SCHEMA)
+            if self._db is None:
+                os.makedirs(self.tmp_dir, exist_ok=True)
+                db = sqlite3.connect(self.db_path, check_same_thread=False, isolation_level=None)
+                db.row_factory = sqlite3.Row
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA synchronous=FULL")  # a commit is on disk before the API reports it
+                db.executescript(SCHEMA)
+                self._db = db
+            return self._db
 
     @contextmanager
     def tx(self) -> Iterator[sqlite3.Connection]:
@@ -126,11 +137,15 @@ class Store:
         return row
 
     def get_file(self, file_id: str) -> Optional[dict]:
+        if not self.exists():  # reads never create the storage folder
+            return None
         with self.lock:
             row = self.db.execute("SELECT * FROM files WHERE id = ?", (file_id,)).fetchone()
         return _file_dict(row) if row else None
 
     def list_files(self, purpose: Optional[str], limit: int, after: Optional[str], newest_first: bool) -> list[dict]:
+        if not self.exists():  # reads never create the storage folder
+            return []
         sql, params = "SELECT * FROM files WHERE 1=1", []
         if purpose:
             sql += " AND purpose = ?"
@@ -191,11 +206,15 @@ class Store:
         return self.get_batch(bid)
 
     def get_batch(self, batch_id: str) -> Optional[dict]:
+        if not self.exists():  # reads never create the storage folder
+            return None
         with self.lock:
             row = self.db.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
         return dict(row) if row else None
 
     def list_batches(self, limit: int, after: Optional[str]) -> list[dict]:
+        if not self.exists():  # reads never create the storage folder
+            return []
         sql, params = "SELECT * FROM batches", []
         if after:
             sql += " WHERE seq < (SELECT seq FROM batches WHERE id = ?)"

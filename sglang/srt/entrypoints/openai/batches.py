@@ -45,10 +45,15 @@ def batch_object(row: dict) -> dict:
 def register_batch_routes(app: FastAPI, state, endpoints: dict[str, BatchEndpoint]) -> BatchRunner:
     args = state.args
     store = Store(args.file_storage_path)
-    store.remove_orphans()
     runner = BatchRunner(store, endpoints, args.batch_max_inflight)
     app.state.batch_runner = runner
-    app.router.on_startup.append(runner.resume_all)
+
+    async def resume() -> None:
+        if store.exists():  # storage left by an earlier run: clean up after a crash, resume its batches
+            store.remove_orphans()
+            await runner.resume_all()
+
+    app.router.on_startup.append(resume)
     app.router.on_shutdown.append(runner.shutdown)
     register_file_routes(app, store, args.max_file_size)
 

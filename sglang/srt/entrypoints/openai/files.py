@@ -88,6 +88,7 @@ async def receive_upload(request: Request, store: Store, max_size: int) -> dict:
     if length and length.isdigit() and int(length) > 2 * max_size + FRAMING_SLACK:
         raise too_big  # clearly too large: not worth reading
     file_id = new_file_id("input")
+    store.db  # opens (creates) the storage folder on the first upload
     tmp = os.path.join(store.tmp_dir, file_id + ".part")
     fields: dict[str, bytearray] = {}
     filename, current, size, oversized = None, None, 0, False
