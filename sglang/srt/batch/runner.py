@@ -260,7 +260,8 @@ class BatchRunner:
         elif job.stop_reason == "expire":
             await asyncio.to_thread(store.transition, bid, "expired", ("in_progress",))
             await asyncio.to_thread(store.drop_empty_error_file, bid)
-        else:
-            await asyncio.to_thread(store.transition, bid, "finalizing", ("in_progress",))
+        elif await asyncio.to_thread(store.transition, bid, "finalizing", ("in_progress", "finalizing")):
             await asyncio.to_thread(store.drop_empty_error_file, bid)
             await asyncio.to_thread(store.transition, bid, "completed", ("finalizing",))
+        elif store.get_batch(bid)["status"] == "cancelling":  # a cancel arrived as the last line finished
+            await asyncio.to_thread(self._finish_cancel, bid)
