@@ -161,6 +161,7 @@ def test_bad_lines_go_to_the_error_file(client):
     assert codes == sorted(["invalid_url", "unsupported_url", "missing_custom_id", "invalid_body",
                             "duplicate_custom_id", "invalid_body"])
     assert all(e["response"] is None for e in errs)
+    assert sorted(e["error"]["line"] for e in errs) == [2, 3, 4, 5, 6, 7]
     assert b.completed_at and b.in_progress_at and b.finalizing_at and b.created_at
 
 

@@ -49,6 +49,7 @@ class ParsedLine:
     request: Any = None
     error_code: Optional[str] = None
     error_message: Optional[str] = None
+    line_no: int = 0  # physical line in the file (1-based), for error messages
 
 
 def normalize_url(url: str) -> str:
@@ -105,10 +106,12 @@ def iter_lines(path: str, endpoint: str, endpoints: dict[str, BatchEndpoint]) ->
     seen: set[str] = set()
     index = 0
     with open(path, "rb") as f:
-        for raw in f:
+        for line_no, raw in enumerate(f, 1):
             if not raw.strip():
                 continue
-            yield parse_line(index, raw, endpoint, endpoints, seen)
+            line = parse_line(index, raw, endpoint, endpoints, seen)
+            line.line_no = line_no
+            yield line
             index += 1
 
 
@@ -132,4 +135,4 @@ def request_error_record(custom_id: str, rid: str, message: str, status: int = 4
 def line_error_record(line: ParsedLine) -> dict:
     """A line that failed validation: it never ran."""
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.custom_id, "response": None,
-            "error": {"code": line.error_code, "message": line.error_message, "line": line.index + 1}}
+            "error": {"code": line.error_code, "message": line.error_message, "line": line.line_no}}

@@ -42,33 +42,37 @@ class JsonlChecker:
 
     def __init__(self) -> None:
         self.partial = bytearray()
-        self.lines = 0
+        self.lines = 0  # non-blank lines, the requests
+        self.line_no = 0  # physical lines, for messages
         self.error: Optional[str] = None
 
     def feed(self, data: bytes) -> None:
         if self.error is not None:
             return
-        self.partial += data
-        *complete, rest = self.partial.split(b"\n")
-        for raw in complete:
-            self._check(bytes(raw))
-        self.partial = bytearray(rest)
+        end = data.rfind(b"\n")
+        if end < 0:  # only the new bytes are scanned, so a very long line costs linear time
+            self.partial += data
+            return
+        for raw in (bytes(self.partial) + data[:end]).split(b"\n"):
+            self._check(raw)
+        self.partial = bytearray(data[end + 1:])
 
     def close(self) -> None:
         if self.partial:
             self._check(bytes(self.partial))
 
     def _check(self, raw: bytes) -> None:
+        self.line_no += 1
         if self.error is not None or not raw.strip():
             return
         self.lines += 1
         try:
             ok = isinstance(orjson.loads(raw), dict)
         except orjson.JSONDecodeError as e:
-            self.error = f"line {self.lines} is not valid JSON ({e})"
+            self.error = f"line {self.line_no} is not valid JSON ({e})"
             return
         if not ok:
-            self.error = f"line {self.lines} is not a JSON object"
+            self.error = f"line {self.line_no} is not a JSON object"
 
 
 class UploadError(Exception):
