@@ -197,3 +197,12 @@ def test_delete_while_running_is_refused(client):
     assert b.status == "completed" and b.request_counts.completed == 12
     assert client.files.delete(f.id).deleted
     assert len(client.files.content(b.output_file_id).read().splitlines()) == 12
+
+
+def test_generate_priority_is_validated(base_url):
+    """Batch lines ride on the request priority; on /generate it must be an integer."""
+    body = {"text": "Hi", "sampling_params": {"max_new_tokens": 2}}
+    r = requests.post(f"{base_url}/generate", json={**body, "priority": "high"})
+    assert r.status_code == 400 and "priority" in r.json()["error"]["message"]
+    assert requests.post(f"{base_url}/generate", json={**body, "priority": 5}).status_code == 200
+    assert requests.post(f"{base_url}/generate", json={**body, "priority": -3}).status_code == 200

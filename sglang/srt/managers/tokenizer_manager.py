@@ -123,6 +123,8 @@ class TokenizerManager:
         self._ensure_recv_loop()
         items = obj.expand()
         tokenized = [self.tokenize_item(it) for it in items]
+        if obj.priority is not None and (not isinstance(obj.priority, int) or isinstance(obj.priority, bool)):
+            raise ValueError(f"priority must be an integer, got {obj.priority!r}.")
         single = obj.is_single() and len(items) == 1
         for t in tokenized:
             if t.rid in self.rid_to_state:
