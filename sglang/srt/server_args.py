@@ -53,6 +53,8 @@ class ServerArgs:
     port: int = 30000
     api_key: Optional[str] = None
     file_storage_path: str = "sglang_storage"
+    max_file_size: int = 512 * 1024 * 1024  # bytes, per uploaded file
+    batch_max_inflight: int = 16  # batch lines in flight at once, over all batches
     enable_cache_report: bool = False
     reasoning_parser: Optional[str] = None
     tool_call_parser: Optional[str] = None
@@ -147,6 +149,10 @@ class ServerArgs:
             raise ValueError("--page-size: only 1 is supported")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"--max-total-tokens must be at least 16, got {self.max_total_tokens}")
+        if self.max_file_size < 1:
+            raise ValueError(f"--max-file-size must be a positive number of bytes, got {self.max_file_size}")
+        if self.batch_max_inflight < 1:
+            raise ValueError(f"--batch-max-inflight must be at least 1, got {self.batch_max_inflight}")
         if self.preferred_sampling_params:
             try:
                 json.loads(self.preferred_sampling_params)

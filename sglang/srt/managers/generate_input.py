@@ -43,6 +43,8 @@ class GenerateReqInput:
     session_params: Optional[Any] = None
     custom_logit_processor: Optional[Any] = None
     return_hidden_states: Any = False
+    # Scheduling priority: larger values are admitted first (batch-file lines run below online requests).
+    priority: Optional[int] = None
 
     @classmethod
     def from_json(cls, body: dict) -> GenerateReqInput:

@@ -20,6 +20,7 @@ class TokenizedGenerateReqInput:
     top_logprobs_num: int = 0
     token_ids_logprob: Optional[list[int]] = None
     stream: bool = False
+    priority: int = 0
 
 
 @dataclass

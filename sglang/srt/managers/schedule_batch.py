@@ -44,6 +44,7 @@ class Req:
         top_logprobs_num: int = 0,
         token_ids_logprob: Optional[list[int]] = None,
         stream: bool = False,
+        priority: int = 0,
     ) -> None:
         self.rid = rid
         self.origin_input_ids = origin_input_ids
@@ -55,6 +56,8 @@ class Req:
         self.top_logprobs_num = top_logprobs_num
         self.token_ids_logprob = token_ids_logprob
         self.stream = stream
+        # Larger is admitted first; batch-file lines run below online requests (scheduler/priority.py).
+        self.priority = priority
 
         self.output_ids: list[int] = []
         self.finished_reason: Optional[FinishReason] = None

@@ -146,6 +146,8 @@ class TokenizerManager:
         self._ensure_recv_loop()
         items = obj.expand()
         tokenized = [self.tokenize_item(it) for it in items]
+        if obj.priority is not None and (not isinstance(obj.priority, int) or isinstance(obj.priority, bool)):
+            raise ValueError(f"priority must be an integer, got {obj.priority!r}.")
         single = obj.is_single() and len(items) == 1
         for t in tokenized:
             if t.rid in self.rid_to_state:
@@ -153,6 +155,7 @@ class TokenizerManager:
         states = []
         for t in tokenized:
             t.stream = obj.stream
+            t.priority = obj.priority or 0
             state = ReqState(rid=t.rid, created=time.monotonic())
             if t.return_logprob:
                 state.logprobs = LogprobFormatter(

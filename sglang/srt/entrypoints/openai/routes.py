@@ -109,3 +109,11 @@ def register_openai_routes(app: FastAPI, state) -> None:
                 "message": f"The model '{model}' does not exist", "type": "invalid_request_error",
                 "param": "model", "code": "model_not_found"}}, status_code=404)
         return ORJSONResponse(model_card(state))
+
+    from sglang.srt.batch.lines import generate_endpoint
+    from sglang.srt.entrypoints.openai.batches import register_batch_routes
+
+    register_batch_routes(app, state, {
+        "/v1/chat/completions": generate_endpoint(ChatCompletionRequest, chat),
+        "/v1/completions": generate_endpoint(CompletionRequest, completions),
+    })

@@ -30,6 +30,7 @@ from sglang.srt.managers.scheduler.output import (
 )
 from sglang.srt.managers.scheduler.policy import SchedulePolicy
 from sglang.srt.managers.scheduler.prefill_adder import PrefillAdder
+from sglang.srt.managers.scheduler.priority import PriorityGate, by_priority
 from sglang.srt.managers.scheduler.results import process_result
 from sglang.srt.mem_cache.memory_pools import build_memory_pools
 from sglang.srt.model_executor.model_runner import ModelRunner
@@ -173,6 +174,7 @@ class Scheduler:
             top_logprobs_num=msg.top_logprobs_num,
             token_ids_logprob=msg.token_ids_logprob,
             stream=msg.stream,
+            priority=msg.priority,
         )
         cap = self.max_req_len - len(req.origin_input_ids) - 1
         if params.max_new_tokens is None or params.max_new_tokens > cap:
@@ -242,7 +244,8 @@ class Scheduler:
             if not adder.add_chunked(self.chunked_req):
                 return None
         prefixes_in_batch: set[tuple[int, ...]] = set()
-        for req in self.policy.order(self.waiting):
+        gate = PriorityGate()
+        for req in by_priority(self.policy.order(self.waiting)):
             head = tuple(req.fill_ids[:IN_BATCH_PREFIX_LEN])
             if len(head) == IN_BATCH_PREFIX_LEN and len(req.prefix_indices) < IN_BATCH_PREFIX_LEN:
                 # Another request of this batch computes the same uncached prefix: wait one round and take
@@ -250,7 +253,7 @@ class Scheduler:
                 if head in prefixes_in_batch:
                     continue
                 prefixes_in_batch.add(head)
-            if not adder.add(req):
+            if not gate.admits(req, adder.selected) or not adder.add(req):
                 break
         if not adder.selected:
             return None
