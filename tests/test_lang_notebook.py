@@ -233,6 +233,23 @@ def test_streaming_one_variable(backend):
     assert "".join(state.text_iter("answer")) == state["answer"]
 
 
+def test_streaming_async_iter(backend):
+    import asyncio
+
+    @function
+    def text_qa(s, question):
+        s += user(question)
+        s += assistant(gen("answer", stop="\n", max_tokens=12))
+
+    state = text_qa.run(question="What is the capital of France?", temperature=0, stream=True)
+
+    async def consume():
+        return [piece async for piece, meta in state.text_async_iter("answer", return_meta_data=True)]
+
+    pieces = asyncio.run(consume())
+    assert "".join(pieces) == state["answer"] and len(pieces) > 1
+
+
 def test_complex_prompts_role_scopes(backend):
     @function
     def chat_example(s):

@@ -126,3 +126,24 @@ def test_endpoint_prefers_the_servers_template(monkeypatch):
     replies["/get_server_info"] = {"chat_template": None}  # not reported: match by model path
     assert RuntimeEndpoint("http://127.0.0.1:1").chat_template.name == "default"
     assert RuntimeEndpoint("http://127.0.0.1:1", chat_template_name="qwen").chat_template.name == "qwen"
+
+
+def test_var_scope_copy_and_concatenating_join():
+    @sgl.function
+    def prog(s):
+        s += "Intro. "
+        with s.var_scope("middle"):
+            s += "inside"
+        with s.copy() as c:
+            c += " copied"
+            c["seen"] = "yes"
+        forks = s.fork(2)
+        forks += lambda i: f" [branch {i}]"
+        forks.join(mode="concate_and_append")
+
+    state = prog.run(backend=BaseBackend())
+    assert state["middle"] == "inside"
+    assert state["seen"] == ["yes"]  # join gathers a copy's new variables as lists
+    assert state.text() == "Intro. inside [branch 0] [branch 1]"
+    with pytest.raises(ValueError, match="Invalid join mode"):
+        state.fork(1).join(mode="bogus")
