@@ -21,7 +21,8 @@ import os
 import platform
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from sglang import assistant, function, gen, system, user
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint

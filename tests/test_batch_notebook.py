@@ -38,6 +38,7 @@ def test_cells_7_and_8_two_request_batch(port, capsys):
     # ---- In [7] ----
     import json
     import time
+
     from openai import OpenAI
 
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="None")
@@ -131,6 +132,7 @@ def test_cell_9_status_polling(port, capsys):
     # ---- In [9] ----
     import json
     import time
+
     from openai import OpenAI
 
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="None")
@@ -207,9 +209,10 @@ def test_cell_9_status_polling(port, capsys):
 def test_cell_10_cancel_5000_request_batch(port, capsys):
     # ---- In [10] ----
     import json
-    import time
-    from openai import OpenAI
     import os
+    import time
+
+    from openai import OpenAI
 
     client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="None")
 

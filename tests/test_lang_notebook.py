@@ -9,8 +9,17 @@ import re
 
 import pytest
 
-from sglang import assistant, assistant_begin, assistant_end, function, gen, system, user
-from sglang import RuntimeEndpoint, set_default_backend
+from sglang import (
+    RuntimeEndpoint,
+    assistant,
+    assistant_begin,
+    assistant_end,
+    function,
+    gen,
+    set_default_backend,
+    system,
+    user,
+)
 from sglang.global_config import global_config
 from tests.server_fixtures import running_server
 
@@ -40,7 +49,7 @@ def test_chat_template_from_model_path(backend):
 def test_basic_qa(backend):
     @function
     def basic_qa(s, question):
-        s += system(f"You are a helpful assistant than can answer questions.")
+        s += system("You are a helpful assistant than can answer questions.")
         s += user(question)
         s += assistant(gen("answer", max_tokens=48))
 
@@ -50,7 +59,8 @@ def test_basic_qa(backend):
     assert _roles(state) == ["system", "user", "assistant"]
     assert state.messages()[1]["content"] == "List 3 countries and their capitals."
     assert state.messages()[2]["content"] == answer.lstrip()
-    assert state.text().startswith(f"{IM_START}system\nYou are a helpful assistant than can answer questions.{IM_END}\n")
+    system = "You are a helpful assistant than can answer questions."
+    assert state.text().startswith(f"{IM_START}system\n{system}{IM_END}\n")
     assert state.text().endswith(answer + f"{IM_END}\n")
     meta = state.get_meta_info("answer")
     assert meta["completion_tokens"] <= 48 and meta["prompt_tokens"] > 10
@@ -59,7 +69,7 @@ def test_basic_qa(backend):
 def test_multi_turn(backend):
     @function
     def multi_turn_qa(s):
-        s += system(f"You are a helpful assistant than can answer questions.")
+        s += system("You are a helpful assistant than can answer questions.")
         s += user("Please give me a list of 3 countries and their capitals.")
         s += assistant(gen("first_answer", max_tokens=32))
         s += user("Please give me another list of 3 countries and their capitals.")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any, Optional, Union
 
 from sglang.global_config import global_config
 from sglang.lang.choices import ChoicesSamplingMethod, token_length_normalized

@@ -328,7 +328,7 @@ class StreamExecutor:
         self.set_var(f"{name}_reasoning_content", reasoning)
 
     # ---- forking ----------------------------------------------------------------------------------
-    def fork(self, size: int = 1) -> list["StreamExecutor"]:
+    def fork(self, size: int = 1) -> list[StreamExecutor]:
         if self.tracing:
             raise StopTracing()
         size = int(size)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import warnings
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable
+from typing import Any, Optional, Union
 
 REGEX_INT = r"[-+]?[0-9]+[ \n]*"
 REGEX_FLOAT = r"[-+]?[0-9]*\.?[0-9]+[ \n]*"
@@ -42,7 +43,7 @@ class SglSamplingParams:
     dtype: Optional[str] = None
     regex: Optional[str] = None
 
-    def clone(self) -> "SglSamplingParams":
+    def clone(self) -> SglSamplingParams:
         return dataclasses.replace(self)
 
     def to_srt_kwargs(self) -> dict[str, Any]:
@@ -72,13 +73,13 @@ class SglExpr:
         self.node_id = SglExpr.node_ct
         SglExpr.node_ct += 1
 
-    def __add__(self, other: Any) -> "SglExprList":
+    def __add__(self, other: Any) -> SglExprList:
         other = _as_expr(other)
         if isinstance(self, SglExprList):
             return SglExprList(self.expr_list + [other])
         return SglExprList([self, other])
 
-    def __radd__(self, other: Any) -> "SglExprList":
+    def __radd__(self, other: Any) -> SglExprList:
         other = _as_expr(other)
         if isinstance(self, SglExprList):
             return SglExprList([other] + self.expr_list)
@@ -142,7 +143,7 @@ class SglGen(SglExpr):
         if dtype is not None:
             dtype = _dtype_name(dtype)
             if regex is not None:
-                warnings.warn("dtype overrides regex in gen()")
+                warnings.warn("dtype overrides regex in gen()", stacklevel=2)
                 regex = None
         self.sampling_params = {k: v for k, v in sampling.items() if v is not None}
         self.regex, self.dtype = regex, dtype
@@ -220,7 +221,7 @@ class SglFunction:
         self.arg_defaults = [p.default for p in params[1:]]
         self.pin_prefix_done = False
 
-    def bind(self, **kwargs: Any) -> "SglFunction":
+    def bind(self, **kwargs: Any) -> SglFunction:
         unknown = set(kwargs) - set(self.arg_names)
         if unknown:
             raise TypeError(f"bind(): unknown arguments {sorted(unknown)}")

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, AsyncIterator, Callable, Iterator, Optional, Union
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, Optional, Union
 
-from sglang.lang.interpreter import ConcateAndAppend, StreamExecutor, StopTracing
-from sglang.lang.ir import SglConstantText, SglExpr, SglExprList, SglRoleBegin, SglRoleEnd, SglVarScopeBegin, \
-    SglVarScopeEnd
+from sglang.lang.interpreter import ConcateAndAppend, StopTracing, StreamExecutor
+from sglang.lang.ir import (
+    SglConstantText,
+    SglExpr,
+    SglExprList,
+    SglRoleBegin,
+    SglRoleEnd,
+    SglVarScopeBegin,
+    SglVarScopeEnd,
+)
 
 
 class ProgramState:
@@ -46,7 +54,7 @@ class ProgramState:
         self.stream_executor.submit(SglVarScopeEnd(name))
 
     # ---- forks ------------------------------------------------------------------------------------
-    def fork(self, size: int = 1, position_ids_offset: Optional[list[int]] = None) -> "ProgramStateGroup":
+    def fork(self, size: int = 1, position_ids_offset: Optional[list[int]] = None) -> ProgramStateGroup:
         states = [ProgramState(x) for x in self.stream_executor.fork(size)]
         return ProgramStateGroup(states, self)
 
@@ -150,7 +158,7 @@ class ProgramState:
                 yield out
 
     # ---- operators --------------------------------------------------------------------------------
-    def __iadd__(self, other: Any) -> "ProgramState":
+    def __iadd__(self, other: Any) -> ProgramState:
         if other is None:
             raise ValueError("Tried to append None to state.")
         self.stream_executor.submit(_to_expr(other))
@@ -212,7 +220,7 @@ class ProgramStateGroup:
     def __len__(self) -> int:
         return len(self.states)
 
-    def __iadd__(self, other: Union[Callable[[int], Any], SglExpr, str, list, tuple]) -> "ProgramStateGroup":
+    def __iadd__(self, other: Union[Callable[[int], Any], SglExpr, str, list, tuple]) -> ProgramStateGroup:
         if callable(other) and not isinstance(other, SglExpr):
             for i, state in enumerate(self.states):
                 state += other(i)

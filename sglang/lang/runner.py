@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Optional, Union
 
 from sglang.global_config import global_config
 from sglang.lang.interpreter import StopTracing, StreamExecutor

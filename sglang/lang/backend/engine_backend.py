@@ -5,14 +5,15 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
-from typing import Any, Iterator, Optional, Union
+from collections.abc import Iterator
+from typing import Any, Optional, Union
 
 from sglang.global_config import global_config
 from sglang.lang.backend.native_backend import NativeBackend
 from sglang.lang.chat_template import get_chat_template, get_chat_template_by_model_path
 
 # One backend per engine, so every program on it shares one event-loop thread.
-_BY_ENGINE: "weakref.WeakKeyDictionary[Any, EngineBackend]" = weakref.WeakKeyDictionary()
+_BY_ENGINE: weakref.WeakKeyDictionary[Any, EngineBackend] = weakref.WeakKeyDictionary()
 _BY_ENGINE_LOCK = threading.Lock()
 
 
@@ -40,7 +41,7 @@ class EngineBackend(NativeBackend):
             self.chat_template = get_chat_template_by_model_path(model_path)
 
     @classmethod
-    def for_engine(cls, engine: Any) -> "EngineBackend":
+    def for_engine(cls, engine: Any) -> EngineBackend:
         with _BY_ENGINE_LOCK:
             backend = _BY_ENGINE.get(engine)
             if backend is None:

@@ -6,7 +6,8 @@ runtime; the bodies themselves follow upstream SGLang's frontend client exactly.
 from __future__ import annotations
 
 import base64
-from typing import Any, Iterator, Union
+from collections.abc import Iterator
+from typing import Any, Union
 
 from sglang.lang.backend.base_backend import BaseBackend
 from sglang.lang.choices import (

@@ -4,8 +4,9 @@ shape of the result and error lines written for it."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Iterator, Optional
+from typing import Any, Optional
 
 import orjson
 from pydantic import BaseModel, ValidationError

@@ -7,7 +7,8 @@ for its body, ("end", None, None) when the part is complete. Malformed input rai
 from __future__ import annotations
 
 import re
-from typing import Iterator, Optional
+from collections.abc import Iterator
+from typing import Optional
 
 MAX_HEADER_BYTES = 16 * 1024
 

@@ -14,8 +14,9 @@ import sqlite3
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 # Ids are generated here and matched against this pattern before any lookup, so no id from a request can
 # name a path outside the storage folder.
@@ -98,6 +99,10 @@ class Store:
     def exists(self) -> bool:
         return self._db is not None or os.path.exists(self.db_path)
 
+    def open(self) -> None:
+        """Create the storage folder and the database now (the first upload does)."""
+        _ = self.db
+
     @property
     def db(self) -> sqlite3.Connection:
         """Opened on first use, so a server that never sees a file or batch leaves no folder behind."""
@@ -146,7 +151,8 @@ class Store:
     def list_files(self, purpose: Optional[str], limit: int, after: Optional[str], newest_first: bool) -> list[dict]:
         if not self.exists():  # reads never create the storage folder
             return []
-        sql, params = "SELECT * FROM files WHERE 1=1", []
+        sql = "SELECT * FROM files WHERE 1=1"
+        params: list[object] = []
         if purpose:
             sql += " AND purpose = ?"
             params.append(purpose)
@@ -215,7 +221,8 @@ class Store:
     def list_batches(self, limit: int, after: Optional[str]) -> list[dict]:
         if not self.exists():  # reads never create the storage folder
             return []
-        sql, params = "SELECT * FROM batches", []
+        sql = "SELECT * FROM batches"
+        params: list[object] = []
         if after:
             sql += " WHERE seq < (SELECT seq FROM batches WHERE id = ?)"
             params.append(after)
@@ -278,7 +285,8 @@ class Store:
         with self.tx() as c:
             for index, custom_id, outcome in results:
                 c.execute(
-                    "INSERT INTO batch_lines (batch_id, line_index, custom_id, attempts, outcome) VALUES (?, ?, ?, 0, ?)"
+                    "INSERT INTO batch_lines (batch_id, line_index, custom_id, attempts, outcome)"
+                    " VALUES (?, ?, ?, 0, ?)"
                     " ON CONFLICT (batch_id, line_index) DO UPDATE SET outcome = excluded.outcome",
                     (batch_id, index, custom_id, outcome))
             c.execute("UPDATE batches SET completed = completed + ?, failed = failed + ? WHERE id = ?",

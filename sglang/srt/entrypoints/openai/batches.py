@@ -8,7 +8,6 @@ import re
 from typing import Optional
 
 from fastapi import FastAPI, Request
-from sglang.srt.entrypoints.responses import ORJSONResponse
 from pydantic import BaseModel
 
 from sglang.srt.batch.lines import BatchEndpoint
@@ -16,6 +15,7 @@ from sglang.srt.batch.runner import BatchRunner
 from sglang.srt.batch.store import BATCH_ID_RE, FILE_ID_RE, Store
 from sglang.srt.entrypoints.openai.common import error_response
 from sglang.srt.entrypoints.openai.files import register_file_routes
+from sglang.srt.entrypoints.responses import ORJSONResponse
 
 WINDOW_RE = re.compile(r"^([1-9][0-9]{0,3})h$")
 

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import AsyncIterator, Optional
+from collections.abc import AsyncIterator
+from typing import Any, Optional, cast
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from sglang.srt.entrypoints.responses import ORJSONResponse
-
 from sglang.srt.batch.multipart import MultipartReader, boundary_of
 from sglang.srt.batch.store import FILE_ID_RE, Store, new_file_id
 from sglang.srt.entrypoints.openai.common import error_response
+from sglang.srt.entrypoints.responses import ORJSONResponse
 
 PURPOSES = ("batch", "batch_output", "user_data", "assistants", "fine-tune", "vision", "evals")
 # Multipart framing around the file body: headers, the purpose field, boundaries.
@@ -94,7 +94,7 @@ async def receive_upload(request: Request, store: Store, max_size: int) -> dict:
     if length and length.isdigit() and int(length) > 2 * max_size + FRAMING_SLACK:
         raise too_big  # clearly too large: not worth reading
     file_id = new_file_id("input")
-    store.db  # opens (creates) the storage folder on the first upload
+    store.open()  # creates the storage folder on the first upload
     tmp = os.path.join(store.tmp_dir, file_id + ".part")
     fields: dict[str, bytearray] = {}
     filename, current, size, oversized = None, None, 0, False
@@ -103,6 +103,7 @@ async def receive_upload(request: Request, store: Store, max_size: int) -> dict:
         with open(tmp, "wb") as f:
             async for chunk in request.stream():
                 for kind, a, b in reader.feed(chunk):
+                    a, b = cast(Any, a), cast(Any, b)  # ("part", name, filename) or ("data", bytes, None)
                     if kind == "part":
                         current = a
                         if a == "file":
