@@ -147,6 +147,14 @@ class ServerArgs:
             raise ValueError("--page-size: only 1 is supported")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"--max-total-tokens must be at least 16, got {self.max_total_tokens}")
+        if self.tool_call_parser is not None:
+            from sglang.srt.function_call import check_tool_call_parser
+
+            check_tool_call_parser(self.tool_call_parser)
+        if self.reasoning_parser is not None:
+            from sglang.srt.reasoning_parser import check_reasoning_parser
+
+            check_reasoning_parser(self.reasoning_parser)
         if self.preferred_sampling_params:
             try:
                 json.loads(self.preferred_sampling_params)

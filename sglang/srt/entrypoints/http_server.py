@@ -19,6 +19,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import ORJSONResponse, PlainTextResponse, Response
 
 from sglang.srt.entrypoints.launch import Subprocesses, launch_subprocesses, watch_children
+from sglang.srt.entrypoints.parser_routes import register_parser_routes
 from sglang.srt.entrypoints.openai.routes import install_api_key_check, register_openai_routes
 from sglang.srt.entrypoints.sse import open_stream, sse_json, sse_response
 from sglang.srt.managers.generate_input import GenerateReqInput
@@ -67,6 +68,7 @@ def build_app(state: ServerState) -> FastAPI:
     if args.api_key:
         install_api_key_check(app, args.api_key)
     register_openai_routes(app, state)
+    register_parser_routes(app, args.tool_call_parser, args.reasoning_parser)
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):

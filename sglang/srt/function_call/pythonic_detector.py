@@ -1,0 +1,133 @@
+"""Pythonic format (Llama 3.2 / 4 style): a Python list of calls, `[get_weather(city="Paris"), now()]`, at the
+start of the output or of a line. Keyword values are Python literals; they become JSON arguments.
+
+A list is only judged once its closing bracket arrives (Python literals cannot be passed through as JSON
+fragments), so each call streams as its name and then its whole arguments object.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from typing import Any, Optional
+
+import regex
+
+from sglang.srt.function_call.base_format_detector import BaseFormatDetector
+from sglang.srt.function_call.core_types import StreamingParseResult, ToolCallItem, ToolSpec
+
+_HEAD = regex.compile(r"\[\s*[A-Za-z_][\w.]*\s*\(")
+
+
+def parse_call_list(source: str, names: set[str]) -> Optional[list[tuple[str, str]]]:
+    """[(name, arguments JSON)] when `source` is a list of keyword-only calls to known tools, else None."""
+    try:
+        tree = ast.parse(source.strip(), mode="eval")
+    except SyntaxError:
+        return None
+    if not isinstance(tree.body, ast.List) or not tree.body.elts:
+        return None
+    calls = []
+    for node in tree.body.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return None
+        if node.func.id not in names:
+            return None
+        try:
+            args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+            calls.append((node.func.id, json.dumps(args, ensure_ascii=False)))
+        except (ValueError, TypeError, SyntaxError):
+            return None
+    return calls
+
+
+class PythonicDetector(BaseFormatDetector):
+    def __init__(self, tools: list[ToolSpec]) -> None:
+        super().__init__(tools)
+        self.in_list = False
+        self.buf = ""
+        self.depth = 0
+        self.quote = ""
+        self.escaped = False
+        self.line_start = True
+        self.spaces = ""
+        self.saved_spaces = ""
+        self.out = StreamingParseResult()
+
+    def render_calls(self, calls: list[tuple[str, dict[str, Any]]]) -> str:
+        def call(name: str, args: dict[str, Any]) -> str:
+            return name + "(" + ", ".join(f"{k}={v!r}" for k, v in args.items()) + ")"
+
+        return "[" + ", ".join(call(n, a) for n, a in calls) + "]"
+
+    def has_tool_call(self, text: str) -> bool:
+        return any(_HEAD.match(line.strip()) for line in text.splitlines())
+
+    def parse_streaming_increment(self, new_text: str) -> StreamingParseResult:
+        for c in new_text:
+            self._step(c)
+        out, self.out = self.out, StreamingParseResult()
+        return out
+
+    def finish(self) -> StreamingParseResult:
+        if self.in_list and _HEAD.match(self.buf, partial=True) is None:
+            self._reject()  # not a call list: it is content; a call list cut short is dropped
+        if self.call_index == 0:
+            self.out.normal_text += self.spaces
+        self.spaces = ""
+        out, self.out = self.out, StreamingParseResult()
+        return out
+
+    def _step(self, c: str) -> None:
+        if not self.in_list:
+            if c == "[" and self.line_start:
+                self.in_list, self.buf, self.depth, self.quote = True, "[", 1, ""
+                self.saved_spaces, self.spaces = self.spaces, ""
+                return
+            self._content(c)
+            return
+        self.buf += c
+        self._scan(c)
+        if _HEAD.match(self.buf, partial=True) is None:
+            self._reject()
+        elif self.depth == 0:
+            calls = parse_call_list(self.buf, self.names)
+            if calls is None:
+                self._reject()
+                return
+            for name, args in calls:
+                self.out.calls.append(ToolCallItem(self.call_index, name=name))
+                self.out.calls.append(ToolCallItem(self.call_index, parameters=args))
+                self.call_index += 1
+            self.in_list, self.buf, self.line_start = False, "", True
+
+    def _scan(self, c: str) -> None:
+        if self.quote:
+            if self.escaped:
+                self.escaped = False
+            elif c == "\\":
+                self.escaped = True
+            elif c == self.quote:
+                self.quote = ""
+        elif c in "'\"":
+            self.quote = c
+        elif c in "([{":
+            self.depth += 1
+        elif c in ")]}":
+            self.depth -= 1
+
+    def _reject(self) -> None:
+        """The bracket opened no call list: it and what followed are content."""
+        buf, self.buf, self.in_list = self.buf, "", False
+        self.spaces = self.saved_spaces
+        self._content("[")
+        for c in buf[1:]:
+            self._step(c)
+
+    def _content(self, c: str) -> None:
+        self.line_start = c == "\n" or (self.line_start and c.isspace())
+        if c.isspace():
+            self.spaces += c
+            return
+        self.out.normal_text += self.spaces + c
+        self.spaces = ""
