@@ -14,9 +14,14 @@ import json
 from abc import ABC, abstractmethod
 from typing import Any, Optional
 
-from sglang.srt.constrained.base_grammar_backend import JSON_MAX_WHITESPACE, close_declared_objects
+from sglang.srt.constrained.base_grammar_backend import close_declared_objects
 from sglang.srt.function_call.core_types import StreamingParseResult, ToolCallItem, ToolSpec, merge_calls
 from sglang.srt.function_call.json_call_reader import JsonCallReader
+
+
+# Whitespace between the JSON tokens of a constrained call: one character at a time. Arguments need no layout,
+# and a small model given more room fills it with blank lines until max_tokens.
+CALL_MAX_WHITESPACE = 1
 
 
 class BaseFormatDetector(ABC):
@@ -126,7 +131,7 @@ class JsonToolDetector(BaseFormatDetector):
         elements: list[dict[str, Any]] = []
         if self.call_begin:
             elements.append({"type": "const_string", "value": self.call_begin})
-        elements.append({"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": JSON_MAX_WHITESPACE})
+        elements.append({"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": CALL_MAX_WHITESPACE})
         if self.call_end:
             elements.append({"type": "const_string", "value": self.call_end})
         return {"type": "sequence", "elements": elements} if len(elements) > 1 else elements[0]
