@@ -179,3 +179,26 @@ def test_reasoning_whole_and_streamed(name, output, reasoning, content, stream_r
         assert "".join(p[1] for p in pieces) == content
         if not stream_reasoning:
             assert sum(1 for p in pieces if p[0]) <= 1
+
+
+@pytest.mark.parametrize("parser_name", ["qwen25", "llama3", "mistral"])
+def test_constraint_accepts_exactly_the_format_the_parser_reads(parser_name, smollm2_tokenizer):
+    from sglang.srt.constrained.xgrammar_backend import XGrammarBackend
+
+    backend = XGrammarBackend(smollm2_tokenizer, 49152, [2])
+    parser = FunctionCallParser(TOOLS, parser_name)
+    compiled = backend.compile("structural_tag", parser.structural_tag("required"))
+
+    def accepts(text: str) -> bool:
+        matcher = backend.new_matcher(compiled)
+        ok = all(matcher.accept_token(t) for t in smollm2_tokenizer.encode(text, add_special_tokens=False))
+        return ok and matcher.accept_token(2) and matcher.is_terminated()
+
+    good = parser.detector.render_calls([S_NESTED])
+    assert accepts(good)
+    assert FunctionCallParser(TOOLS, parser_name).parse_non_stream(good)[1][0].name == "search"
+    assert not accepts(good.replace('"search"', '"unknown"'))
+    assert not accepts(parser.detector.render_calls([("get_weather", {"city": 3})]))  # a number for a string
+    assert not accepts(parser.detector.render_calls([("get_weather", {"unit": "celsius"})]))  # city is required
+    assert not accepts("Sure. " + good)  # nothing before the call
+    backend.shutdown()

@@ -133,7 +133,7 @@ def test_two_turn_tool_conversation_hits_the_cache(client):
                                             max_tokens=32, temperature=0)
     choice = second.choices[0]
     assert choice.finish_reason in ("stop", "length")
-    assert choice.message.content
+    assert choice.message.content and "<|im_end|>" not in choice.message.content
     # The first turn's prompt and the rendered call are a prefix of the second prompt: served from the cache.
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= first.usage.prompt_tokens - 1
