@@ -66,6 +66,8 @@ CASES = [
                  "</tool_call', filters={'year': [2023, 2024], 'x': None})]", "I'll look.", [W_PARIS, S_NESTED]),
     ("pythonic", "Lists like [1, 2, 3] are fine.", "Lists like [1, 2, 3] are fine.", []),
     ("pythonic", "[get_weather(city=Paris)]", "[get_weather(city=Paris)]", []),
+    ("pythonic", '[search(query="x", filters={"on": true, "off": null})]', "",
+     [("search", {"query": "x", "filters": {"on": True, "off": None}})]),
     ("pythonic", '[get_weather(city="Par', "", []),
 ]
 
@@ -139,13 +141,12 @@ def test_render_calls_reads_back():
 
 def test_structural_tag_per_parser():
     named = {"type": "function", "function": {"name": "search"}}
-    for name in ("qwen25", "llama3", "mistral"):
+    for name in ("qwen25", "llama3", "mistral", "pythonic"):
         tag = json.loads(FunctionCallParser(TOOLS, name).structural_tag(named))
         assert tag["type"] == "structural_tag"
         assert "search" in json.dumps(tag) and "get_weather" not in json.dumps(tag)
         required = json.loads(FunctionCallParser(TOOLS, name).structural_tag("required"))
         assert required["format"]["type"] == "or" and len(required["format"]["elements"]) == 2
-    assert FunctionCallParser(TOOLS, "pythonic").structural_tag("required") is None
 
 
 def test_unknown_parser_name():
@@ -181,7 +182,7 @@ def test_reasoning_whole_and_streamed(name, output, reasoning, content, stream_r
             assert sum(1 for p in pieces if p[0]) <= 1
 
 
-@pytest.mark.parametrize("parser_name", ["qwen25", "llama3", "mistral"])
+@pytest.mark.parametrize("parser_name", ["qwen25", "llama3", "mistral", "pythonic"])
 def test_constraint_accepts_exactly_the_format_the_parser_reads(parser_name, smollm2_tokenizer):
     from sglang.srt.constrained.xgrammar_backend import XGrammarBackend
 
@@ -194,10 +195,11 @@ def test_constraint_accepts_exactly_the_format_the_parser_reads(parser_name, smo
         ok = all(matcher.accept_token(t) for t in smollm2_tokenizer.encode(text, add_special_tokens=False))
         return ok and matcher.accept_token(2) and matcher.is_terminated()
 
-    good = parser.detector.render_calls([S_NESTED])
+    good = parser.detector.render_calls([("search", {"query": "a \"quoted\" } brace", "filters": {"y": [1, 2]}})])
     assert accepts(good)
+    assert accepts(parser.detector.render_calls([("get_weather", {"city": "Paris"})]))  # unit is optional
     assert FunctionCallParser(TOOLS, parser_name).parse_non_stream(good)[1][0].name == "search"
-    assert not accepts(good.replace('"search"', '"unknown"'))
+    assert not accepts(good.replace("search", "unknown", 1))
     assert not accepts(parser.detector.render_calls([("get_weather", {"city": 3})]))  # a number for a string
     assert not accepts(parser.detector.render_calls([("get_weather", {"unit": "celsius"})]))  # city is required
     assert not accepts("Sure. " + good)  # nothing before the call

@@ -13,10 +13,27 @@ from typing import Any, Optional
 
 import regex
 
-from sglang.srt.function_call.base_format_detector import BaseFormatDetector
+from sglang.srt.constrained.base_grammar_backend import close_declared_objects
+from sglang.srt.function_call.base_format_detector import CALL_MAX_WHITESPACE, BaseFormatDetector
 from sglang.srt.function_call.core_types import StreamingParseResult, ToolCallItem, ToolSpec
 
 _HEAD = regex.compile(r"\[\s*[A-Za-z_][\w.]*\s*\(")
+
+
+_NAMED_CONSTANTS = {"True": True, "False": False, "None": None, "true": True, "false": False, "null": None}
+
+
+def literal(node: ast.AST) -> Any:
+    """A Python literal, also accepting JSON's true / false / null (models mix them up)."""
+    if isinstance(node, ast.Name) and node.id in _NAMED_CONSTANTS:
+        return _NAMED_CONSTANTS[node.id]
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [literal(e) for e in node.elts]
+    if isinstance(node, ast.Dict):
+        if any(k is None for k in node.keys):
+            raise ValueError("dict unpacking is not a literal")
+        return {literal(k): literal(v) for k, v in zip(node.keys, node.values)}
+    return ast.literal_eval(node)
 
 
 def parse_call_list(source: str, names: set[str]) -> Optional[list[tuple[str, str]]]:
@@ -34,11 +51,41 @@ def parse_call_list(source: str, names: set[str]) -> Optional[list[tuple[str, st
         if node.func.id not in names:
             return None
         try:
-            args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+            args = {kw.arg: literal(kw.value) for kw in node.keywords if kw.arg is not None}
             calls.append((node.func.id, json.dumps(args, ensure_ascii=False)))
         except (ValueError, TypeError, SyntaxError):
             return None
     return calls
+
+
+def python_literal(value: Any) -> str:
+    """Python source for a JSON value, strings double-quoted as JSON writes them."""
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(python_literal(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(json.dumps(str(k)) + ": " + python_literal(v) for k, v in value.items()) + "}"
+    return json.dumps(value, ensure_ascii=False)
+
+
+def arguments_format(properties: list[tuple[str, dict]], required: set[str], i: int, first: bool) -> Optional[dict]:
+    """Structural-tag format of `k=value` pairs for properties[i:], in declared order, the optional ones
+    skippable, separated by ", " (`first`: nothing written before). Values follow each property's JSON schema
+    (JSON literals, which the parser also reads). None when nothing is left."""
+    if i == len(properties):
+        return None
+    key, schema = properties[i]
+    rest = arguments_format(properties, required, i + 1, False)
+    item = {"type": "sequence", "elements": [
+        {"type": "const_string", "value": ("" if first else ", ") + key + "="},
+        {"type": "json_schema", "json_schema": close_declared_objects(schema), "max_whitespace_cnt": CALL_MAX_WHITESPACE},
+        *([rest] if rest else []),
+    ]}
+    if key in required:
+        return item
+    skip = arguments_format(properties, required, i + 1, first)
+    return {"type": "or", "elements": [item, skip]} if skip else {"type": "optional", "content": item}
 
 
 class PythonicDetector(BaseFormatDetector):
@@ -56,9 +103,16 @@ class PythonicDetector(BaseFormatDetector):
 
     def render_calls(self, calls: list[tuple[str, dict[str, Any]]]) -> str:
         def call(name: str, args: dict[str, Any]) -> str:
-            return name + "(" + ", ".join(f"{k}={v!r}" for k, v in args.items()) + ")"
+            return name + "(" + ", ".join(f"{k}={python_literal(v)}" for k, v in args.items()) + ")"
 
         return "[" + ", ".join(call(n, a) for n, a in calls) + "]"
+
+    def call_format(self, tool: ToolSpec) -> Optional[dict[str, Any]]:
+        props = tool.parameters.get("properties") or {}
+        args = arguments_format(list(props.items()), set(tool.parameters.get("required") or []), 0, True)
+        elements = [{"type": "const_string", "value": "[" + tool.name + "("}, *([args] if args else []),
+                    {"type": "const_string", "value": ")]"}]
+        return {"type": "sequence", "elements": elements}
 
     def has_tool_call(self, text: str) -> bool:
         return any(_HEAD.match(line.strip()) for line in text.splitlines())
