@@ -43,6 +43,8 @@ CASES = [
     ("qwen25", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', "", [("get_weather", '{"city": "Par')]),
     ("qwen25", 'Thinking about it <tool_call>\n{"name": "get_w', "Thinking about it", []),
     ("qwen25", "if a < b and b <tool x then", "if a < b and b <tool x then", []),
+    ("qwen25", 'Oops <tool_call>{"foo": "x"} <tool_', 'Oops <tool_call>{"foo": "x"} <tool_', []),
+    ("qwen25", '<tool_call>{"foo": 1 <tool_call>', '<tool_call>{"foo": 1', []),
     # Llama 3.x JSON
     ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', "", [W_PARIS]),
     ("llama3", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '

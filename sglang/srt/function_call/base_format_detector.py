@@ -97,14 +97,16 @@ class JsonToolDetector(BaseFormatDetector):
         return out
 
     def finish(self) -> StreamingParseResult:
-        if self.state == "text":
+        while self.state == "body" and self.reader is not None:
+            reader = self.reader
+            self._handle(reader.finish())
+            if self.reader is reader:  # not rejected: a call cut short ends here
+                self.call_index += reader.emitted_call
+                self.reader = None
+        if self.state == "text":  # also after a rejected call was read again as text
             pending, self.pending = self.pending, ""
             for c in pending:
                 self._content(c)
-        elif self.state == "body" and self.reader is not None:
-            self._handle(self.reader.finish())
-            if self.reader is not None and self.reader.emitted_call:
-                self.call_index += 1
         if self.call_index == 0:
             self.out.normal_text += self.spaces
         self.spaces = ""
