@@ -206,3 +206,38 @@ def test_constraint_accepts_exactly_the_format_the_parser_reads(parser_name, smo
     assert not accepts(parser.detector.render_calls([("get_weather", {"unit": "celsius"})]))  # city is required
     assert not accepts("Sure. " + good)  # nothing before the call
     backend.shutdown()
+
+
+FRAGMENTS = ["<tool_call>", "</tool_call>", "\n", " ", "{", "}", "[", "]", ",", ";", '"', ":", "\\", "<", "(", ")",
+             '"name"', '"arguments"', '"parameters"', '"get_weather"', '"search"', "get_weather", "search", "=",
+             "[TOOL_CALLS]", "<|python_tag|>", "<think>", "</think>", "city", "1", "true", "null", "text", "'"]
+
+
+@pytest.mark.parametrize("parser_name", sorted(TOOL_CALL_PARSERS))
+def test_random_outputs_stream_as_they_parse(parser_name):
+    """Whatever the text, however it is chunked, the stream concatenates to the whole parse."""
+    rng = random.Random(parser_name)
+    valid = [FunctionCallParser(TOOLS, parser_name).detector.render_calls([W_PARIS, S_NESTED])]
+    for trial in range(300):
+        pieces = [rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 40))]
+        if trial % 3 == 0:  # splice a real call into the noise, sometimes cut short
+            call = valid[0][: rng.randint(1, len(valid[0]))] if trial % 2 else valid[0]
+            pieces.insert(rng.randint(0, len(pieces)), call)
+        output = "".join(pieces)
+        normal, parsed = FunctionCallParser(TOOLS, parser_name).parse_non_stream(output)
+        text, items = stream(FunctionCallParser(TOOLS, parser_name), random_chunks(output, trial))
+        assert text == normal, output
+        assert [(c.name, c.parameters) for c in merge_calls(items)] == [(c.name, c.parameters) for c in parsed], output
+        assert all(c.name in ("get_weather", "search") for c in parsed)
+
+
+@pytest.mark.parametrize("name", sorted(["qwen3", "deepseek-r1", "kimi"]))
+def test_random_reasoning_streams_as_it_parses(name):
+    rng = random.Random(name)
+    fragments = FRAGMENTS + ["\u25c1think\u25b7", "\u25c1/think\u25b7", "</thi", "<thi"]
+    for trial in range(300):
+        output = "".join(rng.choice(fragments) for _ in range(rng.randint(1, 30)))
+        whole = ReasoningParser(name).parse_non_stream(output)
+        parser = ReasoningParser(name)
+        pieces = [parser.parse_stream_chunk(c) for c in random_chunks(output, trial)] + [parser.finish()]
+        assert ("".join(p[0] for p in pieces), "".join(p[1] for p in pieces)) == whole, output
