@@ -35,12 +35,14 @@ CASES = [
                " Done.", "Sure! Done.", [W_PARIS]),
     # Malformed arguments after a well-formed head: the call keeps them as written (as in the OpenAI API, the
     # client validates arguments); a head that is not a call goes back to the content whole.
-    ("qwen25", 'I will call it: <tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}}\n</tool_call>',
+    ("qwen25", 'I will call it: <tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}}'
+               "\n</tool_call>",
      "I will call it:", [("get_weather", '{"city": Paris}')]),
     ("qwen25", "<tool_call>\n{name: get_weather}\n</tool_call>", "<tool_call>\n{name: get_weather}\n</tool_call>", []),
     ("qwen25", '<tool_call>\n{"name": "unknown_tool", "arguments": {}}\n</tool_call>',
      '<tool_call>\n{"name": "unknown_tool", "arguments": {}}\n</tool_call>', []),
-    ("qwen25", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', "", [("get_weather", '{"city": "Par')]),
+    ("qwen25", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', "",
+     [("get_weather", '{"city": "Par')]),
     ("qwen25", 'Thinking about it <tool_call>\n{"name": "get_w', "Thinking about it", []),
     ("qwen25", "if a < b and b <tool x then", "if a < b and b <tool x then", []),
     ("qwen25", 'Oops <tool_call>{"foo": "x"} <tool_', 'Oops <tool_call>{"foo": "x"} <tool_', []),

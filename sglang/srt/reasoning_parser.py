@@ -52,7 +52,8 @@ class ReasoningParser:
         return reasoning + r2, normal + n2
 
     def parse_stream_chunk(self, chunk: str) -> tuple[str, str]:
-        reasoning, normal = [], []
+        reasoning: list[str] = []
+        normal: list[str] = []
         for c in chunk:
             self._step(c, reasoning, normal)
         return self._reasoning_out("".join(reasoning)), "".join(normal)

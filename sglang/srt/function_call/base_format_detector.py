@@ -18,7 +18,6 @@ from sglang.srt.constrained.base_grammar_backend import close_declared_objects
 from sglang.srt.function_call.core_types import StreamingParseResult, ToolCallItem, ToolSpec, merge_calls
 from sglang.srt.function_call.json_call_reader import JsonCallReader
 
-
 # Whitespace between the JSON tokens of a constrained call: one character at a time. Arguments need no layout,
 # and a small model given more room fills it with blank lines until max_tokens.
 CALL_MAX_WHITESPACE = 1

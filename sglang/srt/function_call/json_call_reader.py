@@ -138,7 +138,7 @@ class JsonCallReader:
             return [("end_marker",)]
         if self.mode == "tail":
             return [("end_marker",)]
-        body = self.raw[: -len(self.end_marker)]
+        body = self.raw[: len(self.raw) - len(self.end_marker or "")]
         accepted = accept_call(body, self.names)
         if accepted is None:
             return [("reject", self.raw)]

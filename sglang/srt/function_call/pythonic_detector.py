@@ -30,9 +30,12 @@ def literal(node: ast.AST) -> Any:
     if isinstance(node, (ast.List, ast.Tuple)):
         return [literal(e) for e in node.elts]
     if isinstance(node, ast.Dict):
-        if any(k is None for k in node.keys):
-            raise ValueError("dict unpacking is not a literal")
-        return {literal(k): literal(v) for k, v in zip(node.keys, node.values)}
+        out = {}
+        for k, v in zip(node.keys, node.values):
+            if k is None:
+                raise ValueError("dict unpacking is not a literal")
+            out[literal(k)] = literal(v)
+        return out
     return ast.literal_eval(node)
 
 
@@ -79,7 +82,8 @@ def arguments_format(properties: list[tuple[str, dict]], required: set[str], i: 
     rest = arguments_format(properties, required, i + 1, False)
     item = {"type": "sequence", "elements": [
         {"type": "const_string", "value": ("" if first else ", ") + key + "="},
-        {"type": "json_schema", "json_schema": close_declared_objects(schema), "max_whitespace_cnt": CALL_MAX_WHITESPACE},
+        {"type": "json_schema", "json_schema": close_declared_objects(schema),
+         "max_whitespace_cnt": CALL_MAX_WHITESPACE},
         *([rest] if rest else []),
     ]}
     if key in required:

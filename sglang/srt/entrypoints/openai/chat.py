@@ -156,8 +156,8 @@ class ChatHandler(OpenAIHandler):
                 sent_lp[index] = len(full)
             parser = parsers[index]
             if parser.active:
-                deltas = [parser.feed(delta)] + ([parser.finish()] if reason is not None else [])
-                deltas = [d for d in deltas if d]
+                pieces = [parser.feed(delta)] + ([parser.finish()] if reason is not None else [])
+                deltas = [d for d in pieces if d]
                 reason, matched = parser.finish_reason(reason, matched)
             else:
                 deltas = [{"content": delta}] if delta else []

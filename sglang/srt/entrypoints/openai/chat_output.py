@@ -6,8 +6,8 @@ from __future__ import annotations
 import uuid
 from typing import Any, Optional
 
-from sglang.srt.function_call import FunctionCallParser, ToolCallItem
 from sglang.srt.entrypoints.openai.tool_requests import tools_active
+from sglang.srt.function_call import FunctionCallParser, ToolCallItem
 from sglang.srt.reasoning_parser import ReasoningParser
 
 

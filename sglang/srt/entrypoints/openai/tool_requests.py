@@ -72,7 +72,8 @@ def _check_parameters(i: int, params: Any) -> None:
         validator_for(params).check_schema(params)
     except SchemaError as e:
         path = "/".join(str(p) for p in e.path)
-        raise ValueError(f"{where} is not a valid JSON schema: {e.message}" + (f" (at {path})" if path else "")) from None
+        where_in = f" (at {path})" if path else ""
+        raise ValueError(f"{where} is not a valid JSON schema: {e.message}{where_in}") from None
     if params.get("type", "object") != "object":
         raise ValueError(f"{where} must describe an object (type 'object'), got type {params.get('type')!r}")
 
@@ -131,7 +132,7 @@ def tool_system_prompt(tools: list[dict[str, Any]], parser: FunctionCallParser) 
 def add_tool_constraint(sp: dict[str, Any], tools: Optional[list], tool_choice: ToolChoice,
                         parser: Optional[FunctionCallParser]) -> None:
     """Constrain decoding to a call when `tool_choice` forces one."""
-    if not tools or not forced_tool_choice(tool_choice):
+    if not tools or tool_choice is None or not forced_tool_choice(tool_choice):
         return
     if parser is None:
         raise ValueError("tool_choice 'required' or a named function needs a server started with --tool-call-parser")
