@@ -253,9 +253,10 @@ def test_two_turn_tool_conversation_hits_the_cache(client):
     choice = second.choices[0]
     assert choice.finish_reason in ("stop", "length")
     assert choice.message.content and "<|im_end|>" not in choice.message.content
-    # The first turn's prompt and the rendered call are a prefix of the second prompt: served from the cache.
+    # The first turn's prompt is a prefix of the second, and the call renders back to the text the model
+    # generated: both are served from the cache (up to where re-tokenizing splits a token differently).
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert cached >= first.usage.prompt_tokens - 1
+    assert cached >= first.usage.prompt_tokens + first.usage.completion_tokens // 2
     assert second.usage.prompt_tokens > first.usage.prompt_tokens + 10
 
 

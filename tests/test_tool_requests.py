@@ -142,3 +142,15 @@ def test_switches_turn_parsing_off():
     assert not off.active and off.message(OUTPUT)["content"] == OUTPUT
     no_thinking = ChoiceOutputParser(request(chat_template_kwargs={"enable_thinking": False}), None, "deepseek-r1")
     assert no_thinking.message("Plain answer.")["content"] == "Plain answer."
+
+
+def test_a_call_renders_back_to_the_text_the_model_wrote():
+    plain = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    generated = '<tool_call>\n{"name": "get_weather", "arguments": {"city":"Paris" }}\n</tool_call>'
+    parser = FunctionCallParser([WEATHER], "qwen25")
+    (call,) = parser.parse_non_stream(generated)[1]
+    sent_back = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": call.name, "arguments": call.parameters}}]}
+    out = template_messages([{"role": "user", "content": "Weather?"}, sent_back], [WEATHER], True, plain, parser)
+    assert out[2]["content"] == generated
+    assert out[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from sglang.srt.constrained.base_grammar_backend import close_declared_objects
 from sglang.srt.function_call.core_types import StreamingParseResult, ToolCallItem, ToolSpec, merge_calls
 from sglang.srt.function_call.json_call_reader import JsonCallReader
+
+# A call's arguments: an object, or its JSON text.
+Arguments = Union[dict[str, Any], str]
 
 # Whitespace between the JSON tokens of a constrained call: one character at a time. Arguments need no layout,
 # and a small model given more room fills it with blank lines until max_tokens.
@@ -49,9 +52,11 @@ class BaseFormatDetector(ABC):
         return result
 
     @abstractmethod
-    def render_calls(self, calls: list[tuple[str, dict[str, Any]]]) -> str:
+    def render_calls(self, calls: list[tuple[str, Arguments]]) -> str:
         """The text a model of this format writes for these (name, arguments) calls: used to show the model the
-        format, and to put earlier calls back into a chat template that does not render `tool_calls`."""
+        format, and to put earlier calls back into a chat template that does not render `tool_calls`. Arguments
+        given as JSON text are written as they are where the format allows, so a call the model made renders
+        back to the text it generated (and the next turn finds it in the prefix cache)."""
 
     def call_format(self, tool: ToolSpec) -> Optional[dict[str, Any]]:
         """An xgrammar structural-tag format that produces exactly one call of `tool` in this format, or None
@@ -117,11 +122,12 @@ class JsonToolDetector(BaseFormatDetector):
         stripped = text.lstrip()
         return any(m in text for m in self.markers) or any(stripped.startswith(m) for m in self.body_markers)
 
-    def render_calls(self, calls: list[tuple[str, dict[str, Any]]]) -> str:
+    def render_calls(self, calls: list[tuple[str, Arguments]]) -> str:
         return "\n".join(self.call_begin + self._call_json(n, a) + self.call_end for n, a in calls)
 
-    def _call_json(self, name: str, args: dict[str, Any]) -> str:
-        return json.dumps({"name": name, self.arguments_key: args}, ensure_ascii=False)
+    def _call_json(self, name: str, args: Arguments) -> str:
+        raw = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        return "{" + f'"name": {json.dumps(name, ensure_ascii=False)}, "{self.arguments_key}": {raw}' + "}"
 
     def call_format(self, tool: ToolSpec) -> Optional[dict[str, Any]]:
         schema = {

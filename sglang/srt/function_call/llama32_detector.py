@@ -3,9 +3,7 @@ separated by `;`. A bare object counts as a call only at the start of the output
 
 from __future__ import annotations
 
-from typing import Any
-
-from sglang.srt.function_call.base_format_detector import JsonToolDetector
+from sglang.srt.function_call.base_format_detector import Arguments, JsonToolDetector
 
 
 class Llama32Detector(JsonToolDetector):
@@ -18,5 +16,5 @@ class Llama32Detector(JsonToolDetector):
             return "stay"
         return "open" if c == ";" else "refeed"
 
-    def render_calls(self, calls: list[tuple[str, dict[str, Any]]]) -> str:
+    def render_calls(self, calls: list[tuple[str, Arguments]]) -> str:
         return "; ".join(self._call_json(n, a) for n, a in calls)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from sglang.srt.function_call.base_format_detector import JsonToolDetector
+from sglang.srt.function_call.base_format_detector import Arguments, JsonToolDetector
 
 
 class MistralDetector(JsonToolDetector):
@@ -24,5 +22,5 @@ class MistralDetector(JsonToolDetector):
             return "text"
         return "refeed"
 
-    def render_calls(self, calls: list[tuple[str, dict[str, Any]]]) -> str:
+    def render_calls(self, calls: list[tuple[str, Arguments]]) -> str:
         return "[TOOL_CALLS] [" + ", ".join(self._call_json(n, a) for n, a in calls) + "]"

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import regex
 
 from sglang.srt.constrained.base_grammar_backend import close_declared_objects
-from sglang.srt.function_call.base_format_detector import CALL_MAX_WHITESPACE, BaseFormatDetector
+from sglang.srt.function_call.base_format_detector import CALL_MAX_WHITESPACE, Arguments, BaseFormatDetector
 from sglang.srt.function_call.core_types import StreamingParseResult, ToolCallItem, ToolSpec
 
 _HEAD = regex.compile(r"\[\s*[A-Za-z_][\w.]*\s*\(")
@@ -105,9 +105,10 @@ class PythonicDetector(BaseFormatDetector):
         self.saved_spaces = ""
         self.out = StreamingParseResult()
 
-    def render_calls(self, calls: list[tuple[str, dict[str, Any]]]) -> str:
-        def call(name: str, args: dict[str, Any]) -> str:
-            return name + "(" + ", ".join(f"{k}={python_literal(v)}" for k, v in args.items()) + ")"
+    def render_calls(self, calls: list[tuple[str, Arguments]]) -> str:
+        def call(name: str, args: Arguments) -> str:
+            values = json.loads(args) if isinstance(args, str) else args
+            return name + "(" + ", ".join(f"{k}={python_literal(v)}" for k, v in values.items()) + ")"
 
         return "[" + ", ".join(call(n, a) for n, a in calls) + "]"
 

@@ -92,11 +92,13 @@ def template_messages(messages: list[dict[str, Any]], tools: Optional[list[dict[
     for m in messages:
         calls = m.get("tool_calls")
         if m.get("role") == "assistant" and calls:
-            m = dict(m, tool_calls=[_decoded_call(c) for c in calls])
+            decoded = [_decoded_call(c) for c in calls]
             if not renders_calls and parser is not None:
-                pairs = [(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
+                # The arguments as the client sent them back: the text the model generated, when it made the call.
+                pairs = [(d["function"]["name"], _raw_arguments(c, d)) for c, d in zip(calls, decoded)]
                 text = parser.detector.render_calls(pairs)
-                m["content"] = (m.get("content") or "") + ("\n" if m.get("content") else "") + text
+                m = dict(m, content=(m.get("content") or "") + ("\n" if m.get("content") else "") + text)
+            m = dict(m, tool_calls=decoded)
         out.append(m)
     if active and parser is not None and "tools" not in template_source:
         prompt = tool_system_prompt(tools or [], parser)
@@ -105,6 +107,11 @@ def template_messages(messages: list[dict[str, Any]], tools: Optional[list[dict[
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out
+
+
+def _raw_arguments(call: dict[str, Any], decoded: dict[str, Any]) -> Any:
+    raw = (call.get("function") or {}).get("arguments")
+    return raw if isinstance(raw, str) and raw.strip() else decoded["function"]["arguments"]
 
 
 def _decoded_call(call: dict[str, Any]) -> dict[str, Any]:
