@@ -153,6 +153,14 @@ class ServerArgs:
             raise ValueError(f"--max-file-size must be a positive number of bytes, got {self.max_file_size}")
         if self.batch_max_inflight < 1:
             raise ValueError(f"--batch-max-inflight must be at least 1, got {self.batch_max_inflight}")
+        if self.tool_call_parser is not None:
+            from sglang.srt.function_call import check_tool_call_parser
+
+            check_tool_call_parser(self.tool_call_parser)
+        if self.reasoning_parser is not None:
+            from sglang.srt.reasoning_parser import check_reasoning_parser
+
+            check_reasoning_parser(self.reasoning_parser)
         if self.preferred_sampling_params:
             try:
                 json.loads(self.preferred_sampling_params)

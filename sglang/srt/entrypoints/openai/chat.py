@@ -6,6 +6,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any, Optional
 
+from sglang.srt.entrypoints.openai.chat_output import ChoiceOutputParser
 from sglang.srt.entrypoints.openai.common import (
     OpenAIHandler,
     build_usage,
@@ -15,20 +16,39 @@ from sglang.srt.entrypoints.openai.common import (
     usage_chunk,
 )
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, now
+from sglang.srt.entrypoints.openai.tool_requests import (
+    add_tool_constraint,
+    template_messages,
+    tools_active,
+    validate_tools,
+)
+from sglang.srt.function_call import FunctionCallParser
 from sglang.srt.managers.generate_input import GenerateReqInput
 
 
 class ChatHandler(OpenAIHandler):
-    def __init__(self, tokenizer_manager, chat_template: Optional[str], generation_defaults: dict) -> None:
+    def __init__(self, tokenizer_manager, chat_template: Optional[str], generation_defaults: dict,
+                 tool_call_parser: Optional[str] = None, reasoning_parser: Optional[str] = None) -> None:
         super().__init__(tokenizer_manager)
         self.chat_template = chat_template
         self.defaults = generation_defaults
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
+
+    def _tool_parser(self, req: ChatCompletionRequest) -> Optional[FunctionCallParser]:
+        return FunctionCallParser(req.tools, self.tool_call_parser) if self.tool_call_parser and req.tools else None
+
+    def _output_parser(self, req: ChatCompletionRequest) -> ChoiceOutputParser:
+        return ChoiceOutputParser(req, self.tool_call_parser, self.reasoning_parser)
 
     def build_prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
         tokenizer = self.tm.tokenizer
         if tokenizer is None:
             raise ValueError("Chat completions need a tokenizer; the server runs with --skip-tokenizer-init.")
         messages = [self._message_dict(m) for m in req.messages]
+        source = self.chat_template or getattr(tokenizer, "chat_template", None) or ""
+        messages = template_messages(messages, req.tools, tools_active(req.tools, req.tool_choice), str(source),
+                                     self._tool_parser(req))
         kwargs = dict(req.chat_template_kwargs or {})
         if req.tools and req.tool_choice != "none":
             kwargs["tools"] = req.tools
@@ -60,6 +80,7 @@ class ChatHandler(OpenAIHandler):
         return d
 
     def to_generate_input(self, req: ChatCompletionRequest) -> GenerateReqInput:
+        validate_tools(req.tools, req.tool_choice)
         ids = self.build_prompt_ids(req)
         max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         sp = sampling_params_from(req, max_new, self.defaults)
@@ -72,6 +93,9 @@ class ChatHandler(OpenAIHandler):
             sp["json_schema"] = json.dumps(fmt.json_schema.schema_)
         elif fmt is not None and fmt.type == "structural_tag":
             sp["structural_tag"] = json.dumps({"structures": fmt.structures or [], "triggers": fmt.triggers or []})
+        add_tool_constraint(sp, req.tools, req.tool_choice, self._tool_parser(req))
+        if self.tool_call_parser and tools_active(req.tools, req.tool_choice):
+            sp["skip_special_tokens"] = False  # call markers may be special tokens
         want_logprobs = req.logprobs
         return GenerateReqInput(
             input_ids=ids, sampling_params=sp, stream=req.stream, rid=req.rid,
@@ -83,10 +107,12 @@ class ChatHandler(OpenAIHandler):
         choices = []
         for i, out in enumerate(outputs):
             reason, matched = finish_reason_of(out["meta_info"])
+            parser = self._output_parser(req)
+            message = parser.message(out["text"])
+            reason, matched = parser.finish_reason(reason, matched)
             choices.append({
                 "index": i,
-                "message": {"role": "assistant", "content": out["text"] or None, "reasoning_content": None,
-                            "tool_calls": None},
+                "message": message,
                 "logprobs": chat_logprobs(out["meta_info"]) if req.logprobs else None,
                 "finish_reason": reason,
                 "matched_stop": matched,
@@ -103,6 +129,7 @@ class ChatHandler(OpenAIHandler):
         sent_text: dict[int, int] = {}
         sent_lp: dict[int, int] = {}
         finals: dict[int, dict] = {}
+        parsers: dict[int, ChoiceOutputParser] = {}
 
         def chunk(index: int, delta: dict, reason=None, matched=None, logprobs=None) -> bytes:
             return sse_json({
@@ -117,6 +144,7 @@ class ChatHandler(OpenAIHandler):
             index = out.get("index", 0)
             if index not in sent_text:
                 sent_text[index] = 0
+                parsers[index] = self._output_parser(req)
                 yield chunk(index, {"role": "assistant", "content": ""})
             text = out["text"]
             delta = text[sent_text[index]:]
@@ -127,9 +155,19 @@ class ChatHandler(OpenAIHandler):
                 full = chat_logprobs(out["meta_info"])["content"]
                 lp = {"content": full[sent_lp.get(index, 0):]}
                 sent_lp[index] = len(full)
-            if delta or (lp and lp["content"]):
-                yield chunk(index, {"content": delta}, None if include_usage else reason,
-                            None if include_usage else matched, lp)
+            parser = parsers[index]
+            if parser.active:
+                pieces = [parser.feed(delta)] + ([parser.finish()] if reason is not None else [])
+                deltas = [d for d in pieces if d]
+                reason, matched = parser.finish_reason(reason, matched)
+            else:
+                deltas = [{"content": delta}] if delta else []
+            if not deltas and lp and lp["content"]:
+                deltas = [{"content": ""}]
+            for k, message_delta in enumerate(deltas):
+                last = k == len(deltas) - 1
+                yield chunk(index, message_delta, None if include_usage or not last else reason,
+                            None if include_usage or not last else matched, lp if k == 0 else None)
             if reason is not None:
                 finals[index] = out
                 yield chunk(index, {}, reason, matched)

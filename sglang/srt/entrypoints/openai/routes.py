@@ -84,7 +84,8 @@ def register_openai_routes(app: FastAPI, state) -> None:
     tm = state.tm
     args = state.args
     defaults = state.model_info.generation_defaults if args.sampling_defaults == "model" else {}
-    chat = ChatHandler(tm, load_chat_template(args.chat_template), defaults)
+    chat = ChatHandler(tm, load_chat_template(args.chat_template), defaults, args.tool_call_parser,
+                       args.reasoning_parser)
     completions = CompletionHandler(tm)
 
     @app.post("/v1/chat/completions")
