@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 import weakref
+from collections.abc import Callable
 from typing import Any, Optional
 from urllib.parse import urlsplit, urlunsplit
 
@@ -157,6 +158,26 @@ class HttpResponse:
     @property
     def status_code(self) -> int:
         return self.resp.status
+
+
+def wait_until_healthy(base_url: str, timeout: float, exit_reason: Optional[Callable[[], Optional[str]]] = None
+                       ) -> None:
+    """Poll GET {base_url}/health until it answers 200 (after the server's warm-up).
+
+    `exit_reason` says why the server process is gone (None while it runs): polling stops with a RuntimeError
+    carrying it. A TimeoutError is raised after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        reason = exit_reason() if exit_reason is not None else None
+        if reason is not None:
+            raise RuntimeError(reason)
+        try:
+            if requests.get(base_url + "/health", timeout=30).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"The server at {base_url} did not become ready within {timeout:g} s")
 
 
 def http_request(url: str, json: Any = None, stream: bool = False, api_key: Optional[str] = None,

@@ -19,9 +19,9 @@ from collections import Counter
 
 import openai
 import pytest
-import requests
 
 from sglang.test.test_utils import find_free_port
+from sglang.utils import wait_until_healthy
 from tests.conftest import SMOLLM2
 
 LINES = 200
@@ -40,17 +40,12 @@ class Server:
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.pgid = self.proc.pid  # leader of the new session's process group
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, open(log_path).read()[-3000:]
-            try:
-                if requests.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
-        self.kill()
-        raise TimeoutError("server did not start")
+        try:
+            wait_until_healthy(self.url, 300, lambda: None if self.proc.poll() is None
+                               else open(log_path).read()[-3000:])
+        except BaseException:
+            self.kill()
+            raise
 
     def kill(self) -> None:
         try:

@@ -21,6 +21,7 @@ from sglang import (
     user,
 )
 from sglang.global_config import global_config
+from sglang.test.structured_cases import CHARACTER_REGEX
 from tests.server_fixtures import running_server
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -158,22 +159,7 @@ def test_regex_ip_address(backend):
 
 
 def test_regex_json_character(backend):
-    character_regex = (
-        r"""\{\n"""
-        + r"""    "name": "[\w\d\s]{1,16}",\n"""
-        + r"""    "house": "(Gryffindor|Slytherin|Ravenclaw|Hufflepuff)",\n"""
-        + r"""    "blood status": "(Pure-blood|Half-blood|Muggle-born)",\n"""
-        + r"""    "occupation": "(student|teacher|auror|ministry of magic|death eater|order of the phoenix)",\n"""
-        + r"""    "wand": \{\n"""
-        + r"""        "wood": "[\w\d\s]{1,16}",\n"""
-        + r"""        "core": "[\w\d\s]{1,16}",\n"""
-        + r"""        "length": [0-9]{1,2}\.[0-9]{0,2}\n"""
-        + r"""    \},\n"""
-        + r"""    "alive": "(Alive|Deceased)",\n"""
-        + r"""    "patronus": "[\w\d\s]{1,16}",\n"""
-        + r"""    "bogart": "[\w\d\s]{1,16}"\n"""
-        + r"""\}"""
-    )
+    character_regex = CHARACTER_REGEX  # the notebook's regex, shared with the structured-output tests
 
     @function
     def character_gen(s, name):

@@ -26,10 +26,8 @@ def popen_launch_server(model: str, base_url: str, timeout: float = DEFAULT_TIME
     Returns the Popen; stop it with sglang.utils.terminate_process (kills the whole process tree)."""
     import subprocess
     import sys
-    import time
     from urllib.parse import urlsplit
 
-    import requests
 
     parts = urlsplit(base_url)
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", parts.hostname,
@@ -37,17 +35,16 @@ def popen_launch_server(model: str, base_url: str, timeout: float = DEFAULT_TIME
     out = open(log_path, "w") if log_path else None
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
                             env={**os.environ, **(env or {})})
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"Server exited with code {proc.returncode} during startup: {' '.join(cmd)}")
-        try:
-            if requests.get(f"{base_url}/health", timeout=30).status_code == 200:
-                return proc
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    from sglang.utils import terminate_process
+    from sglang.utils import terminate_process, wait_until_healthy
 
-    terminate_process(proc)
-    raise TimeoutError(f"Server did not start within {timeout} s: {' '.join(cmd)}")
+    def exit_reason() -> str | None:
+        if proc.poll() is None:
+            return None
+        return f"Server exited with code {proc.returncode} during startup: {' '.join(cmd)}"
+
+    try:
+        wait_until_healthy(base_url, timeout, exit_reason)
+    except BaseException:
+        terminate_process(proc)
+        raise
+    return proc

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing as mp
-import time
 from typing import Any, Optional, Union
 
 import requests
 
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
+from sglang.utils import wait_until_healthy
 
 
 def _serve(server_args: Any) -> None:
@@ -47,18 +47,13 @@ class Runtime:
             raise
 
     def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not self._proc.is_alive():
-                raise RuntimeError(f"The server process exited with code {self._proc.exitcode} during startup; "
-                                   f"run with log_level='info' to see why")
-            try:
-                if requests.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"The server did not become ready within {timeout} s")
+        def exit_reason() -> Optional[str]:
+            if self._proc.is_alive():
+                return None
+            return (f"The server process exited with code {self._proc.exitcode} during startup; "
+                    "run with log_level='info' to see why")
+
+        wait_until_healthy(self.url, timeout, exit_reason)
 
     def shutdown(self) -> None:
         if self.pid is not None:

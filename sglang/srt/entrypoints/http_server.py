@@ -15,7 +15,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from sglang.srt.entrypoints.launch import launch_subprocesses, watch_children
 from sglang.srt.entrypoints.native_routes import router as native_router
-from sglang.srt.entrypoints.openai.routes import install_api_key_check, register_openai_routes
+from sglang.srt.entrypoints.openai.routes import attach_openai, install_api_key_check
 from sglang.srt.entrypoints.parser_routes import router as parser_router
 from sglang.srt.entrypoints.server_state import ServerState
 from sglang.srt.managers.process_utils import configure_logging
@@ -29,7 +29,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.server = state
     if state.args.api_key:
         install_api_key_check(app, state.args.api_key)
-    register_openai_routes(app, state)
+    attach_openai(app, state)
     app.include_router(native_router)
     app.include_router(parser_router)
     return app

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import orjson
 from fastapi import Request
@@ -12,6 +12,10 @@ from fastapi import Request
 from sglang.srt.entrypoints.launch import Subprocesses
 from sglang.srt.entrypoints.responses import ORJSONResponse
 from sglang.srt.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from sglang.srt.entrypoints.openai.batch_serving import BatchServing
+    from sglang.srt.entrypoints.openai.routes import OpenAIServing
 
 
 class ServerState:
@@ -25,6 +29,9 @@ class ServerState:
         self.created = time.time()
         # Set once the warm-up request has run; /health answers 503 until then.
         self.ready = threading.Event()
+        # Built when the OpenAI routes are mounted (entrypoints/openai/routes.attach_openai).
+        self.openai: Optional[OpenAIServing] = None
+        self.batches: Optional[BatchServing] = None
 
 
 def server_state(request: Request) -> ServerState:

@@ -1,4 +1,4 @@
-"""/v1/batches: create, retrieve, list, cancel; wires the durable store and the batch runner into the app."""
+"""/v1/batches: create, retrieve, list, cancel (the store and runner: batch_serving.py)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,12 @@ import json
 import re
 from typing import Optional
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
-from sglang.srt.batch.lines import BatchEndpoint
-from sglang.srt.batch.runner import BatchRunner
 from sglang.srt.batch.store import BATCH_ID_RE, FILE_ID_RE, Store
-from sglang.srt.entrypoints.openai.common import error_response
-from sglang.srt.entrypoints.openai.files import register_file_routes
+from sglang.srt.entrypoints.openai.batch_serving import batch_serving
+from sglang.srt.entrypoints.openai.common import error_response, parse_body
 from sglang.srt.entrypoints.responses import ORJSONResponse
 
 WINDOW_RE = re.compile(r"^([1-9][0-9]{0,3})h$")
@@ -42,84 +40,78 @@ def batch_object(row: dict) -> dict:
     }
 
 
-def register_batch_routes(app: FastAPI, state, endpoints: dict[str, BatchEndpoint]) -> BatchRunner:
-    args = state.args
-    store = Store(args.file_storage_path)
-    runner = BatchRunner(store, endpoints, args.batch_max_inflight)
-    app.state.batch_runner = runner
+router = APIRouter()
 
-    async def resume() -> None:
-        if store.exists():  # storage left by an earlier run: clean up after a crash, resume its batches
-            store.remove_orphans()
-            await runner.resume_all()
 
-    app.router.on_startup.append(resume)
-    app.router.on_shutdown.append(runner.shutdown)
-    register_file_routes(app, store, args.max_file_size)
+def lookup(store: Store, batch_id: str):
+    if not BATCH_ID_RE.match(batch_id):
+        return None, error_response(f"Invalid batch id {batch_id!r}.", 400, "BadRequestError", "batch_id")
+    row = store.get_batch(batch_id)
+    if row is None:
+        return None, error_response(f"No batch with id {batch_id!r}.", 404, "NotFoundError", "batch_id")
+    return row, None
 
-    def lookup(batch_id: str):
-        if not BATCH_ID_RE.match(batch_id):
-            return None, error_response(f"Invalid batch id {batch_id!r}.", 400, "BadRequestError", "batch_id")
+
+@router.post("/v1/batches")
+async def create_batch(request: Request):
+    serving = batch_serving(request)
+    store, endpoints = serving.store, serving.endpoints
+    req = await parse_body(request, BatchCreateRequest)
+    if not isinstance(req, BatchCreateRequest):
+        return req
+    if req.endpoint not in endpoints:
+        return error_response(f"endpoint {req.endpoint!r} is not supported for batches; use one of "
+                              f"{', '.join(sorted(endpoints))}.", 400, "BadRequestError", "endpoint")
+    window = WINDOW_RE.match(req.completion_window)
+    if window is None:
+        return error_response(f"completion_window must look like '24h', got {req.completion_window!r}.",
+                              400, "BadRequestError", "completion_window")
+    fid = req.input_file_id
+    if not FILE_ID_RE.match(fid):
+        return error_response(f"Invalid input_file_id {fid!r}.", 400, "BadRequestError", "input_file_id")
+    file_row = store.get_file(fid)
+    if file_row is None:
+        return error_response(f"No file with id {fid!r}.", 404, "NotFoundError", "input_file_id")
+    if file_row["purpose"] != "batch":
+        return error_response(f"File {fid} has purpose {file_row['purpose']!r}; a batch input needs 'batch'.",
+                              400, "BadRequestError", "input_file_id")
+    row = await asyncio.to_thread(store.add_batch, req.endpoint, fid, req.completion_window,
+                                  int(window.group(1)) * 3600, req.metadata)
+    serving.runner.start(row["id"])
+    return ORJSONResponse(batch_object(row))
+
+
+@router.get("/v1/batches")
+async def list_batches(request: Request, limit: int = 20, after: Optional[str] = None):
+    store = batch_serving(request).store
+    if not 1 <= limit <= 100:
+        return error_response("limit must be between 1 and 100.", 400, "BadRequestError", "limit")
+    if after is not None and (not BATCH_ID_RE.match(after) or store.get_batch(after) is None):
+        return error_response(f"No batch with id {after!r}.", 400, "BadRequestError", "after")
+    rows = store.list_batches(limit + 1, after)
+    data = [batch_object(r) for r in rows[:limit]]
+    return ORJSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                           "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit})
+
+
+@router.get("/v1/batches/{batch_id}")
+async def retrieve_batch(request: Request, batch_id: str):
+    row, err = lookup(batch_serving(request).store, batch_id)
+    return err or ORJSONResponse(batch_object(row))
+
+
+@router.post("/v1/batches/{batch_id}/cancel")
+async def cancel_batch(request: Request, batch_id: str):
+    serving = batch_serving(request)
+    store = serving.store
+    row, err = lookup(store, batch_id)
+    if err:
+        return err
+    if not await serving.runner.cancel(batch_id):
         row = store.get_batch(batch_id)
-        if row is None:
-            return None, error_response(f"No batch with id {batch_id!r}.", 404, "NotFoundError", "batch_id")
-        return row, None
+        resp = error_response(f"Batch {batch_id} is {row['status']}; only a validating or in_progress batch "
+                              "can be cancelled.", 409, "ConflictError", "batch_id")
+        resp.headers["x-should-retry"] = "false"
+        return resp
+    return ORJSONResponse(batch_object(store.get_batch(batch_id)))
 
-    @app.post("/v1/batches")
-    async def create_batch(request: Request):
-        from sglang.srt.entrypoints.openai.routes import parse_body
-
-        req = await parse_body(request, BatchCreateRequest)
-        if not isinstance(req, BatchCreateRequest):
-            return req
-        if req.endpoint not in endpoints:
-            return error_response(f"endpoint {req.endpoint!r} is not supported for batches; use one of "
-                                  f"{', '.join(sorted(endpoints))}.", 400, "BadRequestError", "endpoint")
-        window = WINDOW_RE.match(req.completion_window)
-        if window is None:
-            return error_response(f"completion_window must look like '24h', got {req.completion_window!r}.",
-                                  400, "BadRequestError", "completion_window")
-        fid = req.input_file_id
-        if not FILE_ID_RE.match(fid):
-            return error_response(f"Invalid input_file_id {fid!r}.", 400, "BadRequestError", "input_file_id")
-        file_row = store.get_file(fid)
-        if file_row is None:
-            return error_response(f"No file with id {fid!r}.", 404, "NotFoundError", "input_file_id")
-        if file_row["purpose"] != "batch":
-            return error_response(f"File {fid} has purpose {file_row['purpose']!r}; a batch input needs 'batch'.",
-                                  400, "BadRequestError", "input_file_id")
-        row = await asyncio.to_thread(store.add_batch, req.endpoint, fid, req.completion_window,
-                                      int(window.group(1)) * 3600, req.metadata)
-        runner.start(row["id"])
-        return ORJSONResponse(batch_object(row))
-
-    @app.get("/v1/batches")
-    async def list_batches(limit: int = 20, after: Optional[str] = None):
-        if not 1 <= limit <= 100:
-            return error_response("limit must be between 1 and 100.", 400, "BadRequestError", "limit")
-        if after is not None and (not BATCH_ID_RE.match(after) or store.get_batch(after) is None):
-            return error_response(f"No batch with id {after!r}.", 400, "BadRequestError", "after")
-        rows = store.list_batches(limit + 1, after)
-        data = [batch_object(r) for r in rows[:limit]]
-        return ORJSONResponse({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                               "last_id": data[-1]["id"] if data else None, "has_more": len(rows) > limit})
-
-    @app.get("/v1/batches/{batch_id}")
-    async def retrieve_batch(batch_id: str):
-        row, err = lookup(batch_id)
-        return err or ORJSONResponse(batch_object(row))
-
-    @app.post("/v1/batches/{batch_id}/cancel")
-    async def cancel_batch(batch_id: str):
-        row, err = lookup(batch_id)
-        if err:
-            return err
-        if not await runner.cancel(batch_id):
-            row = store.get_batch(batch_id)
-            resp = error_response(f"Batch {batch_id} is {row['status']}; only a validating or in_progress batch "
-                                  "can be cancelled.", 409, "ConflictError", "batch_id")
-            resp.headers["x-should-retry"] = "false"
-            return resp
-        return ORJSONResponse(batch_object(store.get_batch(batch_id)))
-
-    return runner

@@ -5,6 +5,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Optional
 
+import orjson
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
 from sglang.srt.entrypoints.openai.protocol import ErrorResponse, SamplingExtras, UsageInfo
 from sglang.srt.entrypoints.responses import ORJSONResponse
 from sglang.srt.entrypoints.sse import open_stream, sse_json, sse_response
@@ -119,3 +123,29 @@ class OpenAIHandler:
         finally:
             await gen.aclose()
         return ORJSONResponse(self.build_response(req, outputs))
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> Any:
+    """Parse a JSON body into `model`; returns the model or an error response."""
+    ctype = request.headers.get("content-type", "")
+    if "application/json" not in ctype:
+        return error_response("Unsupported Media Type: Only 'application/json' is allowed", 400, "Bad Request")
+    raw = await request.body()
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        return error_response(f"Invalid JSON body: {e}", 400, "Bad Request")
+    if not isinstance(data, dict):
+        return error_response("The request body must be a JSON object", 400, "Bad Request")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        return error_response(_validation_message(e), 400, "Bad Request")
+
+
+def _validation_message(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    return "; ".join(parts)

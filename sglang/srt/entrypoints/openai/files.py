@@ -8,11 +8,12 @@ from collections.abc import AsyncIterator
 from typing import Any, Optional, cast
 
 import orjson
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from sglang.srt.batch.multipart import MultipartReader, boundary_of
 from sglang.srt.batch.store import FILE_ID_RE, Store, new_file_id
+from sglang.srt.entrypoints.openai.batch_serving import batch_serving
 from sglang.srt.entrypoints.openai.common import error_response
 from sglang.srt.entrypoints.responses import ORJSONResponse
 
@@ -173,53 +174,64 @@ async def _read_file(path: str, size: int) -> AsyncIterator[bytes]:
             yield chunk
 
 
-def register_file_routes(app: FastAPI, store: Store, max_size: int) -> None:
-    @app.post("/v1/files")
-    async def upload_file(request: Request):
-        try:
-            row = await receive_upload(request, store, max_size)
-        except UploadError as e:
-            return error_response(str(e), e.status, "BadRequestError", e.param)
-        return ORJSONResponse(file_object(row))
+router = APIRouter()
 
-    @app.get("/v1/files")
-    async def list_files(purpose: Optional[str] = None, limit: int = 10000, after: Optional[str] = None,
-                         order: str = "desc"):
-        if not 1 <= limit <= 10000:
-            return error_response("limit must be between 1 and 10000.", 400, "BadRequestError", "limit")
-        if order not in ("asc", "desc"):
-            return error_response("order must be 'asc' or 'desc'.", 400, "BadRequestError", "order")
-        if after is not None and (not FILE_ID_RE.match(after) or store.get_file(after) is None):
-            return error_response(f"No file with id {after!r}.", 400, "BadRequestError", "after")
-        rows = store.list_files(purpose, limit + 1, after, order == "desc")
-        data = [file_object(r) for r in rows[:limit]]
-        return ORJSONResponse({"object": "list", "data": data, "has_more": len(rows) > limit,
-                               "first_id": data[0]["id"] if data else None,
-                               "last_id": data[-1]["id"] if data else None})
 
-    @app.get("/v1/files/{file_id}")
-    async def retrieve_file(file_id: str):
-        row, err = check_file_id(store, file_id)
-        return err or ORJSONResponse(file_object(row))
+@router.post("/v1/files")
+async def upload_file(request: Request):
+    store, max_size = batch_serving(request).store, request.app.state.server.args.max_file_size
+    try:
+        row = await receive_upload(request, store, max_size)
+    except UploadError as e:
+        return error_response(str(e), e.status, "BadRequestError", e.param)
+    return ORJSONResponse(file_object(row))
 
-    @app.get("/v1/files/{file_id}/content")
-    async def file_content(file_id: str):
-        row, err = check_file_id(store, file_id)
-        if err:
-            return err
-        return StreamingResponse(_read_file(store.path_of(file_id), row["bytes"]),
-                                 media_type="application/octet-stream")
 
-    @app.delete("/v1/files/{file_id}")
-    async def delete_file(file_id: str):
-        _row, err = check_file_id(store, file_id)
-        if err:
-            return err
-        busy = await asyncio.to_thread(store.delete_file, file_id)
-        if busy is not None:
-            resp = error_response(f"File {file_id} is in use by batch {busy}, which has not finished; cancel the "
-                                  "batch or wait for it to end before deleting the file.", 409, "ConflictError",
-                                  "file_id")
-            resp.headers["x-should-retry"] = "false"  # the openai client retries 409s unless told not to
-            return resp
-        return ORJSONResponse({"id": file_id, "object": "file", "deleted": True})
+@router.get("/v1/files")
+async def list_files(request: Request, purpose: Optional[str] = None, limit: int = 10000, after: Optional[str] = None,
+                     order: str = "desc"):
+    store = batch_serving(request).store
+    if not 1 <= limit <= 10000:
+        return error_response("limit must be between 1 and 10000.", 400, "BadRequestError", "limit")
+    if order not in ("asc", "desc"):
+        return error_response("order must be 'asc' or 'desc'.", 400, "BadRequestError", "order")
+    if after is not None and (not FILE_ID_RE.match(after) or store.get_file(after) is None):
+        return error_response(f"No file with id {after!r}.", 400, "BadRequestError", "after")
+    rows = store.list_files(purpose, limit + 1, after, order == "desc")
+    data = [file_object(r) for r in rows[:limit]]
+    return ORJSONResponse({"object": "list", "data": data, "has_more": len(rows) > limit,
+                           "first_id": data[0]["id"] if data else None,
+                           "last_id": data[-1]["id"] if data else None})
+
+
+@router.get("/v1/files/{file_id}")
+async def retrieve_file(request: Request, file_id: str):
+    store = batch_serving(request).store
+    row, err = check_file_id(store, file_id)
+    return err or ORJSONResponse(file_object(row))
+
+
+@router.get("/v1/files/{file_id}/content")
+async def file_content(request: Request, file_id: str):
+    store = batch_serving(request).store
+    row, err = check_file_id(store, file_id)
+    if err:
+        return err
+    return StreamingResponse(_read_file(store.path_of(file_id), row["bytes"]),
+                             media_type="application/octet-stream")
+
+
+@router.delete("/v1/files/{file_id}")
+async def delete_file(request: Request, file_id: str):
+    store = batch_serving(request).store
+    _row, err = check_file_id(store, file_id)
+    if err:
+        return err
+    busy = await asyncio.to_thread(store.delete_file, file_id)
+    if busy is not None:
+        resp = error_response(f"File {file_id} is in use by batch {busy}, which has not finished; cancel the "
+                              "batch or wait for it to end before deleting the file.", 409, "ConflictError",
+                              "file_id")
+        resp.headers["x-should-retry"] = "false"  # the openai client retries 409s unless told not to
+        return resp
+    return ORJSONResponse({"id": file_id, "object": "file", "deleted": True})

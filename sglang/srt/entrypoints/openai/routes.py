@@ -1,22 +1,25 @@
-"""Routes of the OpenAI-compatible API, auth and error shapes, mounted on the server's FastAPI app."""
+"""Routes of the OpenAI-compatible API (chat, completions, models; files and batches in their own modules) and the
+API-key check, mounted on the server's FastAPI app by `attach_openai`."""
 
 from __future__ import annotations
 
 import hmac
 import logging
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
 
-import orjson
-from fastapi import FastAPI, Request
-from pydantic import BaseModel, ValidationError
+from fastapi import APIRouter, FastAPI, Request
 
+from sglang.srt.batch.lines import generate_endpoint
+from sglang.srt.entrypoints.openai.batch_serving import attach_batch_serving
+from sglang.srt.entrypoints.openai.batches import router as batches_router
 from sglang.srt.entrypoints.openai.chat import ChatHandler
-from sglang.srt.entrypoints.openai.common import error_response
+from sglang.srt.entrypoints.openai.common import parse_body
 from sglang.srt.entrypoints.openai.completions import CompletionHandler
+from sglang.srt.entrypoints.openai.files import router as files_router
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from sglang.srt.entrypoints.responses import ORJSONResponse
-from sglang.srt.entrypoints.server_state import model_card
+from sglang.srt.entrypoints.server_state import ServerState, model_card, server_state
 
 logger = logging.getLogger(__name__)
 
@@ -54,67 +57,60 @@ def install_api_key_check(app: FastAPI, api_key: str) -> None:
         return await call_next(request)
 
 
-async def parse_body(request: Request, model: type[BaseModel]) -> Any:
-    """Parse a JSON body into `model`; returns the model or an error response."""
-    ctype = request.headers.get("content-type", "")
-    if "application/json" not in ctype:
-        return error_response("Unsupported Media Type: Only 'application/json' is allowed", 400, "Bad Request")
-    raw = await request.body()
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        return error_response(f"Invalid JSON body: {e}", 400, "Bad Request")
-    if not isinstance(data, dict):
-        return error_response("The request body must be a JSON object", 400, "Bad Request")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        return error_response(_validation_message(e), 400, "Bad Request")
+@dataclass
+class OpenAIServing:
+    """The request handlers the OpenAI routes share, built once per server."""
+
+    chat: ChatHandler
+    completions: CompletionHandler
 
 
-def _validation_message(e: ValidationError) -> str:
-    parts = []
-    for err in e.errors():
-        loc = ".".join(str(x) for x in err.get("loc", ()))
-        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
-    return "; ".join(parts)
-
-
-def register_openai_routes(app: FastAPI, state) -> None:
-    tm = state.tm
+def attach_openai(app: FastAPI, state: ServerState) -> None:
+    """Build the handlers and the batch store and runner, and mount every OpenAI-compatible route."""
     args = state.args
     defaults = state.model_info.generation_defaults if args.sampling_defaults == "model" else {}
-    chat = ChatHandler(tm, load_chat_template(args.chat_template), defaults, args.tool_call_parser,
+    chat = ChatHandler(state.tm, load_chat_template(args.chat_template), defaults, args.tool_call_parser,
                        args.reasoning_parser)
-    completions = CompletionHandler(tm)
-
-    @app.post("/v1/chat/completions")
-    @app.post("/invocations")
-    async def chat_completions(request: Request):
-        req = await parse_body(request, ChatCompletionRequest)
-        if not isinstance(req, ChatCompletionRequest):
-            return req
-        return await chat.handle(req)
-
-    @app.post("/v1/completions")
-    async def v1_completions(request: Request):
-        req = await parse_body(request, CompletionRequest)
-        if not isinstance(req, CompletionRequest):
-            return req
-        return await completions.handle(req)
-
-    @app.get("/v1/models/{model:path}")
-    async def retrieve_model(model: str):
-        if model != args.served_model_name:
-            return ORJSONResponse({"error": {
-                "message": f"The model '{model}' does not exist", "type": "invalid_request_error",
-                "param": "model", "code": "model_not_found"}}, status_code=404)
-        return ORJSONResponse(model_card(state))
-
-    from sglang.srt.batch.lines import generate_endpoint
-    from sglang.srt.entrypoints.openai.batches import register_batch_routes
-
-    register_batch_routes(app, state, {
+    completions = CompletionHandler(state.tm)
+    state.openai = OpenAIServing(chat, completions)
+    attach_batch_serving(app, state, {
         "/v1/chat/completions": generate_endpoint(ChatCompletionRequest, chat),
         "/v1/completions": generate_endpoint(CompletionRequest, completions),
     })
+    app.include_router(router)
+    app.include_router(files_router)
+    app.include_router(batches_router)
+
+
+def openai_serving(request: Request) -> OpenAIServing:
+    return server_state(request).openai
+
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+@router.post("/invocations")
+async def chat_completions(request: Request):
+    req = await parse_body(request, ChatCompletionRequest)
+    if not isinstance(req, ChatCompletionRequest):
+        return req
+    return await openai_serving(request).chat.handle(req)
+
+
+@router.post("/v1/completions")
+async def v1_completions(request: Request):
+    req = await parse_body(request, CompletionRequest)
+    if not isinstance(req, CompletionRequest):
+        return req
+    return await openai_serving(request).completions.handle(req)
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(request: Request, model: str):
+    state = server_state(request)
+    if model != state.args.served_model_name:
+        return ORJSONResponse({"error": {
+            "message": f"The model '{model}' does not exist", "type": "invalid_request_error",
+            "param": "model", "code": "model_not_found"}}, status_code=404)
+    return ORJSONResponse(model_card(state))
