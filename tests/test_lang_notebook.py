@@ -60,8 +60,8 @@ def test_basic_qa(backend):
     assert _roles(state) == ["system", "user", "assistant"]
     assert state.messages()[1]["content"] == "List 3 countries and their capitals."
     assert state.messages()[2]["content"] == answer.lstrip()
-    system = "You are a helpful assistant than can answer questions."
-    assert state.text().startswith(f"{IM_START}system\n{system}{IM_END}\n")
+    system_prompt = "You are a helpful assistant than can answer questions."
+    assert state.text().startswith(f"{IM_START}system\n{system_prompt}{IM_END}\n")
     assert state.text().endswith(answer + f"{IM_END}\n")
     meta = state.get_meta_info("answer")
     assert meta["completion_tokens"] <= 48 and meta["prompt_tokens"] > 10

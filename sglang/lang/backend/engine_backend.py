@@ -91,7 +91,7 @@ class EngineBackend(NativeBackend):
 
         from sglang.version import __version__
 
-        state = self._run(self.engine.tokenizer_manager.get_internal_state())
+        state = self._run(self.engine.tokenizer_manager.get_internal_state()).to_dict()
         info = dataclasses.asdict(self.engine.server_args)
         info.update(status="ready", max_total_num_tokens=state["max_total_num_tokens"],
                     max_req_input_len=state["max_req_input_len"], internal_states=[state], version=__version__)
