@@ -13,8 +13,11 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from sglang.srt.entrypoints.embedding_routes import install_generation_guard
+from sglang.srt.entrypoints.embedding_routes import router as embedding_router
 from sglang.srt.entrypoints.launch import launch_subprocesses, watch_children
 from sglang.srt.entrypoints.native_routes import router as native_router
+from sglang.srt.entrypoints.openai.embeddings import router as openai_embeddings_router
 from sglang.srt.entrypoints.openai.routes import install_api_key_check, register_openai_routes
 from sglang.srt.entrypoints.server_state import ServerState
 from sglang.srt.managers.process_utils import configure_logging
@@ -30,6 +33,9 @@ def build_app(state: ServerState) -> FastAPI:
         install_api_key_check(app, state.args.api_key)
     register_openai_routes(app, state)
     app.include_router(native_router)
+    app.include_router(embedding_router)
+    install_generation_guard(app)
+    app.include_router(openai_embeddings_router)
     return app
 
 
@@ -50,8 +56,12 @@ def _warmup(args: ServerArgs, ready: threading.Event) -> None:
             body["input_ids"] = [10, 11, 12]
         else:
             body["text"] = "The capital city of France is"
+        route = "/generate"
+        if args.is_embedding:  # one prefill-only request through the pooling path
+            route = "/encode"
+            body.pop("sampling_params")
         try:
-            requests.post(url + "/generate", json=body, headers=headers, timeout=600).raise_for_status()
+            requests.post(url + route, json=body, headers=headers, timeout=600).raise_for_status()
         except requests.RequestException as e:
             logger.error("Warm-up request failed: %s", e)
             os.kill(os.getpid(), signal.SIGTERM)
