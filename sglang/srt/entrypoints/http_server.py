@@ -19,6 +19,7 @@ from sglang.srt.entrypoints.launch import launch_subprocesses, watch_children
 from sglang.srt.entrypoints.native_routes import router as native_router
 from sglang.srt.entrypoints.openai.embeddings import router as openai_embeddings_router
 from sglang.srt.entrypoints.openai.routes import install_api_key_check, register_openai_routes
+from sglang.srt.entrypoints.openai.score import router as openai_score_router
 from sglang.srt.entrypoints.server_state import ServerState
 from sglang.srt.managers.process_utils import configure_logging
 from sglang.srt.server_args import ServerArgs
@@ -36,6 +37,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(embedding_router)
     install_generation_guard(app)
     app.include_router(openai_embeddings_router)
+    app.include_router(openai_score_router)
     return app
 
 
