@@ -62,7 +62,7 @@ def test_concurrent_requests_are_batched_and_correct(server, reference):
     assert float(cosines(rows, expected).min()) > 0.9999
     state = requests.get(server + "/get_server_info").json()["internal_states"][0]
     # every request's KV slots were freed once it was pooled
-    assert state.get("invariant_error") in (None, "")
+    assert state["token_usage"] == 0 and state["num_running_reqs"] == 0
 
 
 def test_encode_token_ids(server, reference):

@@ -162,3 +162,41 @@ def test_score_label_probabilities_match_transformers(generation_server):
         assert soft["scores"][i] == pytest.approx((probs / probs.sum()).tolist(), rel=1e-3)
     r = requests.post(generation_server + "/v1/score", json={"query": query, "items": items})
     assert r.status_code == 400 and r.json()["message"] == "label_token_ids must be provided"
+
+
+# ---- decoder as embedder (gte-Qwen2 style: last token, normalized) through /encode ----------------------
+@pytest.fixture(scope="module")
+def decoder_embedder(tmp_path_factory):
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    model_dir = tmp_path_factory.mktemp("qwen2-embedder")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(DEFAULT_SMALL_MODEL_NAME_FOR_TEST))
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         initializer_range=0.2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    _random_biases(model, 17)
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    with running_server(*SERVER_ARGS, model=str(model_dir)) as url:
+        yield url, str(model_dir), model, tokenizer
+
+
+def test_encode_cell_on_decoder_embedder(decoder_embedder):
+    url, model_dir, model, tokenizer = decoder_embedder
+    texts = ["Once upon a time", "A much longer sentence about pandas, bamboo and the mountains of China.", "Hi"]
+    data = {"model": model_dir, "text": texts[0]}
+    response_json = requests.post(url + "/encode", json=data).json()
+    first_ten = response_json["embedding"][:10]
+    batch = requests.post(url + "/encode", json={"text": texts}).json()
+
+    with torch.inference_mode():
+        expected = [torch.nn.functional.normalize(
+            model.model(torch.tensor([tokenizer.encode(t)])).last_hidden_state[0, -1], dim=-1) for t in texts]
+    assert first_ten == pytest.approx(expected[0][:10].tolist(), abs=1e-5)
+    for out, exp in zip(batch, expected):
+        assert out["embedding"] == pytest.approx(exp.tolist(), abs=1e-5)
+    # the KV of pooled requests is freed: the pool is whole again once they are done
+    state = requests.get(url + "/get_server_info").json()["internal_states"][0]
+    assert state["token_usage"] == 0 and state["num_running_reqs"] == 0
