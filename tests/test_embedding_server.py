@@ -132,6 +132,11 @@ def test_native_validation(server, body, message):
     assert message in r.json()["error"]["message"]
 
 
+def test_rerank_needs_a_cross_encoder(server):
+    r = requests.post(server + "/v1/rerank", json={"query": "q", "documents": ["a"]})
+    assert r.status_code == 400 and "needs a cross-encoder" in r.json()["message"]
+
+
 def test_generation_routes_refused(server):
     r = requests.post(server + "/generate", json={"text": "hi"})
     assert r.status_code == 400 and "does not support generation" in r.json()["error"]["message"]

@@ -67,6 +67,11 @@ async def rerank(request: Request):
     state = server_state(request)
     try:
         query, documents, top_n = validate_rerank(await read_json(request))
+        if state.args.is_embedding:
+            archs = list(getattr(state.model_info.hf_config, "architectures", None) or [])
+            if not any(a.endswith("ForSequenceClassification") for a in archs):
+                raise ValueError(f"/v1/rerank needs a cross-encoder (a *ForSequenceClassification model); this "
+                                 f"model is {', '.join(archs) or 'not one'}. Use /encode or /v1/embeddings.")
         obj = EmbeddingReqInput(text=[[query, doc] for doc in documents])
         outputs = await encode_request(state.tm, obj)
     except (ValueError, TypeError) as e:
