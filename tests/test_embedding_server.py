@@ -141,3 +141,18 @@ def test_generation_routes_refused(server):
     r = requests.post(server + "/generate", json={"text": "hi"})
     assert r.status_code == 400 and "does not support generation" in r.json()["error"]["message"]
     assert requests.get(server + "/health_generate", timeout=30).status_code == 200
+
+
+def test_engine_encode(reference):
+    from sglang import Engine
+
+    tokenizer, expected = reference
+    with Engine(model_path=MINILM, is_embedding=True, dtype="float32", max_total_tokens=4096) as engine:
+        single = engine.encode(SENTENCES[3])
+        batch = engine.encode(SENTENCES[:6])
+        by_ids = engine.encode(input_ids=[tokenizer.encode(SENTENCES[7])])
+        with pytest.raises(ValueError, match="cannot be provided at the same time"):
+            engine.encode("a", input_ids=[1, 2])
+    assert float(cosines([single["embedding"]], expected[3:4])[0]) > 0.9999
+    assert float(cosines([b["embedding"] for b in batch], expected[:6]).min()) > 0.9999
+    assert float(cosines([by_ids[0]["embedding"]], expected[7:8])[0]) > 0.9999
