@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sglang.srt.entrypoints.openai.common import error_response
 from sglang.srt.entrypoints.responses import ORJSONResponse
@@ -97,11 +97,22 @@ def _relevance(row: list[float]) -> float:
 _OPENAI_GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/invocations", "/v1/score"})
 
 
-def install_generation_guard(app: FastAPI) -> None:
-    """On an --is-embedding server, answer the OpenAI generation routes with a 400 saying why."""
+class GenerationGuard:
+    """ASGI middleware of an --is-embedding server: the OpenAI generation routes answer a 400 saying why.
 
-    @app.middleware("http")
-    async def refuse_generation(request: Request, call_next: Callable):
-        if request.url.path in _OPENAI_GENERATION_PATHS and request.app.state.server.args.is_embedding:
-            return error_response(NOT_GENERATION_MODEL)
-        return await call_next(request)
+    A plain ASGI class rather than `@app.middleware("http")`, whose wrapper hides client disconnects from the
+    routes behind it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] in _OPENAI_GENERATION_PATHS:
+            await error_response(NOT_GENERATION_MODEL)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def install_generation_guard(app: FastAPI, is_embedding: bool) -> None:
+    if is_embedding:
+        app.add_middleware(GenerationGuard)

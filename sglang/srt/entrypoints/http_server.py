@@ -35,7 +35,7 @@ def build_app(state: ServerState) -> FastAPI:
     register_openai_routes(app, state)
     app.include_router(native_router)
     app.include_router(embedding_router)
-    install_generation_guard(app)
+    install_generation_guard(app, state.args.is_embedding)
     app.include_router(openai_embeddings_router)
     app.include_router(openai_score_router)
     return app
