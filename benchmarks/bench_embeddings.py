@@ -2,6 +2,10 @@
 
     python benchmarks/bench_embeddings.py [--num-sentences 256] [--batch1-sentences 64] [--no-server]
 
+On a machine shared with other work, run it with OMP_NUM_THREADS=1 (inherited by the servers it starts): with
+more OpenMP threads than free cores every row spends its time in thread barriers, and the figures say more about
+the load than about the code.
+
 Rows (all float32 unless the name says otherwise; tokenization is included everywhere):
   transformers            AutoModel + padded batch + mean pooling + normalize (what a user writes by hand)
   sentence-transformers   SentenceTransformer(...).encode(batch, batch_size=B), when the package is importable
