@@ -174,6 +174,7 @@ def decoder_embedder(tmp_path_factory):
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          initializer_range=0.2, tie_word_embeddings=False)
+    config.matryoshka_dimensions = [16, 32]  # /v1/embeddings may truncate to these sizes
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).eval()
     _random_biases(model, 17)
@@ -200,3 +201,17 @@ def test_encode_cell_on_decoder_embedder(decoder_embedder):
     # the KV of pooled requests is freed: the pool is whole again once they are done
     state = requests.get(url + "/get_server_info").json()["internal_states"][0]
     assert state["token_usage"] == 0 and state["num_running_reqs"] == 0
+
+
+def test_matryoshka_dimensions(decoder_embedder):
+    import openai
+
+    url, model_dir = decoder_embedder[0], decoder_embedder[1]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    full = client.embeddings.create(model=model_dir, input="pandas", encoding_format="float").data[0].embedding
+    short = client.embeddings.create(model=model_dir, input="pandas", dimensions=16).data[0].embedding
+    assert len(full) == 64 and len(short) == 16
+    expected = torch.nn.functional.normalize(torch.tensor(full[:16]), dim=0)
+    assert short == pytest.approx(expected.tolist(), abs=1e-5)
+    with pytest.raises(openai.BadRequestError, match="dimensions 20 is not supported"):
+        client.embeddings.create(model=model_dir, input="pandas", dimensions=20)
