@@ -57,6 +57,8 @@ class ForwardBatch:
     return_input_logprobs: bool = False
     # Backend-specific metadata, filled by attn_backend.init_forward_metadata().
     attn_metadata: Any = None
+    # [num_tokens] segment ids of encoder inputs (BERT sentence pairs); None means all zeros.
+    token_type_ids: Optional[torch.Tensor] = None
 
     def last_token_indices(self) -> torch.Tensor:
         ends = torch.tensor(self.extend_seq_lens_cpu, dtype=torch.int64).cumsum(0) - 1

@@ -113,6 +113,22 @@ class Engine:
         return await gen.__anext__()
 
     # ---- control --------------------------------------------------------------------------------------
+    def encode(
+        self,
+        prompt: Optional[Union[str, list[str], list[list[str]]]] = None,
+        input_ids: Optional[Union[list[int], list[list[int]]]] = None,
+        rid: Optional[Union[str, list[str]]] = None,
+    ) -> Any:
+        """Pooled outputs of an `is_embedding=True` engine: `{"embedding", "meta_info"}` for one input, a list
+        of them for a batch (texts, [query, document] pairs for cross-encoders, or token ids)."""
+        from sglang.srt.managers.embedding_input import EmbeddingReqInput
+        from sglang.srt.managers.embedding_manager import encode_request
+
+        self._check_alive()
+        obj = EmbeddingReqInput.from_json({"text": prompt, "input_ids": input_ids, "rid": rid})
+        outputs = self.loop.run_until_complete(encode_request(self.tokenizer_manager, obj))
+        return outputs[0] if obj.is_single() else outputs
+
     def flush_cache(self) -> bool:
         return self.loop.run_until_complete(self.tokenizer_manager.flush_cache())
 

@@ -13,9 +13,13 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
+from sglang.srt.entrypoints.embedding_routes import install_generation_guard
+from sglang.srt.entrypoints.embedding_routes import router as embedding_router
 from sglang.srt.entrypoints.launch import launch_subprocesses, watch_children
 from sglang.srt.entrypoints.native_routes import router as native_router
+from sglang.srt.entrypoints.openai.embeddings import router as openai_embeddings_router
 from sglang.srt.entrypoints.openai.routes import attach_openai, install_api_key_check
+from sglang.srt.entrypoints.openai.score import router as openai_score_router
 from sglang.srt.entrypoints.parser_routes import router as parser_router
 from sglang.srt.entrypoints.server_state import ServerState
 from sglang.srt.managers.process_utils import configure_logging
@@ -32,6 +36,10 @@ def build_app(state: ServerState) -> FastAPI:
     attach_openai(app, state)
     app.include_router(native_router)
     app.include_router(parser_router)
+    app.include_router(embedding_router)
+    install_generation_guard(app, state.args.is_embedding)
+    app.include_router(openai_embeddings_router)
+    app.include_router(openai_score_router)
     return app
 
 
@@ -52,8 +60,12 @@ def _warmup(args: ServerArgs, ready: threading.Event) -> None:
             body["input_ids"] = [10, 11, 12]
         else:
             body["text"] = "The capital city of France is"
+        route = "/generate"
+        if args.is_embedding:  # one prefill-only request through the pooling path
+            route = "/encode"
+            body.pop("sampling_params")
         try:
-            requests.post(url + "/generate", json=body, headers=headers, timeout=600).raise_for_status()
+            requests.post(url + route, json=body, headers=headers, timeout=600).raise_for_status()
         except requests.RequestException as e:
             logger.error("Warm-up request failed: %s", e)
             os.kill(os.getpid(), signal.SIGTERM)

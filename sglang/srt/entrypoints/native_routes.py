@@ -79,7 +79,14 @@ async def health_generate(request: Request):
         log_metrics=False,
     )
     try:
-        await asyncio.wait_for(state.tm.generate_request(obj).__anext__(), timeout=_health_timeout())
+        if state.args.is_embedding:
+            from sglang.srt.managers.embedding_input import EmbeddingReqInput
+            from sglang.srt.managers.embedding_manager import encode_request
+
+            probe = EmbeddingReqInput(input_ids=[0], rid=obj.rid)
+            await asyncio.wait_for(encode_request(state.tm, probe), timeout=_health_timeout())
+        else:
+            await asyncio.wait_for(state.tm.generate_request(obj).__anext__(), timeout=_health_timeout())
     except (asyncio.TimeoutError, ValueError):
         return Response(status_code=503)
     return Response(status_code=200)

@@ -126,3 +126,25 @@ class BatchStrOutput:
     cached_tokens: list[int]
     retractions: list[int]
     logprobs: list[Optional[dict]]
+
+
+@dataclass
+class TokenizedEmbeddingReqInput:
+    """One sequence to pool (--is-embedding): an embedding, a reward score or a cross-encoder score."""
+
+    rid: str
+    input_text: Optional[str]
+    input_ids: list[int]
+    # Segment ids of a (query, document) pair for encoders with token types; None means all zeros.
+    token_type_ids: Optional[list[int]] = None
+
+
+@dataclass
+class BatchEmbeddingOutput:
+    """Scheduler -> (detokenizer, passed through) -> tokenizer manager: one pooled row per finished request."""
+
+    rids: list[str]
+    embeddings: list[list[float]]
+    prompt_tokens: list[int]
+    cached_tokens: list[int]
+    finished_reasons: list[Optional[FinishReason]]

@@ -76,6 +76,8 @@ class Req:
         self.is_chunked = False
         self.penalty_state: Optional[RequestPenaltyState] = None
         self.grammar: Optional[BaseGrammarObject] = None
+        # Segment ids of a pooled (query, document) pair (--is-embedding cross-encoders).
+        self.token_type_ids: Optional[list[int]] = None
 
         # Accounting.
         self.cached_tokens = 0

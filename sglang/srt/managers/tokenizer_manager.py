@@ -17,6 +17,7 @@ from sglang.srt.managers.finish_reason import ABORT_BEFORE_PREFILL, FinishAbort,
 from sglang.srt.managers.generate_input import GenerateItem, GenerateReqInput
 from sglang.srt.managers.io_struct import (
     AbortReq,
+    BatchEmbeddingOutput,
     BatchStrOutput,
     FlushCacheReq,
     FlushCacheReqOutput,
@@ -52,6 +53,8 @@ class ReqState:
     retractions: int = 0
     logprobs: Optional[LogprobFormatter] = None
     last_output_time: Optional[float] = None
+    # The pooled row of an --is-embedding request.
+    embedding: Optional[list[float]] = None
 
 
 class TokenizerManager:
@@ -143,6 +146,10 @@ class TokenizerManager:
     async def generate_request(self, obj: GenerateReqInput) -> AsyncGenerator[Any, None]:
         """Yield output dicts: for a single request, one per stream event (or one at the end); for a batch,
         each yielded dict carries "index", and without streaming one final list is yielded instead."""
+        if self.server_args.is_embedding:
+            from sglang.srt.managers.embedding_manager import NOT_GENERATION_MODEL
+
+            raise ValueError(NOT_GENERATION_MODEL)
         self._ensure_recv_loop()
         items = obj.expand()
         tokenized = [self.tokenize_item(it) for it in items]
@@ -248,6 +255,10 @@ class TokenizerManager:
             msg = await self.recv_from_detokenizer.recv_pyobj()
             if isinstance(msg, BatchStrOutput):
                 self._handle_outputs(msg)
+            elif isinstance(msg, BatchEmbeddingOutput):
+                from sglang.srt.managers.embedding_manager import handle_embedding_output
+
+                handle_embedding_output(self, msg)
             else:
                 queue = self.control_waiters.get(type(msg))
                 if queue is not None:

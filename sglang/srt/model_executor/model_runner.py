@@ -14,12 +14,14 @@ import torch
 
 from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.layers.attention.torch_sdpa_backend import TorchSDPABackend
+from sglang.srt.layers.pooler import Pooler
 from sglang.srt.layers.sampler import SampleOutput, Sampler, compute_logprobs
 from sglang.srt.mem_cache.kv_pool import KVPool
 from sglang.srt.mem_cache.memory_pools import KVCacheSpec
 from sglang.srt.model_executor.decode_strategy import DecodePlan, plan_decode
 from sglang.srt.model_loader.gguf_quant import attach_gguf_quant_weights
 from sglang.srt.model_loader.loader import load_model
+from sglang.srt.model_loader.pooling_config import read_pooling_config
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 logger = logging.getLogger(__name__)
@@ -58,6 +60,10 @@ class ModelRunner:
         self.attn_backend = TorchSDPABackend()
         self.sampler = Sampler()
         self.decode_plan: Optional[DecodePlan] = None
+        # Embedding / reward / cross-encoder models produce one row per sequence instead of logits.
+        self.pooling_output: Optional[str] = getattr(self.model, "pooling_output", None)
+        self.is_encoder = bool(getattr(self.model, "is_encoder", False))
+        self.pooler = Pooler(read_pooling_config(model_dir, self.is_encoder))
 
     def kv_cache_spec(self) -> KVCacheSpec:
         config = self.hf_config
@@ -90,6 +96,18 @@ class ModelRunner:
                 token_ids_logprobs=sampling.token_ids_logprobs,
             )
         return StepOutput(logits, sample, input_logprobs)
+
+    @torch.inference_mode()
+    def pool(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """float32 [batch, dim]: each sequence's pooled embedding, or its classification scores."""
+        forward_batch.attn_backend = self.attn_backend
+        if not self.is_encoder:  # encoders attend without the KV cache
+            self.attn_backend.init_forward_metadata(forward_batch)
+        model: Any = self.model
+        if self.pooling_output == "scores":
+            return model.forward_scores(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        hidden = model.forward_hidden(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        return self.pooler(hidden, forward_batch.extend_seq_lens_cpu)
 
     @torch.inference_mode()
     def _forward_logits(self, forward_batch: ForwardBatch) -> Optional[torch.Tensor]:

@@ -6,14 +6,33 @@ from typing import Any
 
 from torch import nn
 
+from sglang.srt.models.bert import (
+    BertForSequenceClassification,
+    BertModel,
+    XLMRobertaForSequenceClassification,
+    XLMRobertaModel,
+)
 from sglang.srt.models.llama import LlamaForCausalLM
 from sglang.srt.models.qwen2 import Qwen2ForCausalLM
 from sglang.srt.models.qwen3 import Qwen3ForCausalLM
+from sglang.srt.models.sequence_classification import (
+    LlamaForSequenceClassification,
+    Qwen2ForRewardModel,
+    Qwen2ForSequenceClassification,
+)
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    # Embedding, reward and cross-encoder models (served with --is-embedding).
+    "BertModel": BertModel,
+    "XLMRobertaModel": XLMRobertaModel,
+    "BertForSequenceClassification": BertForSequenceClassification,
+    "XLMRobertaForSequenceClassification": XLMRobertaForSequenceClassification,
+    "LlamaForSequenceClassification": LlamaForSequenceClassification,
+    "Qwen2ForSequenceClassification": Qwen2ForSequenceClassification,
+    "Qwen2ForRewardModel": Qwen2ForRewardModel,
 }
 
 

@@ -16,6 +16,7 @@ from sglang.srt.entrypoints.openai.batches import router as batches_router
 from sglang.srt.entrypoints.openai.chat import ChatHandler
 from sglang.srt.entrypoints.openai.common import parse_body
 from sglang.srt.entrypoints.openai.completions import CompletionHandler
+from sglang.srt.entrypoints.openai.embeddings import embeddings_batch_endpoint
 from sglang.srt.entrypoints.openai.files import router as files_router
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from sglang.srt.entrypoints.responses import ORJSONResponse
@@ -73,10 +74,12 @@ def attach_openai(app: FastAPI, state: ServerState) -> None:
                        args.reasoning_parser)
     completions = CompletionHandler(state.tm)
     state.openai = OpenAIServing(chat, completions)
-    attach_batch_serving(app, state, {
+    # Batch files run the endpoints this server serves: embeddings on an --is-embedding server, else generation.
+    endpoints = {"/v1/embeddings": embeddings_batch_endpoint(state)} if args.is_embedding else {
         "/v1/chat/completions": generate_endpoint(ChatCompletionRequest, chat),
         "/v1/completions": generate_endpoint(CompletionRequest, completions),
-    })
+    }
+    attach_batch_serving(app, state, endpoints)
     app.include_router(router)
     app.include_router(files_router)
     app.include_router(batches_router)

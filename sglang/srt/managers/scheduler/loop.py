@@ -21,9 +21,11 @@ from sglang.srt.managers.io_struct import (
     SchedulerInfo,
     SchedulerStartupError,
     SchedulerState,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+from sglang.srt.managers.scheduler.embedding import embedding_req, run_embedding_batch
 from sglang.srt.managers.scheduler.grammar import GrammarQueue
 from sglang.srt.managers.scheduler.output import (
     build_output_message,
@@ -65,9 +67,18 @@ class Scheduler:
             gguf_path=model_info.gguf_path,
             gguf_kernel_max_rows=server_args.gguf_kernel_max_rows,
         )
+        self.is_embedding = server_args.is_embedding
+        if self.runner.pooling_output is not None and not self.is_embedding:
+            raise ValueError(
+                f"{type(self.runner.model).__name__} is an embedding, reward or cross-encoder model; launch the "
+                "server with --is-embedding"
+            )
+        # Pooled requests need their whole sequence in one forward: no prefix reuse (an encoder's states depend
+        # on the tokens after them) and no chunking.
         self.mem = build_memory_pools(
             self.runner.kv_cache_spec(), self.runner.device, model_info.context_len, server_args.max_total_tokens,
-            server_args.mem_fraction_static, server_args.max_running_requests, server_args.disable_radix_cache,
+            server_args.mem_fraction_static, server_args.max_running_requests,
+            server_args.disable_radix_cache or self.is_embedding,
         )
         self.runner.bind_kv_pool(self.mem.kv_pool)
         self.context_len = model_info.context_len
@@ -80,8 +91,9 @@ class Scheduler:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         self.policy = SchedulePolicy(server_args.schedule_policy, self.mem.tree_cache, server_args.random_seed)
         self.rng = random.Random(server_args.random_seed)
-        backend = create_grammar_backend(
-            server_args.grammar_backend, tokenizer, self.runner.vocab_size, sorted(self.eos_token_ids)
+        backend = create_grammar_backend(  # pooled requests are never constrained
+            "none" if self.is_embedding else server_args.grammar_backend, tokenizer, self.runner.vocab_size,
+            sorted(self.eos_token_ids),
         )
         self.grammar_queue = GrammarQueue(backend, server_args.grammar_compile_timeout)
         # Jump-forward re-prefills the forced tokens through the prefix cache, so it needs the cache.
@@ -127,6 +139,9 @@ class Scheduler:
                     else:
                         self.check_memory()
                 continue
+            if self.is_embedding:
+                self.send_to_detokenizer.send_pyobj(run_embedding_batch(self, batch))
+                continue
             forward_batch, sampling = batch.forward_inputs(self.mem, self.runner.vocab_size, self.runner.device)
             result = self.runner.forward(forward_batch, sampling)
             finished_or_streamed = process_result(self, batch, result)
@@ -150,6 +165,8 @@ class Scheduler:
     def handle_message(self, msg) -> None:
         if isinstance(msg, TokenizedGenerateReqInput):
             self.add_request(msg)
+        elif isinstance(msg, TokenizedEmbeddingReqInput):
+            self.waiting.append(embedding_req(msg))
         elif isinstance(msg, AbortReq):
             self.abort(msg)
         elif isinstance(msg, FlushCacheReq):
@@ -238,7 +255,7 @@ class Scheduler:
     def get_prefill_batch(self) -> Optional[ScheduleBatch]:
         adder = PrefillAdder(
             self.mem, self.running, self.new_token_ratio, self.args.max_prefill_tokens,
-            self.args.chunked_prefill_size, self.max_running_requests,
+            None if self.is_embedding else self.args.chunked_prefill_size, self.max_running_requests,
         )
         if self.chunked_req is not None:
             if not adder.add_chunked(self.chunked_req):

@@ -1,0 +1,89 @@
+"""POST /v1/score (generation models): the next-token probabilities of label tokens after query + item.
+
+Each item is joined with the query (`query + item`, or `item + query` with `item_first`), one token is generated
+with its logprobs for `label_token_ids` recorded (taken before temperature), and each score is exp(logprob), or a
+softmax over the label logprobs with `apply_softmax`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from sglang.srt.entrypoints.openai.common import error_response
+from sglang.srt.entrypoints.responses import ORJSONResponse
+from sglang.srt.entrypoints.server_state import read_json, server_state
+from sglang.srt.managers.generate_input import GenerateReqInput
+
+router = APIRouter()
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def build_score_input(body: Any) -> tuple[GenerateReqInput, list[int], bool]:
+    """The generation request of a /v1/score body, its label ids and apply_softmax. Raises ValueError."""
+    if not isinstance(body, dict):
+        raise ValueError("The request body must be a JSON object.")
+    labels = body.get("label_token_ids")
+    if not labels:
+        raise ValueError("label_token_ids must be provided")
+    if not _is_ids(labels) or any(t < 0 for t in labels):
+        raise ValueError("label_token_ids must be a list of non-negative integers")
+    query, items = body.get("query"), body.get("items")
+    if isinstance(items, str) or (_is_ids(items) and items):
+        items = [items]
+    if query is None or not isinstance(items, list) or not items:
+        raise ValueError("query and a non-empty items list must be provided")
+    item_first = bool(body.get("item_first", False))
+    if isinstance(query, str) and all(isinstance(i, str) for i in items):
+        texts = [item + query if item_first else query + item for item in items]
+        obj = GenerateReqInput(text=texts)
+    elif _is_ids(query) and all(_is_ids(i) for i in items):
+        ids = [item + query if item_first else query + item for item in items]
+        obj = GenerateReqInput(input_ids=ids)
+    else:
+        raise ValueError("query and items must both be text (a string and strings) or token ids (lists of integers)")
+    n = len(items)
+    obj.sampling_params = [{"max_new_tokens": 1, "temperature": 0.0} for _ in range(n)]
+    obj.return_logprob = [True] * n
+    obj.token_ids_logprob = [list(labels) for _ in range(n)]
+    return obj, list(labels), bool(body.get("apply_softmax", False))
+
+
+def scores_of(output: dict, labels: list[int], apply_softmax: bool) -> list[float]:
+    rows = output["meta_info"].get("output_token_ids_logprobs") or [None]
+    by_id = {entry[1]: entry[0] for entry in (rows[0] or [])}
+    logprobs = [by_id.get(t) for t in labels]
+    if apply_softmax:
+        finite = [lp for lp in logprobs if lp is not None]
+        top = max(finite) if finite else 0.0
+        exps = [math.exp(lp - top) if lp is not None else 0.0 for lp in logprobs]
+        total = sum(exps) or 1.0
+        return [e / total for e in exps]
+    return [math.exp(lp) if lp is not None else 0.0 for lp in logprobs]
+
+
+@router.post("/v1/score")
+async def score(request: Request):
+    state = server_state(request)
+    try:
+        obj, labels, apply_softmax = build_score_input(await read_json(request))
+        bad = [t for t in labels if t >= state.tm.vocab_size]
+        if bad:
+            raise ValueError(f"label_token_ids contains token id {bad[0]} outside the vocabulary "
+                             f"[0, {state.tm.vocab_size}).")
+        outputs: list[dict] = []
+        async for out in state.tm.generate_request(obj):
+            outputs = out if isinstance(out, list) else [out]
+    except (ValueError, TypeError) as e:
+        return error_response(str(e))
+    return ORJSONResponse({
+        "scores": [scores_of(out, labels, apply_softmax) for out in outputs],
+        "model": state.args.served_model_name,
+        "usage": None,
+        "object": "scoring",
+    })
