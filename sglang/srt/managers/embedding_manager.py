@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from sglang.srt.managers.embedding_input import EmbeddingItem, EmbeddingReqInput
 from sglang.srt.managers.finish_reason import FinishAbort
 from sglang.srt.managers.io_struct import BatchEmbeddingOutput, TokenizedEmbeddingReqInput
+from sglang.srt.managers.prompt_limits import allowed_input_len
 
 if TYPE_CHECKING:
     from sglang.srt.managers.tokenizer_manager import ReqState, TokenizerManager
@@ -53,13 +54,9 @@ def tokenize_embedding_item(tm: TokenizerManager, item: EmbeddingItem) -> Tokeni
     if n == 0:
         raise ValueError("The input is empty after tokenization; provide a non-empty input.")
     if n > tm.max_req_input_len:
-        if not tm.server_args.allow_auto_truncate:
-            raise ValueError(
-                f"Input length ({n} tokens) exceeds the maximum allowed length ({tm.max_req_input_len} tokens). "
-                "Use a shorter input or enable --allow-auto-truncate."
-            )
-        input_ids = input_ids[: tm.max_req_input_len]
-        token_type_ids = token_type_ids[: tm.max_req_input_len] if token_type_ids else None
+        n = allowed_input_len(n, tm.max_req_input_len, tm.server_args.allow_auto_truncate)
+        input_ids = input_ids[:n]
+        token_type_ids = token_type_ids[:n] if token_type_ids else None
     return TokenizedEmbeddingReqInput(rid=item.rid, input_text=input_text, input_ids=input_ids,
                                       token_type_ids=token_type_ids)
 

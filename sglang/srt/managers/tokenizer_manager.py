@@ -28,6 +28,7 @@ from sglang.srt.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from sglang.srt.managers.logprob_format import LogprobFormatter
+from sglang.srt.managers.prompt_limits import allowed_input_len
 from sglang.srt.metrics import ServerMetrics
 from sglang.srt.model_loader.model_info import ModelInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -108,14 +109,8 @@ class TokenizerManager:
             raise ValueError(
                 f"The input ({n} tokens) is longer than the model's context length ({self.context_len} tokens)."
             )
-        if n > self.max_req_input_len:
-            if not self.server_args.allow_auto_truncate:
-                raise ValueError(
-                    f"Input length ({n} tokens) exceeds the maximum allowed length ({self.max_req_input_len} "
-                    "tokens). Use a shorter input or enable --allow-auto-truncate."
-                )
-            input_ids = input_ids[: self.max_req_input_len]
-            n = len(input_ids)
+        n = allowed_input_len(n, self.max_req_input_len, self.server_args.allow_auto_truncate)
+        input_ids = input_ids[:n]
         start = item.logprob_start_len
         if item.return_logprob and start is not None and start >= n:
             raise ValueError(
