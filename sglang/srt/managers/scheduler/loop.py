@@ -63,6 +63,7 @@ class Scheduler:
             device=server_args.device,
             gguf_path=model_info.gguf_path,
             gguf_kernel_max_rows=server_args.gguf_kernel_max_rows,
+            arithmetic=model_info.arithmetic,
         )
         self.mem = build_memory_pools(
             self.runner.kv_cache_spec(), self.runner.device, model_info.context_len, server_args.max_total_tokens,
@@ -109,6 +110,7 @@ class Scheduler:
             context_len=self.context_len,
             weight_bytes=self.runner.weight_bytes,
             kv_bytes=self.mem.kv_bytes,
+            arithmetic=self.runner.arithmetic.to_dict() if self.runner.arithmetic is not None else {},
         )
 
     # ---- main loop ------------------------------------------------------------------------------------
