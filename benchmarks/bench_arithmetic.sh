@@ -6,17 +6,18 @@
 set -euo pipefail
 out=${1:?OUT_DIR}; repeats=${2:-2}; main=${3:-/work/main}
 here=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$1"; out=$(cd "$1" && pwd)
 py=${PYTHON:-$main/.venv/bin/python}
-mkdir -p "$out"
 grep -o 'avx[^ ]*\|amx[^ ]*\|fma' /proc/cpuinfo | sort -u | tr '\n' ' ' > "$out/cpu_flags.txt"
 args=(--batch-size 1 16 64 --input-len 256 --output-len 16)
 for rep in $(seq "$repeats"); do
   for cfg in before auto f32; do
     uptime > "$out/$cfg.$rep.uptime"
     case $cfg in
-      before) PYTHONPATH=$main "$py" -m sglang.bench_one_batch "${args[@]}" --result-file "$out/$cfg.jsonl" ;;
-      auto) PYTHONPATH=$here "$py" -m sglang.bench_one_batch "${args[@]}" --result-file "$out/$cfg.jsonl" ;;
-      f32) PYTHONPATH=$here "$py" -m sglang.bench_one_batch "${args[@]}" --cpu-gemm float32 \
+      # python -m puts the working directory first on sys.path: run each checkout from its own root.
+      before) cd "$main" && PYTHONPATH=$main "$py" -m sglang.bench_one_batch "${args[@]}" --result-file "$out/$cfg.jsonl" ;;
+      auto) cd "$here" && PYTHONPATH=$here "$py" -m sglang.bench_one_batch "${args[@]}" --result-file "$out/$cfg.jsonl" ;;
+      f32) cd "$here" && PYTHONPATH=$here "$py" -m sglang.bench_one_batch "${args[@]}" --cpu-gemm float32 \
              --result-file "$out/$cfg.jsonl" ;;
     esac > /dev/null 2>&1
     uptime >> "$out/$cfg.$rep.uptime"

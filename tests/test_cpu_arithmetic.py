@@ -23,9 +23,9 @@ from sglang.srt.layers.arithmetic import (
     parse_cpu_flags,
     read_cpu_flags,
 )
-from sglang.srt.layers.bf16_linear import BF16LinearMethod, RowSplitLinearMethod
+from sglang.srt.layers.bf16_linear import BF16LinearMethod
 from sglang.srt.layers.int8_linear import Int8LinearMethod
-from sglang.srt.layers.linear import DENSE, Linear
+from sglang.srt.layers.linear import Linear
 from sglang.srt.model_loader.gemm_methods import attach_large_batch_gemm
 
 AVX2_FLAGS = "fpu sse sse2 avx fma avx2".split()
@@ -122,23 +122,23 @@ def test_bf16_and_int8_methods_match_dense(rows):
     assert out3.shape == (1, rows, 96)
 
 
-def test_row_split_dispatches_by_rows():
-    weight = torch.randn(32, 16)
-    calls = []
+def test_gguf_method_hands_large_batches_to_the_large_method():
+    gguf = pytest.importorskip("gguf")
+    from sglang.srt.layers.quantization.gguf_blocks import GGUFQuantWeight, kernels_available
+    from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
 
-    class Recording(type(DENSE)):
-        def __init__(self, name):
-            self.name = name
-
-        def apply(self, w, x, b):
-            calls.append((self.name, x.shape[0]))
-            return super().apply(w, x, b)
-
-    split = RowSplitLinearMethod(Recording("small"), Recording("large"), max_rows=4)
-    for rows in (1, 4, 5, 64):
-        split.apply(weight, torch.randn(rows, 16), None)
-    assert calls == [("small", 1), ("small", 4), ("large", 5), ("large", 64)]
-    assert "up to 4 rows" in split.describe()
+    if not kernels_available():
+        pytest.skip("the compiled GGUF kernels are unavailable")
+    torch.manual_seed(0)
+    raw = gguf.quants.quantize(torch.randn(64, 64).numpy(), gguf.GGMLQuantizationType.Q8_0)
+    quant = GGUFQuantWeight("Q8_0", raw, 64, 64)
+    weight = quant.dequantize()
+    large = BF16LinearMethod(weight)
+    method = GGUFLinearMethod(quant, max_rows=4, large=large)
+    small_x, large_x = torch.randn(4, 64), torch.randn(5, 64)
+    assert torch.equal(method.apply(weight, small_x, None), quant.linear(small_x, None))
+    assert torch.equal(method.apply(weight, large_x, None), large.apply(weight, large_x, None))
+    assert method.describe() == "GGUF Q8_0 blocks up to 4 rows, bf16 GEMM beyond"
 
 
 def test_attach_large_batch_gemm_replaces_dense_layers_and_head(tmp_path):

@@ -1,5 +1,4 @@
-"""Reduced-precision GEMM linear methods for float32 models: bf16 (and the row split that pairs a small-batch
-method with a large-batch one).
+"""The bf16 GEMM linear method for float32 models.
 
 A float32 model keeps its float32 weights (the GGUF blocks and the fused decode step need them); a
 `BF16LinearMethod` holds a bf16 copy of the weight and multiplies bf16 inputs through oneDNN, accumulating in
@@ -33,19 +32,3 @@ class BF16LinearMethod(LinearMethod):
     def describe(self) -> str:
         return "bf16 GEMM"
 
-
-class RowSplitLinearMethod(LinearMethod):
-    """`small` for inputs of at most `max_rows` token rows (decode batches), `large` beyond (prefill)."""
-
-    def __init__(self, small: LinearMethod, large: LinearMethod, max_rows: int) -> None:
-        self.small = small
-        self.large = large
-        self.max_rows = max_rows
-
-    def apply(self, weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1] if x.dim() else 0
-        method = self.small if rows <= self.max_rows else self.large
-        return method.apply(weight, x, bias)
-
-    def describe(self) -> str:
-        return f"{self.small.describe()} up to {self.max_rows} rows, {self.large.describe()} beyond"
