@@ -38,7 +38,7 @@ def build_runner(info: ModelInfo, device: str, total_tokens: int, max_requests: 
                  gguf_kernel_max_rows: int) -> tuple[ModelRunner, MemoryPools]:
     """A model runner and its KV memory (with a radix cache), as the scheduler builds them."""
     runner = ModelRunner(info.model_dir, info.hf_config, info.dtype, device, gguf_path=info.gguf_path,
-                         gguf_kernel_max_rows=gguf_kernel_max_rows)
+                         gguf_kernel_max_rows=gguf_kernel_max_rows, arithmetic=info.arithmetic)
     mem = build_memory_pools(runner.kv_cache_spec(), runner.device, info.context_len, total_tokens, 0.3,
                              max_requests, disable_radix_cache=False)
     runner.bind_kv_pool(mem.kv_pool)
@@ -91,16 +91,19 @@ def main() -> None:
     parser.add_argument("--result-file", default=None, help="append one JSON line per batch size")
     parser.add_argument("--gguf-kernel-max-rows", type=int, default=ServerArgs.gguf_kernel_max_rows,
                         help="matmuls of at most this many rows use the GGUF blocks (0: float weights only)")
+    parser.add_argument("--cpu-gemm", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
+                        help="GEMM for prefill and larger batches with float32 weights (see --cpu-gemm of the server)")
     args = parser.parse_args()
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    server_args = ServerArgs(model_path=args.model_path, dtype=args.dtype)
+    server_args = ServerArgs(model_path=args.model_path, dtype=args.dtype, cpu_gemm=args.cpu_gemm)
     info = load_model_info(server_args)
     need = max(args.batch_size) * (args.input_len + args.output_len) + 16
     runner, mem = build_runner(info, server_args.device, need, max(args.batch_size), args.gguf_kernel_max_rows)
     run_once(runner, mem, 1, 16, 4)  # warm-up
     for bs in args.batch_size:
-        result = {"dtype": str(info.dtype), "threads": torch.get_num_threads(),
+        gemm = info.arithmetic.large_batch_gemm if info.arithmetic is not None else ""
+        result = {"dtype": str(info.dtype), "large_batch_gemm": gemm, "threads": torch.get_num_threads(),
                   **run_once(runner, mem, bs, args.input_len, args.output_len)}
         print(json.dumps(result))
         if args.result_file:

@@ -114,6 +114,9 @@ class ServerArgs:
     enable_torch_compile: bool = False
     # Matmuls of at most this many token rows read a GGUF model's quantized blocks (CPU); 0 disables.
     gguf_kernel_max_rows: int = 64
+    # CPU GEMM for prefill and batches above --gguf-kernel-max-rows rows with float32 weights: auto picks per CPU
+    # class (bf16 where the CPU has native bf16, float32 otherwise); see sglang/srt/layers/arithmetic.py.
+    cpu_gemm: str = "auto"
     enable_tokenizer_batch_encode: bool = False
     enable_custom_logit_processor: bool = False
     enable_return_hidden_states: bool = False
@@ -202,6 +205,7 @@ _ALIASES = {
 }
 _CHOICES = {
     "dtype": ["auto", "half", "float16", "bfloat16", "bf16", "float", "float32"],
+    "cpu_gemm": ["auto", "float32", "bfloat16", "int8"],
     "tokenizer_mode": ["auto", "slow"],
     "schedule_policy": list(SCHEDULE_POLICIES),
     "grammar_backend": ["xgrammar", "outlines", "llguidance", "none"],

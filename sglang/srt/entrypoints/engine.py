@@ -142,6 +142,7 @@ class Engine:
             status="ready",
             max_total_num_tokens=state["max_total_num_tokens"],
             max_req_input_len=state["max_req_input_len"],
+            arithmetic=state["arithmetic"],
             internal_states=[state],
             version=_version(),
         )

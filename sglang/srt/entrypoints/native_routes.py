@@ -120,6 +120,7 @@ async def server_info(request: Request):
         status="ready",
         max_total_num_tokens=internal.info.max_total_num_tokens,
         max_req_input_len=internal.info.max_req_input_len,
+        arithmetic=internal.info.arithmetic,
         internal_states=[{
             "last_gen_throughput": internal.last_gen_throughput,
             "memory_usage": {

@@ -54,6 +54,8 @@ class SchedulerInfo:
     context_len: int
     weight_bytes: int
     kv_bytes: int
+    # The arithmetic plan (layers/arithmetic.py ArithmeticPlan.to_dict), empty when none was made.
+    arithmetic: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

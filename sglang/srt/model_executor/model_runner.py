@@ -13,12 +13,14 @@ from typing import Any, Optional
 import torch
 
 from sglang.srt.forward_batch import ForwardBatch
+from sglang.srt.layers.arithmetic import ArithmeticPlan
 from sglang.srt.layers.attention.torch_sdpa_backend import TorchSDPABackend
 from sglang.srt.layers.pooler import Pooler
 from sglang.srt.layers.sampler import SampleOutput, Sampler, compute_logprobs
 from sglang.srt.mem_cache.kv_pool import KVPool
 from sglang.srt.mem_cache.memory_pools import KVCacheSpec
 from sglang.srt.model_executor.decode_strategy import DecodePlan, plan_decode
+from sglang.srt.model_loader.gemm_methods import attach_large_batch_gemm
 from sglang.srt.model_loader.gguf_quant import attach_gguf_quant_weights
 from sglang.srt.model_loader.loader import load_model
 from sglang.srt.model_loader.pooling_config import read_pooling_config
@@ -46,6 +48,7 @@ class ModelRunner:
         device: str,
         gguf_path: Optional[str] = None,
         gguf_kernel_max_rows: int = 0,
+        arithmetic: Optional[ArithmeticPlan] = None,
     ) -> None:
         self.device = torch.device(device)
         self.dtype = dtype
@@ -55,6 +58,9 @@ class ModelRunner:
         self.quant_bytes = 0
         if gguf_path and gguf_kernel_max_rows > 0 and self.device.type == "cpu":
             self.quant_bytes = attach_gguf_quant_weights(self.model, gguf_path, hf_config, gguf_kernel_max_rows)
+        self.arithmetic = arithmetic
+        if arithmetic is not None and self.device.type == "cpu" and dtype == torch.float32:
+            self.quant_bytes += attach_large_batch_gemm(self.model, arithmetic.large_batch_gemm)
         self.vocab_size = hf_config.vocab_size
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.attn_backend = TorchSDPABackend()
@@ -75,6 +81,8 @@ class ModelRunner:
         """Choose the decode path for the K/V buffers every forward will use, and log the choice."""
         self.decode_plan = plan_decode(self.model, kv_pool, self.attn_backend, self.gguf_kernel_max_rows,
                                        self.device)
+        if self.arithmetic is not None:
+            logger.info(self.arithmetic.describe())
         logger.info(self.decode_plan.description)
 
     # ---- one step ---------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 import torch
 
+from sglang.srt.layers.arithmetic import ArithmeticPlan
 from sglang.srt.server_args import ServerArgs
 
 
@@ -21,6 +22,8 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     # Sampling defaults from generation_config.json (temperature, top_p, ...), only those it sets.
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    # Model dtype and the GEMM of each phase (layers/arithmetic.py); dtype above is arithmetic.weight_dtype.
+    arithmetic: Optional[ArithmeticPlan] = None
 
     @property
     def vocab_size(self) -> int:
@@ -31,7 +34,7 @@ def load_model_info(server_args: ServerArgs) -> ModelInfo:
     """Facts every process needs about the model, computed once in the parent."""
     from transformers import AutoConfig, GenerationConfig
 
-    from sglang.srt.model_loader.dtype import resolve_dtype
+    from sglang.srt.layers.arithmetic import plan_for_this_machine
     from sglang.srt.model_loader.resolve import gguf_source_for, resolve_model_path
 
     model_dir = resolve_model_path(server_args.model_path)
@@ -41,7 +44,8 @@ def load_model_info(server_args: ServerArgs) -> ModelInfo:
         setattr(hf_config, k, v)
     context_len = server_args.context_length or _config_context_len(hf_config)
     config_dtype = getattr(hf_config, "dtype", None)
-    dtype = resolve_dtype(server_args.dtype, server_args.device, config_dtype)
+    arithmetic = plan_for_this_machine(server_args.device, server_args.dtype, server_args.cpu_gemm, config_dtype)
+    dtype = arithmetic.weight_dtype
     eos = _as_list(getattr(hf_config, "eos_token_id", None))
     generation_defaults: dict = {}
     try:
@@ -61,6 +65,7 @@ def load_model_info(server_args: ServerArgs) -> ModelInfo:
         context_len=context_len,
         eos_token_ids=tuple(sorted(set(eos))),
         generation_defaults=generation_defaults,
+        arithmetic=arithmetic,
     )
 
 

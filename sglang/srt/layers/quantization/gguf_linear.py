@@ -11,21 +11,22 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
-from sglang.srt.layers.linear import LinearMethod
+from sglang.srt.layers.linear import DENSE, LinearMethod
 from sglang.srt.layers.quantization.gguf_blocks import GGUFQuantWeight
 
 
 class GGUFLinearMethod(LinearMethod):
-    def __init__(self, quant_weight: GGUFQuantWeight, max_rows: int) -> None:
+    def __init__(self, quant_weight: GGUFQuantWeight, max_rows: int, large: LinearMethod = DENSE) -> None:
         self.quant_weight = quant_weight
         self.max_rows = max_rows
+        # The method for more than `max_rows` rows (dense float, or a bf16 copy: layers/arithmetic.py).
+        self.large = large
 
     def apply(self, weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.max_rows:
             return self.quant_weight.linear(x, bias)
-        return F.linear(x, weight, bias)
+        return self.large.apply(weight, x, bias)
 
     def describe(self) -> str:
-        return f"GGUF {self.quant_weight.qtype} blocks up to {self.max_rows} rows, dense beyond"
+        return f"GGUF {self.quant_weight.qtype} blocks up to {self.max_rows} rows, {self.large.describe()} beyond"

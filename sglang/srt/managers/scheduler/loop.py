@@ -66,6 +66,7 @@ class Scheduler:
             device=server_args.device,
             gguf_path=model_info.gguf_path,
             gguf_kernel_max_rows=server_args.gguf_kernel_max_rows,
+            arithmetic=model_info.arithmetic,
         )
         self.is_embedding = server_args.is_embedding
         if self.runner.pooling_output is not None and not self.is_embedding:
@@ -122,6 +123,7 @@ class Scheduler:
             context_len=self.context_len,
             weight_bytes=self.runner.weight_bytes,
             kv_bytes=self.mem.kv_bytes,
+            arithmetic=self.runner.arithmetic.to_dict() if self.runner.arithmetic is not None else {},
         )
 
     # ---- main loop ------------------------------------------------------------------------------------

@@ -1,0 +1,176 @@
+"""Which arithmetic each phase uses, chosen once at startup from the CPU's instruction set.
+
+No single dtype is fastest everywhere. On a CPU with native bf16 dot products (AVX512-BF16, AMX) a bf16 GEMM
+through oneDNN runs ~4x faster than float32 (benchmarks/RESULTS.md), while on an AVX2-only CPU bf16 and int8
+matmuls are emulated and 8-60x slower than float32. Small decode batches are bound by reading the weights, not by
+arithmetic, and run best on the GGUF blocks and the fused decode step, which compute in float32.
+
+So on CPU `--dtype auto` keeps float32 weights and a float32 KV cache (one layout every path reads and writes)
+and picks, per CPU class, the GEMM for prefill, extend and decode batches above `--gguf-kernel-max-rows` rows:
+bf16 where the CPU has native bf16, float32 otherwise. `--cpu-gemm` overrides that choice; `--dtype bfloat16` /
+`float32` still load the model in that dtype. `choose_arithmetic` is a pure function of its inputs so every CPU
+class can be tested on any machine; `read_cpu_flags` is the one place that reads /proc/cpuinfo.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from sglang.srt.model_loader.dtype import resolve_dtype
+
+CPU_GEMMS = ("auto", "float32", "bfloat16", "int8")
+
+# CPU classes, from the flags that decide which GEMM is fastest.
+AMX = "amx"
+AVX512_BF16 = "avx512-bf16"
+AVX2 = "avx2"
+ARM_BF16 = "arm-bf16"
+OTHER = "other"
+
+_GEMM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parse_cpu_flags(cpuinfo_text: str) -> frozenset[str]:
+    """The `flags` (x86) / `Features` (arm) words of /proc/cpuinfo text."""
+    flags: set[str] = set()
+    for line in cpuinfo_text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip().lower() in ("flags", "features"):
+            flags.update(value.split())
+    return frozenset(flags)
+
+
+@functools.lru_cache(maxsize=1)
+def read_cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return parse_cpu_flags(f.read())
+    except OSError:
+        return frozenset()
+
+
+def cpu_class(flags: Iterable[str], machine: str = "x86_64") -> str:
+    flags = frozenset(flags)
+    if machine.lower() in ("aarch64", "arm64"):
+        return ARM_BF16 if "bf16" in flags else OTHER
+    if "amx_bf16" in flags:
+        return AMX
+    if "avx512_bf16" in flags:
+        return AVX512_BF16
+    if "avx2" in flags:
+        return AVX2
+    return OTHER
+
+
+@dataclass(frozen=True)
+class ArithmeticPlan:
+    device: str
+    cpu_class: str  # "" on accelerators
+    weight_dtype: torch.dtype  # what the model is loaded in; the KV cache uses the same dtype
+    # GEMM for prefill / extend / decode batches above the small-batch row limit: float32 | bfloat16 | int8
+    large_batch_gemm: str
+    reason: str
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.weight_dtype
+
+    def describe(self) -> str:
+        dtype = str(self.weight_dtype).removeprefix("torch.")
+        where = f"CPU class {self.cpu_class}" if self.cpu_class else self.device
+        return (f"Arithmetic: {where}; weights and KV cache {dtype}; prefill and large batches "
+                f"{self.large_batch_gemm} GEMM ({self.reason})")
+
+    def to_dict(self) -> dict[str, str]:
+        return {
+            "cpu_class": self.cpu_class,
+            "weight_dtype": str(self.weight_dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
+            "large_batch_gemm": self.large_batch_gemm,
+            "reason": self.reason,
+        }
+
+
+def _fastest_measured(candidates: list[str], measurements: Mapping[str, float]) -> Optional[str]:
+    measured = [(measurements[g], g) for g in candidates if g in measurements]
+    return max(measured)[1] if measured else None
+
+
+def choose_arithmetic(
+    device: str,
+    dtype: str = "auto",
+    cpu_gemm: str = "auto",
+    cpu_flags: Iterable[str] = (),
+    machine: str = "x86_64",
+    measurements: Optional[Mapping[str, float]] = None,
+    config_dtype: Union[str, torch.dtype, None] = None,
+) -> ArithmeticPlan:
+    """The arithmetic for a server: model dtype and the large-batch GEMM.
+
+    `measurements` maps GEMM names to measured throughput (any unit); it decides only where the CPU flags do not
+    (a CPU this function does not classify), between float32 and bfloat16.
+    """
+    if cpu_gemm not in CPU_GEMMS:
+        raise ValueError(f"--cpu-gemm must be one of {CPU_GEMMS}, got {cpu_gemm!r}")
+    if torch.device(device).type != "cpu":
+        weight_dtype = resolve_dtype(dtype, device, config_dtype)
+        name = str(weight_dtype).removeprefix("torch.")
+        return ArithmeticPlan(device, "", weight_dtype, name, f"--cpu-gemm does not apply on {device}")
+    cls = cpu_class(cpu_flags, machine)
+    explicit_dtype = dtype.strip().lower() != "auto"
+    # --dtype auto on CPU keeps float32 weights: the quantized blocks and the fused decode step need them, and
+    # the large-batch GEMM is chosen separately below.
+    weight_dtype = resolve_dtype(dtype, device, config_dtype) if explicit_dtype else torch.float32
+    if weight_dtype != torch.float32:
+        name = str(weight_dtype).removeprefix("torch.")
+        if cpu_gemm not in ("auto", name):
+            raise ValueError(f"--cpu-gemm {cpu_gemm} needs float32 weights (--dtype auto or float32), "
+                             f"got --dtype {dtype}")
+        return ArithmeticPlan(device, cls, weight_dtype, name, f"--dtype {dtype}")
+    if cpu_gemm != "auto":
+        return ArithmeticPlan(device, cls, weight_dtype, cpu_gemm, f"--cpu-gemm {cpu_gemm}")
+    if explicit_dtype:
+        return ArithmeticPlan(device, cls, weight_dtype, "float32", f"--dtype {dtype}")
+    if cls in (AMX, AVX512_BF16, ARM_BF16):
+        return ArithmeticPlan(device, cls, weight_dtype, "bfloat16", "the CPU has native bf16 dot products")
+    if cls == AVX2:
+        return ArithmeticPlan(device, cls, weight_dtype, "float32",
+                              "no native bf16 on this CPU: bf16 and int8 GEMMs are emulated and slower")
+    fastest = _fastest_measured(["float32", "bfloat16"], measurements or {})
+    if fastest is not None:
+        return ArithmeticPlan(device, cls, weight_dtype, fastest, "fastest in a startup measurement")
+    return ArithmeticPlan(device, cls, weight_dtype, "float32", "unclassified CPU, nothing measured")
+
+
+def measure_cpu_gemms(rows: int = 256, k: int = 576, n: int = 1536, repeats: int = 3) -> dict[str, float]:
+    """GFLOP/s of float32 and bf16 `F.linear` at one decoder-like shape: the tie-breaker for CPUs whose flags do
+    not say which is faster (a fraction of a second)."""
+    import time
+
+    out: dict[str, float] = {}
+    for name, dt in _GEMM_DTYPES.items():
+        x, w = torch.randn(rows, k).to(dt), torch.randn(n, k).to(dt)
+        torch.nn.functional.linear(x, w)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            torch.nn.functional.linear(x, w)
+        out[name] = 2 * rows * k * n * repeats / (time.perf_counter() - start) / 1e9
+    return out
+
+
+def plan_for_this_machine(device: str, dtype: str, cpu_gemm: str,
+                          config_dtype: Union[str, torch.dtype, None] = None) -> ArithmeticPlan:
+    """`choose_arithmetic` with this machine's CPU flags, measuring only where the flags do not settle it."""
+    flags = read_cpu_flags()
+    machine = platform.machine()
+    measurements = None
+    if (torch.device(device).type == "cpu" and dtype.strip().lower() == "auto" and cpu_gemm == "auto"
+            and cpu_class(flags, machine) == OTHER):
+        measurements = measure_cpu_gemms()
+    return choose_arithmetic(device, dtype, cpu_gemm, flags, machine, measurements, config_dtype)

@@ -1,0 +1,65 @@
+"""Giving a loaded float32 model the large-batch GEMM its arithmetic plan chose (layers/arithmetic.py).
+
+Runs after the GGUF blocks are attached (model_loader/gguf_quant.py): a layer that has blocks keeps them for
+batches of at most `max_rows` rows and gets the reduced-precision GEMM beyond; a layer without blocks (a plain
+safetensors checkpoint, or a GGUF model on a CPU without the kernels) uses it for every batch, because there a
+bf16 weight is also half the bytes a small decode step reads.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from sglang.srt.layers.bf16_linear import BF16LinearMethod
+from sglang.srt.layers.linear import DENSE, Linear, LinearMethod
+from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
+
+logger = logging.getLogger(__name__)
+
+
+def _method_factory(gemm: str) -> Callable[[torch.Tensor], LinearMethod]:
+    if gemm == "bfloat16":
+        return BF16LinearMethod
+    if gemm == "int8":
+        from sglang.srt.layers.int8_linear import Int8LinearMethod
+
+        return Int8LinearMethod
+    raise ValueError(f"no large-batch linear method for GEMM {gemm!r}")
+
+
+def _with_large(current: LinearMethod, weight: torch.Tensor,
+                make: Callable[[torch.Tensor], LinearMethod]) -> LinearMethod:
+    if isinstance(current, GGUFLinearMethod):
+        current.large = make(weight)
+        return current
+    if current is DENSE:
+        return make(weight)
+    return current  # a method this module does not know keeps its own arithmetic
+
+
+def attach_large_batch_gemm(model: nn.Module, gemm: str) -> int:
+    """Give every linear layer and the LM head of a float32 model the `gemm` method for large batches; returns
+    the bytes of the reduced-precision weight copies (0 for float32, which is the layers' own weight)."""
+    if gemm == "float32":
+        return 0
+    if any(p.dtype != torch.float32 for p in model.parameters()):
+        raise ValueError(f"--cpu-gemm {gemm} applies to float32 weights (--dtype auto or float32)")
+    make = _method_factory(gemm)
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.set_linear_method(_with_large(module.linear_method, module.weight, make))
+    processor: Any = getattr(model, "logits_processor", None)
+    head = getattr(model, "lm_head", None)
+    if processor is not None and head is not None:
+        processor.set_head_method(_with_large(processor.head_method, head.weight, make))
+    methods: list[Any] = [m.linear_method for m in model.modules() if isinstance(m, Linear)]
+    if processor is not None:
+        methods.append(processor.head_method)
+    attached = sum(int(getattr(getattr(m, "large", m), "nbytes", 0)) for m in methods)
+    logger.info("Attached %.1f MB of %s weight copies for large batches", attached / 2**20, gemm)
+    return attached

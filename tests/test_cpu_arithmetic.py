@@ -1,0 +1,213 @@
+"""Arithmetic per phase and per CPU class (sglang/srt/layers/arithmetic.py) and the reduced-precision linear
+methods it selects (layers/bf16_linear.py, layers/int8_linear.py, model_loader/gemm_methods.py).
+
+The dispatch tests give `choose_arithmetic` the flags of each CPU class, so they run on any machine. The model
+tests run the bf16 (and int8) paths on whatever CPU runs them: natively where it has the instructions, emulated
+(slowly) where it does not.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_models import PagedCache, build_models, max_diff, prompt_of, tiny_config
+
+from sglang.srt.layers.arithmetic import (
+    AMX,
+    AVX2,
+    AVX512_BF16,
+    OTHER,
+    choose_arithmetic,
+    cpu_class,
+    parse_cpu_flags,
+    read_cpu_flags,
+)
+from sglang.srt.layers.bf16_linear import BF16LinearMethod
+from sglang.srt.layers.int8_linear import Int8LinearMethod
+from sglang.srt.layers.linear import Linear
+from sglang.srt.model_loader.gemm_methods import attach_large_batch_gemm
+
+AVX2_FLAGS = "fpu sse sse2 avx fma avx2".split()
+BF16_VNNI_FLAGS = AVX2_FLAGS + "avx512f avx512bw avx512vl avx512_vnni avx512_bf16".split()
+AMX_FLAGS = BF16_VNNI_FLAGS + "amx_tile amx_bf16 amx_int8".split()
+
+# Logits of the tiny random models spread over ~+-10 and SmolLM2's up to ~40. bf16 inputs and weights (float32
+# accumulation, output rounded to bf16) move a logit by ~1-2% of that scale, int8 by ~4%. Measured on the tiny
+# models: max abs diff 0.15-0.20 (bf16) and 0.40-0.44 (int8), argmax agreement 0.97 and 0.93 over every prompt
+# position and decode step. A wrong weight or a missing bias moves logits by whole units.
+TINY_BF16_TOL = 0.3
+TINY_INT8_TOL = 1.0
+SMOLLM2_BF16_TOL = 1.5
+MIN_AGREEMENT = {"bfloat16": 0.95, "int8": 0.85}
+
+
+# ---- dispatch ------------------------------------------------------------------------------------------------
+def test_cpu_flags_and_classes():
+    assert parse_cpu_flags("processor: 0\nflags\t\t: fpu avx2 avx512_bf16\n") == {"fpu", "avx2", "avx512_bf16"}
+    assert parse_cpu_flags("Features\t: fp asimd bf16\n") == {"fp", "asimd", "bf16"}
+    assert cpu_class(AVX2_FLAGS) == AVX2
+    assert cpu_class(BF16_VNNI_FLAGS) == AVX512_BF16
+    assert cpu_class(AMX_FLAGS) == AMX
+    assert cpu_class(["fpu", "sse2"]) == OTHER
+    assert cpu_class(["fp", "asimd", "bf16"], machine="aarch64") == "arm-bf16"
+    assert isinstance(read_cpu_flags(), frozenset)
+
+
+def test_avx2_cpu_keeps_float32_everywhere():
+    plan = choose_arithmetic("cpu", "auto", "auto", AVX2_FLAGS)
+    assert (plan.cpu_class, plan.weight_dtype, plan.kv_dtype, plan.large_batch_gemm) == (
+        AVX2, torch.float32, torch.float32, "float32")
+    assert plan.describe().startswith("Arithmetic: CPU class avx2; weights and KV cache float32")
+
+
+@pytest.mark.parametrize("flags, cls", [(BF16_VNNI_FLAGS, AVX512_BF16), (AMX_FLAGS, AMX)])
+def test_bf16_cpus_keep_float32_weights_and_kv_with_bf16_large_batches(flags, cls):
+    plan = choose_arithmetic("cpu", "auto", "auto", flags)
+    assert (plan.cpu_class, plan.weight_dtype, plan.kv_dtype, plan.large_batch_gemm) == (
+        cls, torch.float32, torch.float32, "bfloat16")
+    assert plan.to_dict()["large_batch_gemm"] == "bfloat16"
+
+
+@pytest.mark.parametrize("flags", [AVX2_FLAGS, BF16_VNNI_FLAGS, AMX_FLAGS])
+def test_explicit_dtype_means_what_it_says(flags):
+    bf16 = choose_arithmetic("cpu", "bfloat16", "auto", flags)
+    assert (bf16.weight_dtype, bf16.large_batch_gemm) == (torch.bfloat16, "bfloat16")
+    f32 = choose_arithmetic("cpu", "float32", "auto", flags)
+    assert (f32.weight_dtype, f32.large_batch_gemm) == (torch.float32, "float32")
+
+
+def test_cpu_gemm_override():
+    for gemm in ("float32", "bfloat16", "int8"):
+        for flags in (AVX2_FLAGS, BF16_VNNI_FLAGS):
+            plan = choose_arithmetic("cpu", "auto", gemm, flags)
+            assert (plan.weight_dtype, plan.large_batch_gemm) == (torch.float32, gemm)
+            assert f"--cpu-gemm {gemm}" in plan.reason
+    assert choose_arithmetic("cpu", "float32", "bfloat16", AVX2_FLAGS).large_batch_gemm == "bfloat16"
+    with pytest.raises(ValueError, match="--cpu-gemm"):
+        choose_arithmetic("cpu", "auto", "fp8", AVX2_FLAGS)
+    with pytest.raises(ValueError, match="float32 weights"):
+        choose_arithmetic("cpu", "bfloat16", "float32", BF16_VNNI_FLAGS)
+
+
+def test_cuda_follows_dtype():
+    plan = choose_arithmetic("cuda", "auto", "auto", AMX_FLAGS, config_dtype="float16")
+    assert (plan.cpu_class, plan.weight_dtype, plan.large_batch_gemm) == ("", torch.float16, "float16")
+    assert choose_arithmetic("cuda:0", "float32", "auto").weight_dtype == torch.float32
+    assert choose_arithmetic("cuda", "auto", "auto", config_dtype=None).weight_dtype == torch.bfloat16
+
+
+def test_unclassified_cpu_uses_measurements():
+    assert choose_arithmetic("cpu", "auto", "auto", ["fpu"]).large_batch_gemm == "float32"
+    faster_bf16 = choose_arithmetic("cpu", "auto", "auto", ["fpu"], measurements={"float32": 10, "bfloat16": 40})
+    assert faster_bf16.large_batch_gemm == "bfloat16" and "measurement" in faster_bf16.reason
+    # measurements never override what the flags settle
+    assert choose_arithmetic("cpu", "auto", "auto", AVX2_FLAGS,
+                             measurements={"float32": 1, "bfloat16": 99}).large_batch_gemm == "float32"
+
+
+# ---- linear methods --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_bf16_and_int8_methods_match_dense(rows):
+    torch.manual_seed(rows)
+    weight, bias = torch.randn(96, 64) / 8, torch.randn(96)
+    x = torch.randn(rows, 64)
+    expected = F.linear(x, weight, bias)
+    for method, tol in ((BF16LinearMethod(weight), 0.02), (Int8LinearMethod(weight), 0.06)):
+        out = method.apply(weight, x, bias)
+        assert out.dtype == torch.float32 and out.shape == expected.shape
+        assert max_diff(out, expected) < tol * expected.abs().max().item(), type(method).__name__
+    # 3-D inputs keep their leading dims
+    out3 = Int8LinearMethod(weight).apply(weight, x.view(1, rows, 64), None)
+    assert out3.shape == (1, rows, 96)
+
+
+def test_gguf_method_hands_large_batches_to_the_large_method():
+    gguf = pytest.importorskip("gguf")
+    from sglang.srt.layers.quantization.gguf_blocks import GGUFQuantWeight, kernels_available
+    from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
+
+    if not kernels_available():
+        pytest.skip("the compiled GGUF kernels are unavailable")
+    torch.manual_seed(0)
+    raw = gguf.quants.quantize(torch.randn(64, 64).numpy(), gguf.GGMLQuantizationType.Q8_0)
+    quant = GGUFQuantWeight("Q8_0", raw, 64, 64)
+    weight = quant.dequantize()
+    large = BF16LinearMethod(weight)
+    method = GGUFLinearMethod(quant, max_rows=4, large=large)
+    small_x, large_x = torch.randn(4, 64), torch.randn(5, 64)
+    assert torch.equal(method.apply(weight, small_x, None), quant.linear(small_x, None))
+    assert torch.equal(method.apply(weight, large_x, None), large.apply(weight, large_x, None))
+    assert method.describe() == "GGUF Q8_0 blocks up to 4 rows, bf16 GEMM beyond"
+
+
+def test_attach_large_batch_gemm_replaces_dense_layers_and_head(tmp_path):
+    config = tiny_config("llama")
+    _, ours = build_models(tmp_path, config)
+    assert attach_large_batch_gemm(ours, "float32") == 0
+    attached = attach_large_batch_gemm(ours, "bfloat16")
+    linears = [m for m in ours.modules() if isinstance(m, Linear)]
+    assert linears and all(isinstance(m.linear_method, BF16LinearMethod) for m in linears)
+    assert isinstance(ours.logits_processor.head_method, BF16LinearMethod)
+    expected = sum(m.weight.numel() * 2 for m in linears) + ours.lm_head.weight.numel() * 2
+    assert attached == expected
+    # the float32 parameters stay (embeddings, norms, and the small-batch paths read them)
+    assert all(p.dtype == torch.float32 for p in ours.parameters())
+
+
+def _greedy_run(model, config, prompts: list[list[int]], steps: int,
+                forced: list[list[int]] | None = None) -> tuple[torch.Tensor, list[list[int]], list[torch.Tensor]]:
+    """Prefill logits of every prompt (one batch), then batched decode steps: (prefill logits, greedy tokens,
+    each step's logits). With `forced`, the decode steps are fed those tokens instead of their own argmax."""
+    cache = PagedCache(config, torch.float32, size=1024)
+    logits = cache.forward(model, [(row, p) for row, p in enumerate(prompts)], all_logits=True)
+    ends = torch.cumsum(torch.tensor([len(p) for p in prompts]), 0) - 1
+    tokens = [[int(logits[int(end)].argmax())] for end in ends]
+    step_logits = []
+    for i in range(steps):
+        feed = [(forced[row][i] if forced else tokens[row][-1]) for row in range(len(prompts))]
+        step = cache.forward(model, [(row, [feed[row]]) for row in range(len(prompts))])
+        step_logits.append(step)
+        for row in range(len(prompts)):
+            tokens[row].append(int(step[row].argmax()))
+    return logits, tokens, step_logits
+
+
+def _argmax_agreement(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return (actual.argmax(-1) == expected.argmax(-1)).float().mean().item()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("gemm, tol", [("bfloat16", TINY_BF16_TOL), ("int8", TINY_INT8_TOL)])
+def test_reduced_precision_gemm_against_float32_tiny(tmp_path, family, gemm, tol):
+    config = tiny_config(family)
+    _, ours = build_models(tmp_path, config)
+    prompts = [prompt_of(24, 1), prompt_of(40, 2), prompt_of(9, 3)]
+    expected_logits, expected_tokens, expected_steps = _greedy_run(ours, config, prompts, steps=8)
+    attach_large_batch_gemm(ours, gemm)
+    logits, _, steps = _greedy_run(ours, config, prompts, steps=8, forced=expected_tokens)
+    assert max_diff(logits, expected_logits) < tol, max_diff(logits, expected_logits)
+    for step, (a, e) in enumerate(zip(steps, expected_steps)):
+        assert max_diff(a, e) < tol, f"decode step {step}: {max_diff(a, e)}"
+    # Random models have near-ties that any rounding may flip; the greedy choice of nearly every position (every
+    # prompt token and every decode step) must stay.
+    agreement = _argmax_agreement(torch.cat([logits, *steps]), torch.cat([expected_logits, *expected_steps]))
+    print(f"{family} {gemm}: max diff {max_diff(logits, expected_logits):.3f}, argmax agreement {agreement:.3f}")
+    assert agreement >= MIN_AGREEMENT[gemm], agreement
+
+
+def test_bf16_gemm_keeps_smollm2_greedy_tokens(smollm2_dir, smollm2_tokenizer):
+    from sglang.srt.model_loader.loader import load_model
+
+    model = load_model(smollm2_dir, torch.float32, "cpu")
+    questions = ["Name three primary colors and say why the sky looks blue.", "What is the capital of France?"]
+    prompts = []
+    for q in questions:
+        ids = smollm2_tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                                    tokenize=True)
+        prompts.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
+    expected_logits, expected_tokens, _ = _greedy_run(model, model.config, prompts, steps=12)
+    attach_large_batch_gemm(model, "bfloat16")
+    logits, tokens, _ = _greedy_run(model, model.config, prompts, steps=12)
+    assert max_diff(logits, expected_logits) < SMOLLM2_BF16_TOL, max_diff(logits, expected_logits)
+    assert tokens == expected_tokens
