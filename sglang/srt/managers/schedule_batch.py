@@ -45,6 +45,7 @@ class Req:
         token_ids_logprob: Optional[list[int]] = None,
         stream: bool = False,
         priority: int = 0,
+        token_type_ids: Optional[list[int]] = None,
     ) -> None:
         self.rid = rid
         self.origin_input_ids = origin_input_ids
@@ -58,6 +59,8 @@ class Req:
         self.stream = stream
         # Larger is admitted first; batch-file lines run below online requests (scheduler/priority.py).
         self.priority = priority
+        # Segment ids of a sentence pair for encoders that read them (BERT cross-encoders); None otherwise.
+        self.token_type_ids = token_type_ids
 
         self.output_ids: list[int] = []
         self.finished_reason: Optional[FinishReason] = None
@@ -76,8 +79,6 @@ class Req:
         self.is_chunked = False
         self.penalty_state: Optional[RequestPenaltyState] = None
         self.grammar: Optional[BaseGrammarObject] = None
-        # Segment ids of a pooled (query, document) pair (--is-embedding cross-encoders).
-        self.token_type_ids: Optional[list[int]] = None
 
         # Accounting.
         self.cached_tokens = 0
@@ -226,14 +227,15 @@ class ScheduleBatch:
     def forward_inputs(self, mem: MemoryPools, vocab_size: int, device: torch.device
                        ) -> tuple[ForwardBatch, Optional[SamplingBatchInfo]]:
         """The ForwardBatch of this step and the sampling inputs of its sampling rows (None when none samples)."""
+        return self.forward_batch(mem, device), self.sampling_inputs(vocab_size, device)
+
+    def forward_batch(self, mem: MemoryPools, device: torch.device) -> ForwardBatch:
         flat_positions = [p for rows in self.logit_positions for p in rows]
-        sample_rows, sample_reqs, offset = [], [], 0
-        for req, rows, s in zip(self.reqs, self.logit_positions, self.sample_row):
-            if s is not None:
-                sample_rows.append(offset + s)
-                sample_reqs.append(req)
-            offset += len(rows)
-        forward_batch = ForwardBatch(
+        token_type_ids = None
+        if any(req.token_type_ids is not None for req in self.reqs):
+            types = [t for req in self.reqs for t in (req.token_type_ids or [0] * len(req.origin_input_ids))]
+            token_type_ids = torch.tensor(types, dtype=torch.int64, device=device)
+        return ForwardBatch(
             forward_mode=ForwardMode.DECODE if self.is_decode else ForwardMode.EXTEND,
             batch_size=len(self.reqs),
             input_ids=torch.tensor(self.input_ids, dtype=torch.int64, device=device),
@@ -249,9 +251,19 @@ class ScheduleBatch:
             logits_indices=torch.tensor(flat_positions, dtype=torch.int64, device=device),
             return_input_logprobs=any(r.return_logprob and len(rows) > (s is not None) for r, rows, s in
                                       zip(self.reqs, self.logit_positions, self.sample_row)),
+            token_type_ids=token_type_ids,
         )
-        sampling = None
-        if sample_reqs:
-            sampling = SamplingBatchInfo.from_reqs(sample_reqs, vocab_size, device, logit_rows=sample_rows)
-            sampling.fill_grammar_bitmask(sample_reqs)
-        return forward_batch, sampling
+
+    def sampling_inputs(self, vocab_size: int, device: torch.device) -> Optional[SamplingBatchInfo]:
+        """Sampling tensors for the requests that sample a token this step (None when none does)."""
+        sample_rows, sample_reqs, offset = [], [], 0
+        for req, rows, s in zip(self.reqs, self.logit_positions, self.sample_row):
+            if s is not None:
+                sample_rows.append(offset + s)
+                sample_reqs.append(req)
+            offset += len(rows)
+        if not sample_reqs:
+            return None
+        sampling = SamplingBatchInfo.from_reqs(sample_reqs, vocab_size, device, logit_rows=sample_rows)
+        sampling.fill_grammar_bitmask(sample_reqs)
+        return sampling

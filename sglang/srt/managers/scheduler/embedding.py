@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
 from sglang.srt.managers.finish_reason import FinishLength
 from sglang.srt.managers.io_struct import BatchEmbeddingOutput, TokenizedEmbeddingReqInput
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
@@ -22,19 +20,14 @@ if TYPE_CHECKING:
 
 def embedding_req(msg: TokenizedEmbeddingReqInput) -> Req:
     params = SamplingParams(max_new_tokens=0)
-    req = Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=params, stop_token_ids=set(),
-              sampling_seed=0)
-    req.token_type_ids = msg.token_type_ids
-    return req
+    return Req(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=params, stop_token_ids=set(),
+               sampling_seed=0, token_type_ids=msg.token_type_ids)
 
 
 def run_embedding_batch(sched: Scheduler, batch: ScheduleBatch) -> BatchEmbeddingOutput:
     """Pool every request of `batch` (all whole prompts), finish them and free their KV."""
-    forward_batch, _ = batch.forward_inputs(sched.mem, sched.runner.vocab_size, sched.runner.device)
-    if any(req.token_type_ids is not None for req in batch.reqs):
-        types = [t for req in batch.reqs for t in (req.token_type_ids or [0] * len(req.origin_input_ids))]
-        forward_batch.token_type_ids = torch.tensor(types, dtype=torch.int64, device=sched.runner.device)
-    pooled = sched.runner.pool(forward_batch).cpu()
+    # Pooled requests sample nothing: only the forward's inputs are built.
+    pooled = sched.runner.pool(batch.forward_batch(sched.mem, sched.runner.device)).cpu()
     sched.forward_ct += 1
     out = BatchEmbeddingOutput(rids=[], embeddings=pooled.tolist(), prompt_tokens=[], cached_tokens=[],
                                finished_reasons=[])
