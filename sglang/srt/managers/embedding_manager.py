@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from sglang.srt.managers.embedding_input import EmbeddingItem, EmbeddingReqInput
 from sglang.srt.managers.finish_reason import FinishAbort
 from sglang.srt.managers.io_struct import BatchEmbeddingOutput, TokenizedEmbeddingReqInput
-from sglang.srt.managers.prompt_limits import allowed_input_len
+from sglang.srt.managers.prompt_limits import allowed_input_len, check_token_ids
 
 if TYPE_CHECKING:
     from sglang.srt.managers.tokenizer_manager import ReqState, TokenizerManager
@@ -47,9 +47,7 @@ def tokenize_embedding_item(tm: TokenizerManager, item: EmbeddingItem) -> Tokeni
     else:
         input_text = None
         input_ids = item.input_ids
-        bad = [t for t in input_ids if t < 0 or t >= tm.vocab_size]
-        if bad:
-            raise ValueError(f"input_ids contains token id {bad[0]} outside the vocabulary [0, {tm.vocab_size}).")
+        check_token_ids(input_ids, tm.vocab_size)
     n = len(input_ids)
     if n == 0:
         raise ValueError("The input is empty after tokenization; provide a non-empty input.")

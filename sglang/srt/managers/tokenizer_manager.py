@@ -13,6 +13,7 @@ from typing import Any, Optional
 import zmq
 import zmq.asyncio
 
+from sglang.srt.managers.embedding_manager import NOT_GENERATION_MODEL, handle_embedding_output
 from sglang.srt.managers.finish_reason import ABORT_BEFORE_PREFILL, FinishAbort, FinishReason
 from sglang.srt.managers.generate_input import GenerateItem, GenerateReqInput
 from sglang.srt.managers.io_struct import (
@@ -28,7 +29,7 @@ from sglang.srt.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from sglang.srt.managers.logprob_format import LogprobFormatter
-from sglang.srt.managers.prompt_limits import allowed_input_len
+from sglang.srt.managers.prompt_limits import allowed_input_len, check_token_ids
 from sglang.srt.metrics import ServerMetrics
 from sglang.srt.model_loader.model_info import ModelInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -99,9 +100,7 @@ class TokenizerManager:
         else:
             input_text = None
             input_ids = list(item.input_ids or [])
-            bad = [t for t in input_ids if t < 0 or t >= self.vocab_size]
-            if bad:
-                raise ValueError(f"input_ids contains token id {bad[0]} outside the vocabulary [0, {self.vocab_size}).")
+            check_token_ids(input_ids, self.vocab_size)
         n = len(input_ids)
         if n == 0:
             raise ValueError("The input is empty after tokenization; provide a non-empty prompt.")
@@ -142,8 +141,6 @@ class TokenizerManager:
         """Yield output dicts: for a single request, one per stream event (or one at the end); for a batch,
         each yielded dict carries "index", and without streaming one final list is yielded instead."""
         if self.server_args.is_embedding:
-            from sglang.srt.managers.embedding_manager import NOT_GENERATION_MODEL
-
             raise ValueError(NOT_GENERATION_MODEL)
         self._ensure_recv_loop()
         items = obj.expand()
@@ -251,8 +248,6 @@ class TokenizerManager:
             if isinstance(msg, BatchStrOutput):
                 self._handle_outputs(msg)
             elif isinstance(msg, BatchEmbeddingOutput):
-                from sglang.srt.managers.embedding_manager import handle_embedding_output
-
                 handle_embedding_output(self, msg)
             else:
                 queue = self.control_waiters.get(type(msg))
