@@ -87,15 +87,11 @@ class EngineBackend(NativeBackend):
         return self._run(self.engine.tokenizer_manager.flush_cache())
 
     def get_server_info(self) -> dict:
-        import dataclasses
+        from sglang.srt.entrypoints.engine import engine_server_info
 
-        from sglang.version import __version__
-
+        # The engine's coroutines run on this backend's loop thread, so its own get_server_info cannot be used.
         state = self._run(self.engine.tokenizer_manager.get_internal_state()).to_dict()
-        info = dataclasses.asdict(self.engine.server_args)
-        info.update(status="ready", max_total_num_tokens=state["max_total_num_tokens"],
-                    max_req_input_len=state["max_req_input_len"], internal_states=[state], version=__version__)
-        return info
+        return engine_server_info(self.engine.server_args, state)
 
     def shutdown(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -136,17 +136,7 @@ class Engine:
         return self.loop.run_until_complete(self.tokenizer_manager.get_internal_state()).to_dict()
 
     def get_server_info(self) -> dict:
-        state = self.get_internal_state()
-        info = dataclasses.asdict(self.server_args)
-        info.update(
-            status="ready",
-            max_total_num_tokens=state["max_total_num_tokens"],
-            max_req_input_len=state["max_req_input_len"],
-            arithmetic=state["arithmetic"],
-            internal_states=[state],
-            version=_version(),
-        )
-        return info
+        return engine_server_info(self.server_args, self.get_internal_state())
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         self.tokenizer_manager.send_to_scheduler.send_pyobj(AbortReq(rid=rid, abort_all=abort_all))
@@ -171,6 +161,20 @@ class Engine:
                 self.shutdown()
         except Exception:
             pass
+
+
+def engine_server_info(server_args: ServerArgs, state: dict) -> dict:
+    """get_server_info of an in-process engine: its args and the scheduler's state (`SchedulerState.to_dict()`)."""
+    info = dataclasses.asdict(server_args)
+    info.update(
+        status="ready",
+        max_total_num_tokens=state["max_total_num_tokens"],
+        max_req_input_len=state["max_req_input_len"],
+        arithmetic=state["arithmetic"],
+        internal_states=[state],
+        version=_version(),
+    )
+    return info
 
 
 def _version() -> str:
