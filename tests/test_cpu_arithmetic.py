@@ -20,12 +20,11 @@ from sglang.srt.layers.arithmetic import (
     OTHER,
     choose_arithmetic,
     cpu_class,
-    parse_cpu_flags,
-    read_cpu_flags,
 )
 from sglang.srt.layers.bf16_linear import BF16LinearMethod
 from sglang.srt.layers.int8_linear import Int8LinearMethod
 from sglang.srt.layers.linear import Linear
+from sglang.srt.model_loader.dtype import parse_cpu_flags, read_cpu_flags
 from sglang.srt.model_loader.gemm_methods import attach_large_batch_gemm
 
 AVX2_FLAGS = "fpu sse sse2 avx fma avx2".split()

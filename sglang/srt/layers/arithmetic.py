@@ -9,12 +9,12 @@ So on CPU `--dtype auto` keeps float32 weights and a float32 KV cache (one layou
 and picks, per CPU class, the GEMM for prefill, extend and decode batches above `--gguf-kernel-max-rows` rows:
 bf16 where the CPU has native bf16, float32 otherwise. `--cpu-gemm` overrides that choice; `--dtype bfloat16` /
 `float32` still load the model in that dtype. `choose_arithmetic` is a pure function of its inputs so every CPU
-class can be tested on any machine; `read_cpu_flags` is the one place that reads /proc/cpuinfo.
+class can be tested on any machine; `read_cpu_flags` (model_loader/dtype.py) is the one place that reads
+/proc/cpuinfo.
 """
 
 from __future__ import annotations
 
-import functools
 import platform
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -22,7 +22,7 @@ from typing import Optional, Union
 
 import torch
 
-from sglang.srt.model_loader.dtype import resolve_dtype
+from sglang.srt.model_loader.dtype import read_cpu_flags, resolve_dtype
 
 CPU_GEMMS = ("auto", "float32", "bfloat16", "int8")
 
@@ -34,25 +34,6 @@ ARM_BF16 = "arm-bf16"
 OTHER = "other"
 
 _GEMM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def parse_cpu_flags(cpuinfo_text: str) -> frozenset[str]:
-    """The `flags` (x86) / `Features` (arm) words of /proc/cpuinfo text."""
-    flags: set[str] = set()
-    for line in cpuinfo_text.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip().lower() in ("flags", "features"):
-            flags.update(value.split())
-    return frozenset(flags)
-
-
-@functools.lru_cache(maxsize=1)
-def read_cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return parse_cpu_flags(f.read())
-    except OSError:
-        return frozenset()
 
 
 def cpu_class(flags: Iterable[str], machine: str = "x86_64") -> str:

@@ -25,18 +25,27 @@ _X86_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 _ARM_BF16_FLAGS = frozenset({"bf16"})
 
 
-def _cpu_flags(cpuinfo_text: str) -> set[str]:
+def parse_cpu_flags(cpuinfo_text: str) -> frozenset[str]:
+    """The `flags` (x86) / `Features` (arm) words of /proc/cpuinfo text."""
     flags: set[str] = set()
     for line in cpuinfo_text.splitlines():
         key, sep, value = line.partition(":")
         if sep and key.strip().lower() in ("flags", "features"):
             flags.update(value.split())
-    return flags
+    return frozenset(flags)
 
 
-def cpu_supports_bf16_from(cpuinfo_text: str, machine: str) -> bool:
-    """Decide bf16 support from /proc/cpuinfo text and the machine name (split out so it can be tested)."""
-    flags = _cpu_flags(cpuinfo_text)
+@functools.lru_cache(maxsize=1)
+def read_cpu_flags() -> frozenset[str]:
+    """This machine's CPU flags; the one place that reads /proc/cpuinfo (empty where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return parse_cpu_flags(f.read())
+    except OSError:
+        return frozenset()
+
+
+def _supports_bf16(flags: frozenset[str], machine: str) -> bool:
     machine = machine.lower()
     if machine in ("x86_64", "amd64", "i386", "i686"):
         return bool(flags & _X86_BF16_FLAGS)
@@ -45,14 +54,13 @@ def cpu_supports_bf16_from(cpuinfo_text: str, machine: str) -> bool:
     return False
 
 
-@functools.lru_cache(maxsize=1)
+def cpu_supports_bf16_from(cpuinfo_text: str, machine: str) -> bool:
+    """Decide bf16 support from /proc/cpuinfo text and the machine name (split out so it can be tested)."""
+    return _supports_bf16(parse_cpu_flags(cpuinfo_text), machine)
+
+
 def cpu_supports_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-    except OSError:
-        return False
-    return cpu_supports_bf16_from(text, platform.machine())
+    return _supports_bf16(read_cpu_flags(), platform.machine())
 
 
 def _as_dtype(value: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
