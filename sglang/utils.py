@@ -99,9 +99,26 @@ def launch_server_cmd(command: str, host: str = "0.0.0.0", port: Optional[int] =
     return process, port
 
 
-def terminate_process(process: subprocess.Popen, port: Optional[int] = None) -> None:
-    """Kill the process and all its descendants; release its reserved port."""
-    kill_process_tree(process.pid)
+def terminate_process(process: subprocess.Popen, port: Optional[int] = None, grace_s: float = 10.0) -> None:
+    """Stop the process and all its descendants; release its reserved port.
+
+    SIGTERM first, so a server stops its worker processes and removes its socket folder itself; whatever of the
+    tree is still alive after `grace_s` seconds is killed."""
+    import psutil
+
+    try:
+        parent = psutil.Process(process.pid)
+        tree = [parent, *parent.children(recursive=True)]
+        parent.send_signal(signal.SIGTERM)
+    except psutil.NoSuchProcess:
+        tree = []
+    _, alive = psutil.wait_procs(tree, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=5)
     try:
         process.wait(timeout=30)
     except subprocess.TimeoutExpired:

@@ -75,6 +75,14 @@ class ServerArgs:
     stream_output: bool = False
     random_seed: Optional[int] = None
     watchdog_timeout: float = 300.0
+    # Requests allowed to wait for a running slot; beyond it new requests get 503 with Retry-After. None: no cap.
+    max_queued_requests: Optional[int] = None
+    # Seconds a request may take before it is aborted with a 504; None: no limit.
+    request_timeout: Optional[float] = None
+    # Largest HTTP request body accepted, in bytes (a larger one gets 413); file uploads have --max-file-size.
+    max_request_body_bytes: int = 64 * 1024 * 1024
+    # Seconds in-flight requests get to finish after SIGTERM before their connections are closed.
+    graceful_shutdown_timeout: int = 30
     num_threads: Optional[int] = None
 
     # Parallelism (single process here; accepted for compatibility)
@@ -154,6 +162,12 @@ class ServerArgs:
             raise ValueError(f"--max-total-tokens must be at least 16, got {self.max_total_tokens}")
         if self.max_file_size < 1:
             raise ValueError(f"--max-file-size must be a positive number of bytes, got {self.max_file_size}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError(f"--max-queued-requests must be at least 0, got {self.max_queued_requests}")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ValueError(f"--request-timeout must be a positive number of seconds, got {self.request_timeout}")
+        if self.max_request_body_bytes < 1024:
+            raise ValueError(f"--max-request-body-bytes must be at least 1024, got {self.max_request_body_bytes}")
         if self.batch_max_inflight < 1:
             raise ValueError(f"--batch-max-inflight must be at least 1, got {self.batch_max_inflight}")
         if self.tool_call_parser is not None:
@@ -263,6 +277,8 @@ class PortArgs:
     tokenizer_ipc_name: str
     scheduler_input_ipc_name: str
     detokenizer_ipc_name: str
+    # The private folder holding the sockets; removed when the server stops (Subprocesses.shutdown).
+    ipc_dir: str = ""
 
     @staticmethod
     def init_new() -> PortArgs:
@@ -273,4 +289,5 @@ class PortArgs:
             tokenizer_ipc_name=f"ipc://{os.path.join(base, 'tokenizer')}",
             scheduler_input_ipc_name=f"ipc://{os.path.join(base, 'scheduler')}",
             detokenizer_ipc_name=f"ipc://{os.path.join(base, 'detokenizer')}",
+            ipc_dir=base,
         )

@@ -8,6 +8,7 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from sglang.srt.entrypoints.body_schemas import EmbeddingBody, RerankBody, body_openapi, check_body
 from sglang.srt.entrypoints.openai.common import error_response
 from sglang.srt.entrypoints.responses import ORJSONResponse
 from sglang.srt.entrypoints.server_state import native_error, read_json, server_state
@@ -17,12 +18,12 @@ from sglang.srt.managers.embedding_manager import NOT_GENERATION_MODEL, encode_r
 router = APIRouter()
 
 
-@router.api_route("/encode", methods=["POST", "PUT"])
+@router.api_route("/encode", methods=["POST", "PUT"], openapi_extra=body_openapi(EmbeddingBody))
 async def encode(request: Request):
     return await _pool_native(request)
 
 
-@router.api_route("/classify", methods=["POST", "PUT"])
+@router.api_route("/classify", methods=["POST", "PUT"], openapi_extra=body_openapi(EmbeddingBody))
 async def classify(request: Request):
     """Reward models: `embedding` is the list of scores (one element for a scalar reward)."""
     return await _pool_native(request)
@@ -31,7 +32,10 @@ async def classify(request: Request):
 async def _pool_native(request: Request):
     state = server_state(request)
     try:
-        obj = EmbeddingReqInput.from_json(await read_json(request))
+        body = await read_json(request)
+        obj = EmbeddingReqInput.from_json(body)
+        obj.items()  # the field checks with the contract's messages first
+        check_body(EmbeddingBody, body)  # then what they leave open (id ranges, rid types)
         outputs = await encode_request(state.tm, obj)
     except (ValueError, TypeError) as e:
         return native_error(str(e))
@@ -61,7 +65,7 @@ def validate_rerank(body: Any) -> tuple[str, list[str], Any]:
     return query, documents, top_n
 
 
-@router.api_route("/v1/rerank", methods=["POST", "PUT"])
+@router.api_route("/v1/rerank", methods=["POST", "PUT"], openapi_extra=body_openapi(RerankBody))
 async def rerank(request: Request):
     """Score each (query, document) pair with a cross-encoder; results sorted by score, best first."""
     state = server_state(request)

@@ -15,6 +15,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from sglang.srt.entrypoints.embedding_routes import install_generation_guard
 from sglang.srt.entrypoints.embedding_routes import router as embedding_router
+from sglang.srt.entrypoints.error_handlers import install_error_handlers
 from sglang.srt.entrypoints.launch import launch_subprocesses, watch_children
 from sglang.srt.entrypoints.native_routes import router as native_router
 from sglang.srt.entrypoints.openai.embeddings import router as openai_embeddings_router
@@ -31,6 +32,7 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI()
     app.add_middleware(CORSMiddleware, allow_origins=["*"], allow_methods=["*"], allow_headers=["*"])
     app.state.server = state
+    install_error_handlers(app, state.args)
     if state.args.api_key:
         install_api_key_check(app, state.args.api_key)
     attach_openai(app, state)
@@ -74,6 +76,10 @@ def _warmup(args: ServerArgs, ready: threading.Event) -> None:
     logger.info("The server is fired up and ready to roll!")
 
 
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(0)
+
+
 def launch_server(server_args: ServerArgs) -> None:
     configure_logging(server_args.log_level)
     logger.info("server_args=%s", server_args)
@@ -84,6 +90,8 @@ def launch_server(server_args: ServerArgs) -> None:
     config = uvicorn.Config(
         app, host=server_args.host, port=server_args.port, timeout_keep_alive=5, loop="auto",
         log_level=(server_args.log_level_http or server_args.log_level).lower(),
+        # On SIGTERM/SIGINT: stop accepting, let in-flight requests finish for this long, then close them.
+        timeout_graceful_shutdown=round(server_args.graceful_shutdown_timeout),
     )
     server = uvicorn.Server(config)
     dead_children: list[str] = []
@@ -91,10 +99,14 @@ def launch_server(server_args: ServerArgs) -> None:
     def on_child_death(name: str) -> None:
         logger.error("Child process %s died; shutting down the server.", name)
         dead_children.append(name)
-        server.should_exit = True
+        # Nothing in flight can finish without the child: close connections now rather than after the grace.
+        server.should_exit = server.force_exit = True
 
     watch_children(subs, on_child_death)
     threading.Thread(target=_warmup, args=(server_args, state.ready), daemon=True).start()
+    # uvicorn re-raises the signal that stopped it once it is done; as SystemExit it unwinds through the
+    # `finally` below, so the children are stopped and the socket folder removed instead of the process dying.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         server.run()
     finally:

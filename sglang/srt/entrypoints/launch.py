@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +32,7 @@ class Subprocesses:
     model_info: ModelInfo
     procs: list
     stopping: bool = False
+    ipc_dir: str = ""
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -45,6 +47,8 @@ class Subprocesses:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        if self.ipc_dir:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
 
 def launch_subprocesses(server_args: ServerArgs) -> Subprocesses:
@@ -54,6 +58,7 @@ def launch_subprocesses(server_args: ServerArgs) -> Subprocesses:
                        name.replace("_", "-"), value, server_args.device)
     model_info = load_model_info(server_args)
     port_args = PortArgs.init_new()
+    logger.info("Worker sockets in %s", port_args.ipc_dir)
     # Spinning OpenMP workers stall for a whole time slice whenever another process (tokenizer,
     # detokenizer, HTTP) takes a core; passive waiting keeps the forward fast under that contention.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -80,11 +85,11 @@ def launch_subprocesses(server_args: ServerArgs) -> Subprocesses:
         if isinstance(info, SchedulerStartupError):
             raise RuntimeError(f"The scheduler failed to start: {info.error}")
     except BaseException:
-        Subprocesses(None, None, model_info, procs).shutdown()  # type: ignore[arg-type]
+        Subprocesses(None, None, model_info, procs, ipc_dir=port_args.ipc_dir).shutdown()  # type: ignore[arg-type]
         raise
     tokenizer = load_tokenizer_for(server_args)
     manager = TokenizerManager(server_args, port_args, tokenizer, model_info, info)
-    return Subprocesses(manager, info, model_info, procs)
+    return Subprocesses(manager, info, model_info, procs, ipc_dir=port_args.ipc_dir)
 
 
 def watch_children(subs: Subprocesses, on_death: Callable[[str], None], interval: float = 1.0) -> threading.Thread:

@@ -15,6 +15,14 @@ from typing import Any, Optional
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 
+from sglang.srt.entrypoints.body_schemas import (
+    AbortBody,
+    DetokenizeBody,
+    GenerateBody,
+    TokenizeBody,
+    body_openapi,
+    check_body,
+)
 from sglang.srt.entrypoints.responses import ORJSONResponse
 from sglang.srt.entrypoints.server_state import model_card, native_error, read_json, server_state
 from sglang.srt.entrypoints.sse import open_stream, sse_json, sse_response
@@ -29,14 +37,11 @@ FLUSH_CACHE_TEXT = (
 router = APIRouter()
 
 
-@router.api_route("/generate", methods=["POST", "PUT"])
+@router.api_route("/generate", methods=["POST", "PUT"], openapi_extra=body_openapi(GenerateBody))
 async def generate(request: Request):
     state = server_state(request)
     try:
-        body = await read_json(request)
-        if not isinstance(body, dict):
-            raise ValueError("The request body must be a JSON object.")
-        obj = GenerateReqInput.from_json(body)
+        obj = GenerateReqInput.from_json(check_body(GenerateBody, await read_json(request)))
     except (ValueError, TypeError) as e:
         return native_error(str(e))
     if obj.stream:
@@ -62,7 +67,7 @@ async def stream_generate(request: Request, obj: GenerateReqInput):
         async for out in outputs:
             yield sse_json(out)
 
-    return sse_response(gen, events(), lambda message: sse_json({"error": {"message": message}}))
+    return sse_response(gen, events(), lambda message, status: sse_json({"error": {"message": message}}))
 
 
 @router.get("/health")
@@ -156,37 +161,35 @@ async def flush_cache(request: Request):
     return PlainTextResponse(FLUSH_CACHE_TEXT, status_code=200 if ok else 400)
 
 
-@router.post("/abort_request")
+@router.post("/abort_request", openapi_extra=body_openapi(AbortBody))
 async def abort_request(request: Request):
     state = server_state(request)
     try:
-        body = await read_json(request)
+        body = check_body(AbortBody, await read_json(request))
     except ValueError as e:
         return native_error(str(e))
-    rid = body.get("rid", "") if isinstance(body, dict) else ""
-    abort_all = bool(body.get("abort_all", False)) if isinstance(body, dict) else False
-    state.tm.abort_request(str(rid or ""), abort_all=abort_all)
+    state.tm.abort_request(body.get("rid") or "", abort_all=body.get("abort_all", False))
     return Response(status_code=200)
 
 
-@router.post("/tokenize")
-@router.post("/v1/tokenize")
+@router.post("/tokenize", openapi_extra=body_openapi(TokenizeBody))
+@router.post("/v1/tokenize", openapi_extra=body_openapi(TokenizeBody))
 async def tokenize(request: Request):
     state = server_state(request)
     try:
         body = await read_json(request)
         prompt = body.get("prompt") if isinstance(body, dict) else None
-        add_special = bool(body.get("add_special_tokens", True))
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(p, str) for p in prompt))):
+            raise ValueError("Invalid input: 'prompt' must be a string or a list of strings.")
+        add_special = check_body(TokenizeBody, body).get("add_special_tokens", True)
         if state.tm.tokenizer is None:
             raise ValueError("This server was started with --skip-tokenizer-init; it cannot tokenize.")
         if isinstance(prompt, str):
             tokens: Any = state.tm.tokenizer.encode(prompt, add_special_tokens=add_special)
             count: Any = len(tokens)
-        elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+        else:
             tokens = [state.tm.tokenizer.encode(p, add_special_tokens=add_special) for p in prompt]
             count = [len(t) for t in tokens]
-        else:
-            raise ValueError("Invalid input: 'prompt' must be a string or a list of strings.")
     except ValueError as e:
         return native_error(str(e))
     max_len = getattr(state.tm.tokenizer, "model_max_length", None)
@@ -195,24 +198,27 @@ async def tokenize(request: Request):
     return ORJSONResponse({"tokens": tokens, "count": count, "max_model_len": max_len})
 
 
-@router.post("/detokenize")
-@router.post("/v1/detokenize")
+@router.post("/detokenize", openapi_extra=body_openapi(DetokenizeBody))
+@router.post("/v1/detokenize", openapi_extra=body_openapi(DetokenizeBody))
 async def detokenize(request: Request):
     state = server_state(request)
     try:
         body = await read_json(request)
         tokens = body.get("tokens") if isinstance(body, dict) else None
-        skip = bool(body.get("skip_special_tokens", True))
+        nested = isinstance(tokens, list) and bool(tokens) and all(isinstance(t, list) for t in tokens)
+        rows = tokens if nested else [tokens]
+        if not all(isinstance(row, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in row)
+                   for row in rows):
+            raise ValueError("Invalid input: 'tokens' must be a list of integers.")
+        body = check_body(DetokenizeBody, body)
         if state.tm.tokenizer is None:
             raise ValueError("This server was started with --skip-tokenizer-init; it cannot detokenize.")
-        if isinstance(tokens, list) and tokens and all(isinstance(t, list) for t in tokens):
-            if not all(isinstance(i, int) for t in tokens for i in t):
-                raise ValueError("Invalid input: 'tokens' must be a list of integers.")
-            text: Any = [state.tm.tokenizer.decode(t, skip_special_tokens=skip) for t in tokens]
-        elif isinstance(tokens, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in tokens):
-            text = state.tm.tokenizer.decode(tokens, skip_special_tokens=skip) if tokens else ""
-        else:
-            raise ValueError("Invalid input: 'tokens' must be a list of integers.")
+        vocab = len(state.tm.tokenizer)
+        if any(not 0 <= i < vocab for row in rows for i in row):
+            raise ValueError(f"Invalid input: 'tokens' must hold token ids in [0, {vocab}).")
+        skip = body.get("skip_special_tokens", True)
+        decoded = [state.tm.tokenizer.decode(row, skip_special_tokens=skip) if row else "" for row in rows]
+        text: Any = decoded if nested else decoded[0]
     except ValueError as e:
         return native_error(str(e))
     return ORJSONResponse({"text": text})

@@ -6,6 +6,12 @@ from typing import Any, Optional
 
 from fastapi import APIRouter, Request
 
+from sglang.srt.entrypoints.body_schemas import (
+    ParseFunctionCallBody,
+    SeparateReasoningBody,
+    body_openapi,
+    check_body,
+)
 from sglang.srt.entrypoints.openai.tool_requests import validate_tools
 from sglang.srt.entrypoints.responses import ORJSONResponse
 from sglang.srt.entrypoints.server_state import native_error, read_json, server_state
@@ -22,6 +28,7 @@ def parse_function_call(body: Any, default_parser: Optional[str]) -> dict[str, A
     tools = body.get("tools")
     if not isinstance(tools, list):
         raise ValueError("'tools' is required and must be a list of tools")
+    body = check_body(ParseFunctionCallBody, body)
     validate_tools(tools, None)
     name = body.get("tool_call_parser") or default_parser
     if not name:
@@ -39,6 +46,7 @@ def separate_reasoning(body: Any, default_parser: Optional[str]) -> dict[str, st
     """{"text", "reasoning_parser"} -> {"reasoning_text", "text"}"""
     if not isinstance(body, dict) or not isinstance(body.get("text"), str):
         raise ValueError("'text' is required and must be a string")
+    body = check_body(SeparateReasoningBody, body)
     name = body.get("reasoning_parser") or default_parser
     if not name:
         raise ValueError("'reasoning_parser' is required (the server was started without --reasoning-parser)")
@@ -46,7 +54,7 @@ def separate_reasoning(body: Any, default_parser: Optional[str]) -> dict[str, st
     return {"reasoning_text": reasoning, "text": text}
 
 
-@router.post("/parse_function_call")
+@router.post("/parse_function_call", openapi_extra=body_openapi(ParseFunctionCallBody))
 async def parse_function_call_route(request: Request):
     state = server_state(request)
     try:
@@ -55,7 +63,7 @@ async def parse_function_call_route(request: Request):
         return native_error(str(e))
 
 
-@router.post("/separate_reasoning")
+@router.post("/separate_reasoning", openapi_extra=body_openapi(SeparateReasoningBody))
 async def separate_reasoning_route(request: Request):
     state = server_state(request)
     try:

@@ -8,6 +8,8 @@ from typing import Any, Optional
 import orjson
 from fastapi.responses import Response, StreamingResponse
 
+from sglang.srt.managers.request_errors import RequestRefused
+
 SSE_DONE = b"data: [DONE]\n\n"
 
 
@@ -35,16 +37,19 @@ async def open_stream(
 
 
 def sse_response(
-    gen: AsyncGenerator[dict, None], events: AsyncIterator[bytes], error_event: Callable[[str], bytes]
+    gen: AsyncGenerator[dict, None], events: AsyncIterator[bytes], error_event: Callable[[str, int], bytes]
 ) -> StreamingResponse:
-    """Stream `events` (built from `gen`); errors become an SSE error event; always ends with [DONE]."""
+    """Stream `events` (built from `gen`); errors become an SSE error event (message, HTTP status the error
+    would have had); always ends with [DONE]."""
 
     async def body() -> AsyncIterator[bytes]:
         try:
             async for event in events:
                 yield event
         except ValueError as e:
-            yield error_event(str(e))
+            yield error_event(str(e), 400)
+        except RequestRefused as e:
+            yield error_event(e.message, e.status_code)
         finally:
             await gen.aclose()
         yield SSE_DONE

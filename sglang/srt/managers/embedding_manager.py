@@ -61,7 +61,6 @@ def tokenize_embedding_item(tm: TokenizerManager, item: EmbeddingItem) -> Tokeni
 
 async def encode_request(tm: TokenizerManager, obj: EmbeddingReqInput) -> list[dict[str, Any]]:
     """Pool every item of `obj`; one output dict per item, in order. Raises ValueError for bad input."""
-    from sglang.srt.managers.tokenizer_manager import ReqState
 
     if not tm.server_args.is_embedding:
         raise ValueError(NOT_EMBEDDING_MODEL)
@@ -70,9 +69,10 @@ async def encode_request(tm: TokenizerManager, obj: EmbeddingReqInput) -> list[d
     for t in tokenized:
         if t.rid in tm.rid_to_state:
             raise ValueError(f"Duplicate request id: {t.rid}")
+    tm.check_capacity(len(tokenized))
     states: list[ReqState] = []
     for t in tokenized:
-        state = ReqState(rid=t.rid, created=time.monotonic())
+        state = tm.new_state(t.rid)
         tm.rid_to_state[t.rid] = state
         states.append(state)
     for t in tokenized:
@@ -81,8 +81,7 @@ async def encode_request(tm: TokenizerManager, obj: EmbeddingReqInput) -> list[d
         outputs = []
         for state in states:
             while not state.finished:
-                await state.event.wait()
-                state.event.clear()
+                await tm.wait_for_output(state)
             reason = state.finish_reason
             if isinstance(reason, FinishAbort):
                 raise ValueError(reason.message)

@@ -6,6 +6,8 @@ import uuid
 from dataclasses import dataclass, fields
 from typing import Any, Optional, Union
 
+from sglang.srt.managers.prompt_limits import MAX_N
+
 
 @dataclass(frozen=True)
 class GenerateItem:
@@ -167,4 +169,6 @@ def _get_n(params: dict) -> int:
         return 1
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"n must be a positive integer, got {n}.")
+    if n > MAX_N:
+        raise ValueError(f"n must be at most {MAX_N}, got {n}.")
     return n

@@ -29,7 +29,8 @@ from sglang.srt.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from sglang.srt.managers.logprob_format import LogprobFormatter
-from sglang.srt.managers.prompt_limits import allowed_input_len, check_token_ids
+from sglang.srt.managers.prompt_limits import allowed_input_len, check_output_limits, check_token_ids
+from sglang.srt.managers.request_errors import check_queue_capacity, wait_until
 from sglang.srt.metrics import ServerMetrics
 from sglang.srt.model_loader.model_info import ModelInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -57,6 +58,8 @@ class ReqState:
     last_output_time: Optional[float] = None
     # The pooled row of an --is-embedding request.
     embedding: Optional[list[float]] = None
+    # Event-loop time after which the request is aborted (--request-timeout); None: no limit.
+    deadline: Optional[float] = None
 
 
 class TokenizerManager:
@@ -131,6 +134,7 @@ class TokenizerManager:
         top = item.top_logprobs_num
         if not isinstance(top, int) or top < 0:
             raise ValueError(f"top_logprobs_num must be a non-negative integer, got {top}.")
+        check_output_limits(top, params.stop)
         return TokenizedGenerateReqInput(
             rid=item.rid, input_text=input_text, input_ids=input_ids, sampling_params=params,
             return_logprob=item.return_logprob, logprob_start_len=item.logprob_start_len,
@@ -143,6 +147,12 @@ class TokenizerManager:
         if self.server_args.is_embedding:
             raise ValueError(NOT_GENERATION_MODEL)
         self._ensure_recv_loop()
+        if obj.custom_logit_processor is not None and not self.server_args.enable_custom_logit_processor:
+            raise ValueError("The server is not configured to enable custom logit processor. Please set "
+                             "`--enable-custom-logit-processor` to enable this feature.")
+        if obj.custom_logit_processor is not None:
+            raise ValueError("custom_logit_processor is not supported by this server: it never runs code sent by "
+                             "a client.")
         items = obj.expand()
         tokenized = [self.tokenize_item(it) for it in items]
         if obj.priority is not None and (not isinstance(obj.priority, int) or isinstance(obj.priority, bool)):
@@ -151,11 +161,12 @@ class TokenizerManager:
         for t in tokenized:
             if t.rid in self.rid_to_state:
                 raise ValueError(f"Duplicate request id: {t.rid}")
+        self.check_capacity(len(tokenized))
         states = []
         for t in tokenized:
             t.stream = obj.stream
             t.priority = obj.priority or 0
-            state = ReqState(rid=t.rid, created=time.monotonic())
+            state = self.new_state(t.rid)
             if t.return_logprob:
                 state.logprobs = LogprobFormatter(
                     self.tokenizer if obj.return_text_in_logprobs else None, t.top_logprobs_num > 0,
@@ -184,10 +195,24 @@ class TokenizerManager:
                     self.abort_request(s.rid)
                 self.rid_to_state.pop(s.rid, None)
 
+    def check_capacity(self, new: int) -> None:
+        """ServerBusyError (a 503) when `new` more requests would overflow --max-queued-requests."""
+        check_queue_capacity(len(self.rid_to_state), new, self.scheduler_info.max_running_requests,
+                             self.server_args.max_queued_requests)
+
+    def new_state(self, rid: str) -> ReqState:
+        timeout = self.server_args.request_timeout
+        deadline = asyncio.get_running_loop().time() + timeout if timeout else None
+        return ReqState(rid=rid, created=time.monotonic(), deadline=deadline)
+
+    async def wait_for_output(self, state: ReqState) -> None:
+        """Until the scheduler reports more of `state`; RequestTimeoutError past its deadline."""
+        await wait_until(state.event, state.deadline, self.server_args.request_timeout)
+        state.event.clear()
+
     async def _wait_one(self, state: ReqState, stream: bool) -> AsyncIterator[dict]:
         while True:
-            await state.event.wait()
-            state.event.clear()
+            await self.wait_for_output(state)
             out = self._make_output(state)
             if state.finished:
                 self._raise_if_error(state)
@@ -199,14 +224,15 @@ class TokenizerManager:
     async def _wait_many_stream(self, states: list[ReqState]) -> AsyncIterator[dict]:
         pending = {i: s for i, s in enumerate(states)}
         while pending:
-            waiters = {asyncio.ensure_future(s.event.wait()): i for i, s in pending.items()}
+            waiters = {asyncio.ensure_future(self.wait_for_output(s)): i for i, s in pending.items()}
             done, rest = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
             for f in rest:
                 f.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
             for f in done:
+                f.result()  # a RequestTimeoutError ends the whole stream
                 i = waiters[f]
                 state = pending[i]
-                state.event.clear()
                 out = self._make_output(state)
                 out["index"] = i
                 if state.finished:

@@ -24,6 +24,15 @@ def sse_error(message: str, status: int = 400, err_type: str = "BadRequestError"
     return sse_json({"error": ErrorResponse(message=message, type=err_type, code=status).model_dump()})
 
 
+def stream_error(message: str, status: int) -> bytes:
+    return sse_error(message, status, STATUS_ERROR_TYPES.get(status, "BadRequestError"))
+
+
+# The error `type` of OpenAI error bodies by HTTP status.
+STATUS_ERROR_TYPES = {413: "PayloadTooLarge", 500: "InternalServerError", 503: "ServiceUnavailableError",
+                       504: "TimeoutError"}
+
+
 def sampling_params_from(req: SamplingExtras, max_new_tokens: Optional[int], defaults: dict) -> dict:
     """Map OpenAI + SGLang-extra request fields onto native sampling_params."""
 
@@ -115,7 +124,7 @@ class OpenAIHandler:
             stream, error = await open_stream(gen, error_response)
             if error is not None or stream is None:
                 return error
-            return sse_response(gen, self.stream_events(req, stream), sse_error)
+            return sse_response(gen, self.stream_events(req, stream), stream_error)
         try:
             outputs = as_list(await gen.__anext__())
         except ValueError as e:

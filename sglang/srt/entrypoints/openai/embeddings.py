@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
 from sglang.srt.batch.lines import BatchEndpoint
+from sglang.srt.entrypoints.body_schemas import body_openapi
 from sglang.srt.entrypoints.openai.common import error_response
 from sglang.srt.entrypoints.responses import ORJSONResponse
 from sglang.srt.entrypoints.server_state import ServerState, read_json, server_state
@@ -105,7 +106,7 @@ class EmbeddingRequest(BaseModel):
     user: Optional[str] = None
 
 
-@router.post("/v1/embeddings")
+@router.post("/v1/embeddings", openapi_extra=body_openapi(EmbeddingRequest))
 async def create_embeddings(request: Request):
     try:
         body = await read_json(request)

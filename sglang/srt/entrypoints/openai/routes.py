@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from fastapi import APIRouter, FastAPI, Request
 
 from sglang.srt.batch.lines import generate_endpoint
+from sglang.srt.entrypoints.body_schemas import body_openapi
 from sglang.srt.entrypoints.openai.batch_serving import attach_batch_serving
 from sglang.srt.entrypoints.openai.batches import router as batches_router
 from sglang.srt.entrypoints.openai.chat import ChatHandler
@@ -92,8 +93,8 @@ def openai_serving(request: Request) -> OpenAIServing:
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions")
-@router.post("/invocations")
+@router.post("/v1/chat/completions", openapi_extra=body_openapi(ChatCompletionRequest))
+@router.post("/invocations", openapi_extra=body_openapi(ChatCompletionRequest))
 async def chat_completions(request: Request):
     req = await parse_body(request, ChatCompletionRequest)
     if not isinstance(req, ChatCompletionRequest):
@@ -101,7 +102,7 @@ async def chat_completions(request: Request):
     return await openai_serving(request).chat.handle(req)
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=body_openapi(CompletionRequest))
 async def v1_completions(request: Request):
     req = await parse_body(request, CompletionRequest)
     if not isinstance(req, CompletionRequest):

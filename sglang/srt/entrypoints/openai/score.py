@@ -12,6 +12,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from sglang.srt.entrypoints.body_schemas import ScoreBody, body_openapi
 from sglang.srt.entrypoints.openai.common import error_response
 from sglang.srt.entrypoints.responses import ORJSONResponse
 from sglang.srt.entrypoints.server_state import read_json, server_state
@@ -67,7 +68,7 @@ def scores_of(output: dict, labels: list[int], apply_softmax: bool) -> list[floa
     return [math.exp(lp) if lp is not None else 0.0 for lp in logprobs]
 
 
-@router.post("/v1/score")
+@router.post("/v1/score", openapi_extra=body_openapi(ScoreBody))
 async def score(request: Request):
     state = server_state(request)
     try:

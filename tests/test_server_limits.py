@@ -1,0 +1,177 @@
+"""Malformed bodies, request limits, overload and timeouts, and how the server stops (SIGTERM, a dead child)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import requests
+
+from sglang.test.test_utils import DEFAULT_SMALL_MODEL_NAME_FOR_TEST, find_free_port, popen_launch_server
+from sglang.utils import terminate_process
+from tests.server_fixtures import running_server
+
+LONG = {"max_new_tokens": 1500, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    with running_server("--max-running-requests", "2", "--max-queued-requests", "1", "--request-timeout", "6",
+                        "--max-request-body-bytes", "65536", "--max-total-tokens", "8192") as url:
+        yield url
+
+
+def _wait_idle(base_url: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if requests.get(f"{base_url}/get_load").json()["load"] == 0:
+            return
+        time.sleep(0.2)
+    raise AssertionError("the server did not become idle")
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"text": 9223372036854775808, "sampling_params": {"max_new_tokens": 4}}, "text"),
+    ({"text": True, "sampling_params": {"max_new_tokens": "\u0000"}}, "text"),
+    ({"text": "hi", "sampling_params": {"max_new_tokens": "\u0000"}}, "max_new_tokens"),
+    ({"input_ids": [99999999999999999999]}, "input_ids"),
+    ({"input_ids": [[1, 2], [3, "x"]]}, "input_ids"),
+    ({"text": "hi", "rid": {"a": 1}}, "rid"),
+    ({"text": "hi", "logprob_start_len": "a", "return_logprob": True}, "logprob_start_len"),
+    ({"text": "hi", "stream": "yes"}, "stream"),
+    ({"text": "hi", "sampling_params": 5}, "sampling_params"),
+    ({"text": "hi", "return_logprob": True, "top_logprobs_num": 10**6}, "top_logprobs_num"),
+    ({"text": "hi", "sampling_params": {"n": 1000}}, "n"),
+    ({"text": "hi", "sampling_params": {"stop": ["s"] * 100}}, "stop"),
+    ({"text": "hi", "custom_logit_processor": "x"}, "custom-logit-processor"),
+])
+def test_malformed_or_oversized_generate_body_is_400_naming_the_field(base_url, body, field):
+    r = requests.post(f"{base_url}/generate", json=body)
+    assert r.status_code == 400, r.text
+    assert field in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path, body, field", [
+    ("/tokenize", {"prompt": "hi", "add_special_tokens": "no"}, "add_special_tokens"),
+    ("/detokenize", {"tokens": [1, 2], "skip_special_tokens": 3}, "skip_special_tokens"),
+    ("/detokenize", {"tokens": [10**12]}, "tokens"),
+    ("/abort_request", {"rid": 5}, "rid"),
+    ("/separate_reasoning", {"text": "x", "reasoning_parser": 7}, "reasoning_parser"),
+])
+def test_other_native_bodies_are_checked(base_url, path, body, field):
+    r = requests.post(f"{base_url}{path}", json=body)
+    assert r.status_code == 400, r.text
+    assert field in r.json()["error"]["message"]
+
+
+def test_body_over_the_size_limit_is_413_in_each_api_shape(base_url):
+    big = {"text": "a" * 70000}
+    native = requests.post(f"{base_url}/generate", json=big)
+    assert native.status_code == 413 and "--max-request-body-bytes" in native.json()["error"]["message"]
+    openai = requests.post(f"{base_url}/v1/completions", json={"model": "m", "prompt": "a" * 70000})
+    assert openai.status_code == 413 and openai.json()["code"] == 413
+
+    def chunks():  # no Content-Length: counted as it streams in
+        for _ in range(20):
+            yield b" " * 4096
+
+    chunked = requests.post(f"{base_url}/generate", data=chunks(), headers={"Content-Type": "application/json"})
+    assert chunked.status_code == 413
+
+
+def test_full_queue_gets_503_with_retry_after_and_timeouts_get_504(base_url):
+    results: list[int] = []
+
+    def long_request() -> None:
+        results.append(requests.post(f"{base_url}/generate", json={"text": "Tell me a story",
+                                                                   "sampling_params": LONG}).status_code)
+
+    threads = [threading.Thread(target=long_request) for _ in range(3)]  # 2 running + 1 waiting
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    refused = requests.post(f"{base_url}/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+    assert refused.status_code == 503, refused.text
+    assert refused.headers["Retry-After"] == "1"
+    assert "--max-queued-requests" in refused.json()["error"]["message"]
+    for t in threads:
+        t.join()
+    # 1500 tokens take longer than --request-timeout 6 here: each was aborted and answered 504.
+    assert results == [504, 504, 504]
+    _wait_idle(base_url)
+    ok = requests.post(f"{base_url}/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+    assert ok.status_code == 200
+
+
+def test_streaming_timeout_ends_with_an_error_event(base_url):
+    with requests.post(f"{base_url}/v1/completions", stream=True, json={
+            "model": "m", "prompt": "Once", "max_tokens": 2000, "ignore_eos": True, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == b"data: [DONE]"
+    assert b'"code":504' in lines[-2] and b"--request-timeout" in lines[-2]
+    _wait_idle(base_url)
+
+
+def _ipc_dir(log_path: str) -> str:
+    with open(log_path) as f:
+        match = re.search(r"Worker sockets in (\S+)", f.read())
+    assert match, "the server logs where its sockets are"
+    return match.group(1)
+
+
+def test_sigterm_finishes_in_flight_requests_and_removes_its_sockets(tmp_path):
+    url = f"http://127.0.0.1:{find_free_port()}"
+    log = str(tmp_path / "server.log")
+    proc = popen_launch_server(DEFAULT_SMALL_MODEL_NAME_FOR_TEST, url, log_path=log,
+                               other_args=["--max-total-tokens", "2048"])
+    try:
+        ipc_dir = _ipc_dir(log)
+        assert os.path.isdir(ipc_dir)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        answer: list[requests.Response] = []
+        t = threading.Thread(target=lambda: answer.append(requests.post(f"{url}/generate", json={
+            "text": "Count to one hundred", "sampling_params": {"max_new_tokens": 64, "ignore_eos": True}})))
+        t.start()
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        t.join(timeout=30)
+        assert answer and answer[0].status_code == 200
+        assert answer[0].json()["meta_info"]["completion_tokens"] == 64
+        assert not os.path.exists(ipc_dir)
+        time.sleep(1)
+        assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        terminate_process(proc)
+
+
+def test_killed_scheduler_makes_the_server_exit_nonzero_within_seconds(tmp_path):
+    url = f"http://127.0.0.1:{find_free_port()}"
+    log = str(tmp_path / "server.log")
+    proc = popen_launch_server(DEFAULT_SMALL_MODEL_NAME_FOR_TEST, url, log_path=log,
+                               other_args=["--max-total-tokens", "2048"])
+    try:
+        ipc_dir = _ipc_dir(log)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        scheduler = next(c for c in children if "spawn_main" in " ".join(c.cmdline()) and
+                         c.memory_info().rss == max(k.memory_info().rss for k in children))
+        # A request in flight when the scheduler dies must not keep the server up.
+        t = threading.Thread(target=lambda: requests.post(f"{url}/generate", json={
+            "text": "Go", "sampling_params": LONG}, timeout=30), daemon=True)
+        t.start()
+        time.sleep(0.5)
+        start = time.monotonic()
+        os.kill(scheduler.pid, signal.SIGKILL)
+        assert proc.wait(timeout=30) != 0
+        assert time.monotonic() - start < 10
+        assert "process died" in open(log).read()
+        assert not os.path.exists(ipc_dir)
+        time.sleep(2)
+        assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        terminate_process(proc)
