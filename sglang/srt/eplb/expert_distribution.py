@@ -7,7 +7,8 @@ the call costs one attribute check; `/start_expert_distribution_record` turns it
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 
