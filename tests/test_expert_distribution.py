@@ -252,7 +252,7 @@ def test_notebook_cell(stat_server):
 
 
 # ---- Engine, per_token: one record per forward pass --------------------------------------------------------
-def test_engine_per_token_marks_forward_passes(recorder, tmp_path, monkeypatch, smollm2_tokenizer):
+def test_engine_per_token_marks_forward_passes(tmp_path, monkeypatch, smollm2_tokenizer):
     from sglang.srt.entrypoints.engine import Engine
 
     monkeypatch.setenv(DUMP_DIR_ENV, str(tmp_path))

@@ -90,7 +90,7 @@ class ExpertCollector:
         counts = self._pass_counts
         if counts is None:
             counts = torch.zeros((self.num_layers, self.num_experts), dtype=torch.int64)
-        self._keep_pass(info, counts.cpu())
+        self._keep_pass(info, counts)
         self.num_forward_passes += 1
         self._pass, self._pass_counts = None, None
         self._reset_pass()
@@ -138,7 +138,7 @@ class StatCollector(ExpertCollector):
         self._window: deque[torch.Tensor] = deque(maxlen=buffer_size if buffer_size > 0 else None)
 
     def _keep_pass(self, info: PassInfo, counts: torch.Tensor) -> None:
-        self._window.append(counts)
+        self._window.append(counts)  # left on its device: no host sync per pass
 
     def _reset_window(self) -> None:
         self._window.clear()
@@ -146,7 +146,7 @@ class StatCollector(ExpertCollector):
     def _window_data(self) -> dict[str, Any]:
         total = torch.zeros((self.num_layers, self.num_experts), dtype=torch.int64)
         for counts in self._window:
-            total += counts
+            total += counts.cpu()
         # Upstream keeps one row per buffered pass ([passes, layers, experts]); the sum over them is what its
         # consumers (EPLB, analysis scripts) use, and its location loader accepts the 2-D form.
         return {"rank": 0, "logical_count": total, "average_utilization_rate_over_window": None}
@@ -172,7 +172,7 @@ class PerPassCollector(ExpertCollector):
 
     def _record(self, info: PassInfo, counts: torch.Tensor) -> dict[str, Any]:
         return {"forward_pass_id": info.forward_pass_id, "rank": 0, "gatherer_key": "primary",
-                "global_physical_count": counts}
+                "global_physical_count": counts.cpu()}
 
     def _reset_window(self) -> None:
         self._records = []
