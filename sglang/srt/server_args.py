@@ -19,7 +19,7 @@ NOT_APPLICABLE_FLAGS = (
     "tp_size", "pp_size", "dp_size", "nnodes", "node_rank", "dist_init_addr", "base_gpu_id", "gpu_id_step",
     "cuda_graph_max_bs", "disable_cuda_graph", "disable_overlap_schedule", "enable_mixed_chunk",
     "cpu_offload_gb", "kv_cache_dtype", "quantization", "load_balance_method", "lora_paths",
-    "expert_distribution_recorder_mode", "attention_backend", "sampling_backend", "dist_timeout",
+    "attention_backend", "sampling_backend", "dist_timeout",
 )
 
 
@@ -129,6 +129,8 @@ class ServerArgs:
     enable_custom_logit_processor: bool = False
     enable_return_hidden_states: bool = False
     expert_distribution_recorder_mode: Optional[str] = None
+    # stat modes: sum over the last this many forward passes of a recording; <0 keeps all (upstream: 1000).
+    expert_distribution_recorder_buffer_size: Optional[int] = None
     enable_multimodal: Optional[bool] = None
     lora_paths: Optional[list[str]] = None
     max_loras_per_batch: int = 8
@@ -146,6 +148,8 @@ class ServerArgs:
             self.chunked_prefill_size = 4096 if self.device == "cpu" else 8192
         if self.grammar_backend is None:
             self.grammar_backend = "xgrammar"
+        if self.expert_distribution_recorder_buffer_size is None and self.expert_distribution_recorder_mode:
+            self.expert_distribution_recorder_buffer_size = 1000
         if self.mem_fraction_static is None:
             # On CPU the KV pool shares RAM with everything else on the host: keep it modest.
             self.mem_fraction_static = 0.3 if self.device == "cpu" else 0.85
@@ -178,6 +182,9 @@ class ServerArgs:
             from sglang.srt.reasoning_parser import check_reasoning_parser
 
             check_reasoning_parser(self.reasoning_parser)
+        from sglang.srt.eplb.collectors import check_recorder_mode
+
+        check_recorder_mode(self.expert_distribution_recorder_mode)
         if self.preferred_sampling_params:
             try:
                 json.loads(self.preferred_sampling_params)

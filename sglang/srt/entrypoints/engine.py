@@ -9,6 +9,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any, Optional, Union
 
 from sglang.srt.entrypoints.launch import launch_subprocesses, watch_children
+from sglang.srt.managers.expert_record_client import expert_distribution
 from sglang.srt.managers.generate_input import GenerateReqInput
 from sglang.srt.managers.io_struct import AbortReq
 from sglang.srt.managers.process_utils import configure_logging
@@ -131,6 +132,16 @@ class Engine:
 
     def flush_cache(self) -> bool:
         return self.loop.run_until_complete(self.tokenizer_manager.flush_cache())
+
+    def start_expert_distribution_record(self) -> None:
+        self.loop.run_until_complete(expert_distribution(self.tokenizer_manager, "start_record"))
+
+    def stop_expert_distribution_record(self) -> None:
+        self.loop.run_until_complete(expert_distribution(self.tokenizer_manager, "stop_record"))
+
+    def dump_expert_distribution_record(self) -> str:
+        """Write the record (see README) and return the .pt file's path."""
+        return self.loop.run_until_complete(expert_distribution(self.tokenizer_manager, "dump_record"))
 
     def get_internal_state(self) -> dict:
         return self.loop.run_until_complete(self.tokenizer_manager.get_internal_state()).to_dict()

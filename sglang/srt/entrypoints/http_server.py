@@ -16,6 +16,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from sglang.srt.entrypoints.embedding_routes import install_generation_guard
 from sglang.srt.entrypoints.embedding_routes import router as embedding_router
 from sglang.srt.entrypoints.error_handlers import install_error_handlers
+from sglang.srt.entrypoints.expert_routes import router as expert_router
 from sglang.srt.entrypoints.launch import launch_subprocesses, watch_children
 from sglang.srt.entrypoints.native_routes import router as native_router
 from sglang.srt.entrypoints.openai.embeddings import router as openai_embeddings_router
@@ -38,6 +39,7 @@ def build_app(state: ServerState) -> FastAPI:
     attach_openai(app, state)
     app.include_router(native_router)
     app.include_router(parser_router)
+    app.include_router(expert_router)
     app.include_router(embedding_router)
     install_generation_guard(app, state.args.is_embedding)
     app.include_router(openai_embeddings_router)

@@ -40,6 +40,17 @@ class FlushCacheReqOutput:
 
 
 @dataclass
+class ExpertDistributionReq:
+    action: str  # "start_record", "stop_record" or "dump_record"
+
+
+@dataclass
+class ExpertDistributionReqOutput:
+    success: bool
+    message: str = ""
+
+
+@dataclass
 class GetInternalStateReq:
     pass
 

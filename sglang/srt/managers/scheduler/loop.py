@@ -14,6 +14,7 @@ from sglang.srt.constrained.base_grammar_backend import create_grammar_backend
 from sglang.srt.managers.finish_reason import ABORT_BEFORE_PREFILL, FinishAbort
 from sglang.srt.managers.io_struct import (
     AbortReq,
+    ExpertDistributionReq,
     FlushCacheReq,
     FlushCacheReqOutput,
     GetInternalStateReq,
@@ -26,6 +27,7 @@ from sglang.srt.managers.io_struct import (
 )
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.managers.scheduler.embedding import embedding_req, run_embedding_batch
+from sglang.srt.managers.scheduler.expert_record import ExpertRecordControl
 from sglang.srt.managers.scheduler.grammar import GrammarQueue
 from sglang.srt.managers.scheduler.output import (
     build_output_message,
@@ -114,6 +116,7 @@ class Scheduler:
         self.total_prompt_tokens = 0
         self.total_cached_tokens = 0
         self.invariant_error: Optional[str] = None
+        self.expert_record = ExpertRecordControl.for_server(server_args, model_info.hf_config)
 
     def info(self) -> SchedulerInfo:
         return SchedulerInfo(
@@ -145,7 +148,9 @@ class Scheduler:
                 self.send_to_detokenizer.send_pyobj(run_embedding_batch(self, batch))
                 continue
             forward_batch, sampling = batch.forward_inputs(self.mem, self.runner.vocab_size, self.runner.device)
+            self.expert_record.begin_pass(self.forward_ct, batch, forward_batch)
             result = self.runner.forward(forward_batch, sampling)
+            self.expert_record.end_pass()
             finished_or_streamed = process_result(self, batch, result)
             if finished_or_streamed:
                 self.send_to_detokenizer.send_pyobj(build_output_message(finished_or_streamed))
@@ -173,6 +178,8 @@ class Scheduler:
             self.abort(msg)
         elif isinstance(msg, FlushCacheReq):
             self.send_to_detokenizer.send_pyobj(FlushCacheReqOutput(self.flush_cache()))
+        elif isinstance(msg, ExpertDistributionReq):
+            self.send_to_detokenizer.send_pyobj(self.expert_record.handle(msg))
         elif isinstance(msg, GetInternalStateReq):
             self.send_to_detokenizer.send_pyobj(GetInternalStateReqOutput(self.internal_state()))
         else:
