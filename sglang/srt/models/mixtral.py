@@ -2,7 +2,8 @@
 softmax probabilities renormalized to sum to 1.
 
 Hub checkpoints name the block `block_sparse_moe` and the expert projections w1 (gate), w3 (up), w2 (down);
-transformers' fused layout names it `mlp`, as this model does. Both load: `block_sparse_moe.` is read as `mlp.`.
+transformers' fused layout names it `mlp`, as this model does. Both load: the experts know their hub names
+(fused_moe.FusedMoE.checkpoint_pieces) and the hub router `block_sparse_moe.gate.weight` is read as `mlp.gate.weight`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from sglang.srt.layers.moe.topk import mixtral_topk_config
 from sglang.srt.models.llama import LlamaForCausalLM, MlpFactory
 from sglang.srt.models.moe_common import check_full_attention, check_silu
 
-HUB_BLOCK = ".block_sparse_moe."
+HUB_BLOCK = "block_sparse_moe"
 
 
 def mixtral_mlp(
@@ -27,12 +28,12 @@ def mixtral_mlp(
 ) -> Optional[nn.Module]:
     check_silu(config)
     return SparseMoeBlock(layer_id, config.hidden_size, config.intermediate_size, mixtral_topk_config(config),
-                          dtype, device, expert_names=MIXTRAL_EXPERT_NAMES)
+                          dtype, device, expert_names=MIXTRAL_EXPERT_NAMES, checkpoint_block=HUB_BLOCK)
 
 
-def _hub_names_as_ours(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def _hub_router_as_ours(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in weights:
-        yield name.replace(HUB_BLOCK, ".mlp."), tensor
+        yield name.replace(f".{HUB_BLOCK}.gate.", ".mlp.gate."), tensor
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
@@ -47,7 +48,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
         return mixtral_mlp
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(_hub_names_as_ours(weights))
+        super().load_weights(_hub_router_as_ours(weights))
 
 
 EntryClass = MixtralForCausalLM

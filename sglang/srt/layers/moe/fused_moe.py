@@ -82,11 +82,15 @@ class FusedMoE(nn.Module):
         dtype: Optional[torch.dtype] = None,
         device: Optional[torch.device | str] = None,
         expert_names: tuple[str, str, str] = HF_EXPERT_NAMES,
+        checkpoint_block: Optional[str] = None,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
         self.expert_names = expert_names
+        # What per-expert checkpoints call the MoE block when it is not this module's parent name
+        # (Mixtral: `block_sparse_moe`, where the fused layout and this model say `mlp`).
+        self.checkpoint_block = checkpoint_block
         self.gate_up_proj = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype, device=device),
             requires_grad=False,
@@ -103,10 +107,14 @@ class FusedMoE(nn.Module):
         """Per-expert checkpoint name (`{prefix}.{e}.gate_proj.weight`, ...) -> (stacked parameter, loader)."""
         gate, up, down = self.expert_names
         size = self.intermediate_size
+        hub_prefix = prefix
+        if self.checkpoint_block is not None:  # model.layers.N.mlp.experts -> model.layers.N.<block>.experts
+            hub_prefix = f"{prefix.rsplit('.', 2)[0]}.{self.checkpoint_block}.experts"
         pieces: dict[str, tuple[str, PieceLoader]] = {}
         for e in range(self.num_experts):
             for name, param, row in ((gate, "gate_up_proj", 0), (up, "gate_up_proj", size), (down, "down_proj", None)):
-                pieces[f"{prefix}.{e}.{name}.weight"] = (f"{prefix}.{param}", partial(self._load_piece, param, e, row))
+                pieces[f"{hub_prefix}.{e}.{name}.weight"] = (f"{prefix}.{param}",
+                                                             partial(self._load_piece, param, e, row))
         return pieces
 
     def _load_piece(self, param: str, expert: int, row: Optional[int], tensor: torch.Tensor, name: str) -> None:

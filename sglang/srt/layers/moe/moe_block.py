@@ -29,12 +29,14 @@ class SparseMoeBlock(nn.Module):
         device: Optional[torch.device | str] = None,
         expert_names: tuple[str, str, str] = HF_EXPERT_NAMES,
         shared_expert: Optional[nn.Module] = None,
+        checkpoint_block: Optional[str] = None,
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.topk_config = topk_config
         self.gate = nn.Linear(hidden_size, topk_config.num_experts, bias=False, dtype=dtype, device=device)
-        self.experts = FusedMoE(topk_config.num_experts, hidden_size, intermediate_size, dtype, device, expert_names)
+        self.experts = FusedMoE(topk_config.num_experts, hidden_size, intermediate_size, dtype, device, expert_names,
+                                checkpoint_block)
         self.shared_expert = shared_expert
         # Qwen2-MoE scales the shared expert's output by sigmoid(x . w) per token.
         self.shared_expert_gate: Optional[nn.Linear] = (
