@@ -18,6 +18,7 @@ from sglang.srt.layers.moe.moe_block import SparseMoeBlock
 from sglang.srt.layers.moe.topk import TopKConfig, select_experts
 from sglang.srt.mem_cache.kv_pool import KVPool
 from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.model_loader.gguf_quant import attach_gguf_quant_weights
 from sglang.srt.model_loader.loader import load_model
 from sglang.srt.models.registry import architectures_of, get_model_class
 from tests.test_models import (
@@ -287,6 +288,8 @@ def test_model_runner_excludes_fused_decode_and_keeps_router_and_experts_dense(t
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, Linear)
     assert not isinstance(block.gate, Linear) and not isinstance(block.shared_expert_gate, Linear)
     assert block.experts.gate_up_proj.dtype == torch.float32
+    # GGUF blocks are for dense Llama-family layers: an MoE model is skipped before any file is read.
+    assert attach_gguf_quant_weights(model, str(tmp_path / "absent.gguf"), config) == 0
     prompt = prompt_of(6, 13)
     with torch.inference_mode():
         expected = torch.softmax(reference.model.layers[0].mlp.gate.weight @ torch.ones(64), -1)
