@@ -279,6 +279,7 @@ def test_model_runner_excludes_fused_decode_and_keeps_router_and_experts_dense(t
         runner.bind_kv_pool(KVPool(64, spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32))
     assert runner.decode_plan is not None and runner.decode_plan.fused is None
     assert "mixture-of-experts" in runner.decode_plan.description
+    assert "3 x 8 stacked experts, dense float32" in runner.decode_plan.description
     assert any(r.getMessage().startswith("Decode path: every batch layer by layer") for r in caplog.records)
     # The attention and dense linears took the large-batch bf16 GEMM; routers and experts are not Linear layers
     # and so keep float32 weights and dense math.
