@@ -65,9 +65,9 @@ def fused_experts(
         act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
         rows[start:end] = F.linear(act, down_proj[expert]) * weight_of_row[start:end, None]
         start = end
-    # One accumulation for the whole layer: index_add_ visits the rows in order, so each token sums its experts in
-    # increasing index order, rounding after each addition as the per-expert reference does. (On CPU every
-    # index_add_ call opens an OpenMP parallel region, which costs far more than the addition for a few rows.)
+    # One accumulation for the whole layer. On CPU index_add_ visits the rows in order, so each token sums its
+    # experts in increasing index order, rounding after each addition as the per-expert reference does; and every
+    # index_add_ call opens an OpenMP parallel region, which costs far more than the addition for a few rows.
     output.index_add_(0, token_of_row, rows)
     return output
 
