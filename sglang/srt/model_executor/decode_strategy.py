@@ -24,6 +24,7 @@ from torch import nn
 from sglang.srt.layers import cpu_ops
 from sglang.srt.layers.attention.base import AttentionBackend
 from sglang.srt.layers.linear import Linear
+from sglang.srt.layers.moe.fused_moe import FusedMoE
 from sglang.srt.mem_cache.kv_pool import KVPool
 from sglang.srt.model_executor.fused_cpu_decode import FusedCpuDecode, build_fused_decode, why_not_fused
 
@@ -38,6 +39,10 @@ def describe_linear_methods(model: nn.Module) -> str:
     counts = Counter(m.linear_method.describe() for m in model.modules() if isinstance(m, Linear))
     head = getattr(getattr(model, "logits_processor", None), "head_method", None)
     parts = [f"{n} x {name}" for name, n in counts.most_common()]
+    expert_layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    if expert_layers:  # routers and experts are not Linear layers: they always compute densely in the model dtype
+        dtype = str(expert_layers[0].gate_up_proj.dtype).removeprefix("torch.")
+        parts.append(f"{len(expert_layers)} x {expert_layers[0].num_experts} stacked experts, dense {dtype}")
     if head is not None:
         parts.append(f"LM head {head.describe()}")
     return ", ".join(parts) or "none"

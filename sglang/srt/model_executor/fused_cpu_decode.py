@@ -73,6 +73,8 @@ def why_not_fused(model: Any, k_buffers: list[torch.Tensor], v_buffers: list[tor
     layers = getattr(backbone, "layers", None)
     if not layers or not hasattr(backbone, "embed") or not hasattr(model, "compute_logits"):
         return f"{type(model).__name__} is not a Llama-family decoder"
+    if any(not hasattr(layer.mlp, "gate_up_proj") for layer in layers):
+        return f"{type(model).__name__} has mixture-of-experts layers (the step runs dense MLPs only)"
     if max_rows <= 0:
         return "--gguf-kernel-max-rows is 0"
     dtype = backbone.embed_tokens.weight.dtype

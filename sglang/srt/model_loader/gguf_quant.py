@@ -50,6 +50,9 @@ def attach_gguf_quant_weights(model: Any, gguf_path: str, config: Any, max_rows:
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None or any(p.dtype != torch.float32 for p in model.parameters()):
         return 0
+    if any(not hasattr(layer.mlp, "gate_up_proj") for layer in layers):
+        logger.info("GGUF blocks are attached to dense models only; %s has expert layers", type(model).__name__)
+        return 0
     tensors = read_gguf_quant_tensors(gguf_path)
 
     def block(name: str) -> Optional[GGUFQuantWeight]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Optional
 
@@ -69,7 +69,8 @@ _DERIVED_BUFFER_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rot
 def load_checkpoint_weights(
     model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], tied_aliases: Optional[dict[str, str]] = None
 ) -> None:
-    """Copy checkpoint tensors into `model`, slicing q/k/v and gate/up into their fused modules.
+    """Copy checkpoint tensors into `model`, slicing q/k/v and gate/up into their fused modules and per-expert
+    tensors into stacked expert parameters (modules with `checkpoint_pieces`, e.g. layers/moe/fused_moe.py).
 
     `tied_aliases` maps a checkpoint name onto the parameter it shares storage with (lm_head -> embeddings);
     it is used only when the target itself is absent from the checkpoint. Raises ValueError naming every
@@ -89,6 +90,7 @@ def load_checkpoint_weights(
                 checkpoint_name = f"{parent}.{shard_name}.{leaf}" if parent else f"{shard_name}.{leaf}"
                 shard_targets[checkpoint_name] = (module, shard_name, leaf)
     expected = set(shard_targets) | {name for name in params if name not in fused_param_names}
+    piece_targets = _piece_targets(model)
 
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -100,6 +102,8 @@ def load_checkpoint_weights(
             if name in shard_targets:
                 module, shard_name, leaf = shard_targets[name]
                 module.load_shard(leaf, shard_name, tensor, name)
+            elif name in piece_targets:
+                piece_targets[name][1](tensor, name)
             elif name in params and name not in fused_param_names:
                 copy_checked(params[name].data, tensor, name)
             elif name in tied_aliases:
@@ -116,13 +120,40 @@ def load_checkpoint_weights(
                 copy_checked(params[target].data, tensor, source_name)
                 loaded.add(target)
 
-    missing = sorted(expected - loaded)
+    missing = _missing_with_pieces(expected, loaded, piece_targets)
     if missing:
         raise ValueError(f"Checkpoint is missing {len(missing)} weight(s): {_name_list(missing)}")
     if unexpected:
         raise ValueError(
             f"Checkpoint has {len(unexpected)} weight(s) the model does not use: {_name_list(sorted(unexpected))}"
         )
+
+
+PieceLoader = Callable[[torch.Tensor, str], None]
+
+
+def _piece_targets(model: nn.Module) -> dict[str, tuple[str, PieceLoader]]:
+    """Checkpoint names of the pieces of parameters that checkpoints may store split (stacked experts: one tensor
+    per expert), from every module with a `checkpoint_pieces(prefix)` method: name -> (parameter, loader)."""
+    targets: dict[str, tuple[str, PieceLoader]] = {}
+    for prefix, module in model.named_modules():
+        pieces = getattr(module, "checkpoint_pieces", None)
+        if callable(pieces):
+            targets.update(pieces(prefix))
+    return targets
+
+
+def _missing_with_pieces(expected: set[str], loaded: set[str],
+                         piece_targets: dict[str, tuple[str, PieceLoader]]) -> list[str]:
+    """Expected names not loaded; a parameter loaded piece by piece is complete when all its pieces were, and
+    otherwise reported by its missing pieces (the names a checkpoint of that layout lacks)."""
+    pieces_of: dict[str, list[str]] = {}
+    for piece, (param, _) in piece_targets.items():
+        pieces_of.setdefault(param, []).append(piece)
+    missing: list[str] = []
+    for name in expected - loaded:
+        missing += [p for p in pieces_of[name] if p not in loaded] if name in pieces_of else [name]
+    return sorted(missing)
 
 
 def _name_list(names: list[str], limit: int = 12) -> str:

@@ -6,7 +6,7 @@ and `gate_up_proj`; `load_weights` slices checkpoint tensors into those fused ma
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -23,6 +23,8 @@ from sglang.srt.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb
 from sglang.srt.model_loader.weights import load_checkpoint_weights
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
+# (config, layer_id, dtype, device) -> the MLP of that decoder layer, or None for the dense LlamaMLP.
+MlpFactory = Callable[[Any, int, Optional[torch.dtype], Optional[torch.device | str]], Optional[nn.Module]]
 
 @dataclass(frozen=True)
 class DecoderOptions:
@@ -123,10 +125,11 @@ class LlamaDecoderLayer(nn.Module):
         options: DecoderOptions,
         dtype: Optional[torch.dtype],
         device: Optional[torch.device | str],
+        mlp: Optional[nn.Module] = None,
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, rotary_dim, options, dtype, device)
-        self.mlp = LlamaMLP(
+        self.mlp = mlp if mlp is not None else LlamaMLP(
             config.hidden_size,
             config.intermediate_size,
             getattr(config, "hidden_act", "silu"),
@@ -164,13 +167,15 @@ class LlamaModel(nn.Module):
         options: DecoderOptions,
         dtype: Optional[torch.dtype] = None,
         device: Optional[torch.device | str] = None,
+        mlp_factory: Optional[MlpFactory] = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.rotary_emb: RotaryEmbedding = get_rope(config, head_dim_of(config), device=device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary_emb.rotary_dim, options, dtype, device)
+            LlamaDecoderLayer(config, i, self.rotary_emb.rotary_dim, options, dtype, device,
+                              mlp_factory(config, i, dtype, device) if mlp_factory is not None else None)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
@@ -201,7 +206,8 @@ class LlamaForCausalLM(nn.Module):
         if "sliding_attention" in layer_types:
             raise ValueError("Sliding-window attention layers are not supported")
         self.config = config
-        self.model = LlamaModel(config, self.decoder_options(config), dtype=dtype, device=device)
+        self.model = LlamaModel(config, self.decoder_options(config), dtype=dtype, device=device,
+                                mlp_factory=self.mlp_factory())
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head: nn.Module = self.model.embed_tokens
@@ -217,6 +223,12 @@ class LlamaForCausalLM(nn.Module):
             o_proj_bias=attention_bias,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
         )
+
+    @classmethod
+    def mlp_factory(cls) -> Optional[MlpFactory]:
+        """Builds each decoder layer's MLP; None keeps the dense LlamaMLP everywhere (mixture-of-experts models
+        return one that puts an expert block in their sparse layers)."""
+        return None
 
     def forward_hidden(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch

@@ -13,8 +13,11 @@ from sglang.srt.models.bert import (
     XLMRobertaModel,
 )
 from sglang.srt.models.llama import LlamaForCausalLM
+from sglang.srt.models.mixtral import MixtralForCausalLM
 from sglang.srt.models.qwen2 import Qwen2ForCausalLM
+from sglang.srt.models.qwen2_moe import Qwen2MoeForCausalLM
 from sglang.srt.models.qwen3 import Qwen3ForCausalLM
+from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM
 from sglang.srt.models.sequence_classification import (
     LlamaForSequenceClassification,
     Qwen2ForRewardModel,
@@ -25,6 +28,10 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    # Mixture-of-experts decoders.
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     # Embedding, reward and cross-encoder models (served with --is-embedding).
     "BertModel": BertModel,
     "XLMRobertaModel": XLMRobertaModel,
@@ -41,6 +48,9 @@ _CAUSAL_LM_OF_MODEL_TYPE: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 

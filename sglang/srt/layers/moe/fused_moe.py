@@ -1,0 +1,132 @@
+"""The expert computation of a mixture-of-experts layer, batched per expert.
+
+Expert weights are stacked: `gate_up_proj` [E, 2*I, H] (the gate rows, then the up rows, of every expert) and
+`down_proj` [E, H, I]. A forward groups the (token, expert) pairs chosen by the router by expert with one stable
+sort of the flattened top-k ids and one bincount, then runs two matmuls (gate/up and down) per expert that at
+least one token chose, scales the rows by their routing weights and adds all of them into the output with one
+index_add_. Experts nobody chose cost nothing; the only Python loop is over experts, never over tokens.
+
+Experts are visited in increasing index order, the order transformers adds them in, so in bfloat16 the output is
+rounded the same way as the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sglang.srt.layers.linear import copy_checked
+from sglang.srt.layers.moe.topk import TopKOutput
+
+# The per-expert checkpoint module names of the gate, up and down projections.
+HF_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")
+
+
+def fused_experts(
+    hidden_states: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden_states[t]) for every token t (SwiGLU experts).
+
+    hidden_states [T, H]; gate_up_proj [E, 2*I, H]; down_proj [E, H, I]; topk_weights / topk_ids [T, top_k].
+    Returns [T, H] in the dtype of hidden_states.
+    """
+    num_experts = gate_up_proj.shape[0]
+    intermediate = down_proj.shape[2]
+    top_k = topk_ids.shape[1]
+    output = torch.zeros_like(hidden_states)
+    if hidden_states.shape[0] == 0:
+        return output
+    flat_ids = topk_ids.reshape(-1)
+    # Stable, so within an expert the rows keep token order.
+    order = torch.argsort(flat_ids, stable=True)
+    token_of_row = order // top_k
+    weight_of_row = topk_weights.reshape(-1)[order]
+    # One host sync per layer: the row count of each expert.
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    # The weighted output of every (token, expert) row, grouped by expert in increasing index order.
+    rows = torch.empty(flat_ids.shape[0], hidden_states.shape[1], dtype=hidden_states.dtype,
+                       device=hidden_states.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        end = start + count
+        gate_up = F.linear(hidden_states[token_of_row[start:end]], gate_up_proj[expert])
+        act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+        rows[start:end] = F.linear(act, down_proj[expert]) * weight_of_row[start:end, None]
+        start = end
+    # One accumulation for the whole layer. On CPU index_add_ visits the rows in order, so each token sums its
+    # experts in increasing index order, rounding after each addition as the per-expert reference does; and every
+    # index_add_ call opens an OpenMP parallel region, which costs far more than the addition for a few rows.
+    output.index_add_(0, token_of_row, rows)
+    return output
+
+
+PieceLoader = Callable[[torch.Tensor, str], None]
+
+
+class FusedMoE(nn.Module):
+    """The stacked SwiGLU experts of one layer. Parameter names follow transformers' fused layout
+    (`experts.gate_up_proj`, `experts.down_proj`); `checkpoint_pieces` maps the per-expert hub names onto them."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: Optional[torch.dtype] = None,
+        device: Optional[torch.device | str] = None,
+        expert_names: tuple[str, str, str] = HF_EXPERT_NAMES,
+        checkpoint_block: Optional[str] = None,
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.expert_names = expert_names
+        # What per-expert checkpoints call the MoE block when it is not this module's parent name
+        # (Mixtral: `block_sparse_moe`, where the fused layout and this model say `mlp`).
+        self.checkpoint_block = checkpoint_block
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype, device=device),
+            requires_grad=False,
+        )
+        self.down_proj = nn.Parameter(
+            torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype, device=device),
+            requires_grad=False,
+        )
+
+    def forward(self, hidden_states: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
+        return fused_experts(hidden_states, self.gate_up_proj, self.down_proj, topk.weights, topk.ids)
+
+    def checkpoint_pieces(self, prefix: str) -> dict[str, tuple[str, PieceLoader]]:
+        """Per-expert checkpoint name (`{prefix}.{e}.gate_proj.weight`, ...) -> (stacked parameter, loader)."""
+        gate, up, down = self.expert_names
+        size = self.intermediate_size
+        hub_prefix = prefix
+        if self.checkpoint_block is not None:  # model.layers.N.mlp.experts -> model.layers.N.<block>.experts
+            hub_prefix = f"{prefix.rsplit('.', 2)[0]}.{self.checkpoint_block}.experts"
+        pieces: dict[str, tuple[str, PieceLoader]] = {}
+        for e in range(self.num_experts):
+            for name, param, row in ((gate, "gate_up_proj", 0), (up, "gate_up_proj", size), (down, "down_proj", None)):
+                pieces[f"{hub_prefix}.{e}.{name}.weight"] = (f"{prefix}.{param}",
+                                                             partial(self._load_piece, param, e, row))
+        return pieces
+
+    def _load_piece(self, param: str, expert: int, row: Optional[int], tensor: torch.Tensor, name: str) -> None:
+        target = getattr(self, param).data[expert]
+        if row is not None:
+            target = target.narrow(0, row, self.intermediate_size)
+        copy_checked(target, tensor, name)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, intermediate_size={self.intermediate_size}"
