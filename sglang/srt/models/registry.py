@@ -14,6 +14,8 @@ from sglang.srt.models.bert import (
 )
 from sglang.srt.models.llama import LlamaForCausalLM
 from sglang.srt.models.qwen2 import Qwen2ForCausalLM
+from sglang.srt.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+from sglang.srt.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from sglang.srt.models.qwen3 import Qwen3ForCausalLM
 from sglang.srt.models.sequence_classification import (
     LlamaForSequenceClassification,
@@ -25,6 +27,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    # Vision-language models (image inputs: sglang/srt/multimodal/).
+    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     # Embedding, reward and cross-encoder models (served with --is-embedding).
     "BertModel": BertModel,
     "XLMRobertaModel": XLMRobertaModel,
