@@ -88,6 +88,20 @@ def test_notebook_image_qa_cell(vlm, tmp_path):
     assert meta["prompt_tokens"] == text_only - 1 + 12
 
 
+def test_frontend_program_with_two_images(vlm):
+    url, _, _, tokenizer = vlm
+
+    @function
+    def compare(s, first, second):
+        s += user(image(first) + image(second) + "Are they the same?")
+        s += assistant(gen("answer", max_tokens=4, temperature=0))
+
+    state = compare.run(noise_image(56, 56, seed=17), noise_image(112, 56, seed=18), backend=RuntimeEndpoint(url))
+    prompt_text = state.text().split(state["answer"])[0]
+    # 4 x 4 patches -> 4 tokens and 4 x 8 patches -> 8 tokens replace the two pad tokens of the placeholders.
+    assert state.get_meta_info("answer")["prompt_tokens"] == len(tokenizer.encode(prompt_text)) - 2 + 12
+
+
 def test_openai_chat_with_image_url_part_matches_transformers(vlm):
     url, model_dir, reference, tokenizer = vlm
     img = noise_image(84, 112, seed=8)
@@ -188,6 +202,16 @@ def test_placeholder_count_mismatch_is_a_400(vlm):
     response = generate(url, "No placeholder here", data_uri(noise_image(56, 56, seed=15)))
     assert response.status_code == 400
     assert "image_data has 1 image(s) but the prompt has 0 image placeholder(s)" in response.text
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"return_logprob": True, "logprob_start_len": 0}, "logprob_start_len must be at least"),
+    ({"sampling_params": {"repetition_penalty": 1.2}}, "repetition_penalty is not supported together with image"),
+])
+def test_options_that_would_read_image_tokens_as_text_are_400s(vlm, extra, message):
+    url, _, _, _ = vlm
+    response = generate(url, f"See {IMAGE_PLACEHOLDER} here", data_uri(noise_image(56, 56, seed=19)), **extra)
+    assert response.status_code == 400 and message in response.text
 
 
 def test_text_only_model_refuses_images():

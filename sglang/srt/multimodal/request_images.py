@@ -51,8 +51,11 @@ def check_image_request(mm: Optional[MultimodalInputs], params: Any, return_logp
     if getattr(params, "repetition_penalty", 1.0) not in (None, 1.0):
         raise ValueError("sampling_params.repetition_penalty is not supported together with image_data")
     last = mm.images[-1]
-    if return_logprob and logprob_start_len is not None and 0 <= logprob_start_len < last.offset + last.num_tokens:
+    image_end = last.offset + last.num_tokens
+    prompt_len = int(mm.mrope_positions.shape[1])
+    # Input logprobs start at logprob_start_len, or at the last prompt token when it is negative.
+    start = prompt_len - 1 if logprob_start_len is None or logprob_start_len < 0 else logprob_start_len
+    if return_logprob and start < image_end:
         raise ValueError(
-            f"logprob_start_len must be at least {last.offset + last.num_tokens} (past the image tokens) "
-            "when image_data is given"
+            f"logprob_start_len must be at least {image_end} (past the image tokens) when image_data is given"
         )
