@@ -142,3 +142,19 @@ def test_mrope_positions_follow_the_image_grid():
     assert positions[1].tolist() == [0, 1, 2, 2, 2, 3, 3, 3, 5]
     assert positions[2].tolist() == [0, 1, 2, 3, 4, 2, 3, 4, 5]
     assert delta == 6 - 9
+
+
+def test_batch_builder_mixes_text_and_image_requests_and_offsets_outputs():
+    mm_positions, delta = mrope_prompt_positions(6, [(1, (1, 4, 4))], spatial_merge_size=2)
+    image = types.SimpleNamespace(pixel_values=torch.zeros(16, 4), grid_thw=(1, 4, 4), offset=1, num_tokens=4)
+    mm = types.SimpleNamespace(mrope_positions=mm_positions, mrope_position_delta=delta, images=[image])
+    # A text request extends 3 tokens after 2 cached ones; the image request runs prompt tokens 3..5 and its
+    # first output token (index 6), so the image's last two embedding rows land at flat offsets 3 and 4.
+    forward = build_multimodal_forward([None, mm], [2, 3], [3, 4])
+    assert forward is not None
+    assert forward.mrope_positions[:, :3].tolist() == [[2, 3, 4]] * 3
+    assert forward.mrope_positions[:, 3:].tolist() == [[1, 1, 3, 4], [2, 2, 3, 4], [1, 2, 3, 4]]
+    assert delta == -2  # the text after the image resumes at 1 + max(2, 2) = 3, so index 6 sits at 4
+    [chunk] = forward.images
+    assert (chunk.token_offset, chunk.embed_start, chunk.embed_len) == (3, 2, 2)
+    assert build_multimodal_forward([None, None], [0, 0], [2, 2]) is None

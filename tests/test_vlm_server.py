@@ -8,6 +8,7 @@ import functools
 import http.server
 import io
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -45,7 +46,8 @@ def vlm(tmp_path_factory, image_host):
     reference, tokenizer = build_tiny_vl("qwen2_vl", model_dir, seed=1)
     args = ("--max-image-pixels", str(MAX_PIXELS), "--max-image-bytes", str(MAX_BYTES),
             "--allowed-image-url-domains", "127.0.0.1", "--max-total-tokens", "4096",
-            "--cpu-gemm", "float32")  # float32 throughout, as the transformers reference computes
+            "--cpu-gemm", "float32",  # float32 throughout, as the transformers reference computes
+            "--chunked-prefill-size", "16")  # prompts run in chunks whose boundaries fall inside images
     with running_server(*args, model=str(model_dir)) as url:
         yield url, str(model_dir), reference, tokenizer
 
@@ -168,6 +170,27 @@ def test_two_images_in_one_request_and_batch_image_lists(vlm, image_host):
         "sampling_params": {"temperature": 0, "max_new_tokens": 4}})
     assert batch.status_code == 200, batch.text
     assert batch.json()[0]["text"] == single.json()["text"]
+
+
+def test_concurrent_text_and_image_requests_match_their_sequential_outputs(vlm):
+    url, _, _, _ = vlm
+    text = f"<|im_start|>user\n{IMAGE_PLACEHOLDER} and {IMAGE_PLACEHOLDER}?<|im_end|>\n<|im_start|>assistant\n"
+    jobs = [("Plain text only, no picture.", None)] + [
+        (text, [data_uri(noise_image(56 + 28 * i, 84, seed=30 + i)), data_uri(noise_image(84, 56, seed=40 + i))])
+        for i in range(3)
+    ]
+    def run(job) -> tuple[str, list[float]]:
+        out = generate(url, *job, return_logprob=True).json()
+        return out["text"], [round(lp, 4) for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+
+    requests.post(url + "/flush_cache")
+    sequential = [run(job) for job in jobs]
+    requests.post(url + "/flush_cache")
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        concurrent = list(pool.map(run, jobs))
+    for (text_a, lp_a), (text_b, lp_b) in zip(concurrent, sequential):
+        assert text_a == text_b and lp_a == pytest.approx(lp_b, abs=2e-3)
+    assert len({tuple(lp) for _, lp in sequential[1:]}) == 3  # different images, different outputs
 
 
 def _tiff_bytes() -> bytes:
