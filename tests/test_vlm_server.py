@@ -193,6 +193,20 @@ def test_concurrent_text_and_image_requests_match_their_sequential_outputs(vlm):
     assert len({tuple(lp) for _, lp in sequential[1:]}) == 3  # different images, different outputs
 
 
+def test_input_ids_prompt_with_image_equals_text_prompt(vlm):
+    url, _, _, tokenizer = vlm
+    text = f"Tell me about {IMAGE_PLACEHOLDER} now"
+    img = data_uri(noise_image(84, 84, seed=50))
+    by_text = generate(url, text, img, return_logprob=True).json()
+    body = {"input_ids": tokenizer.encode(text), "image_data": img, "return_logprob": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 4}}
+    by_ids = requests.post(url + "/generate", json=body).json()
+    assert by_ids["meta_info"]["prompt_tokens"] == by_text["meta_info"]["prompt_tokens"]
+    ids_out, text_out = by_ids["meta_info"]["output_token_logprobs"], by_text["meta_info"]["output_token_logprobs"]
+    assert [t for _, t, _ in ids_out] == [t for _, t, _ in text_out]
+    assert [lp for lp, _, _ in ids_out] == pytest.approx([lp for lp, _, _ in text_out], abs=1e-4)
+
+
 def _tiff_bytes() -> bytes:
     buffer = io.BytesIO()
     noise_image(32, 32, seed=12).save(buffer, format="TIFF")
