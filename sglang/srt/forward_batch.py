@@ -59,6 +59,8 @@ class ForwardBatch:
     attn_metadata: Any = None
     # [num_tokens] segment ids of encoder inputs (BERT sentence pairs); None means all zeros.
     token_type_ids: Optional[torch.Tensor] = None
+    # Image embeddings and M-RoPE positions for vision-language models (multimodal/forward_inputs.py).
+    multimodal: Any = None
 
     def last_token_indices(self) -> torch.Tensor:
         ends = torch.tensor(self.extend_seq_lens_cpu, dtype=torch.int64).cumsum(0) - 1

@@ -58,6 +58,12 @@ class ServerArgs:
     enable_cache_report: bool = False
     reasoning_parser: Optional[str] = None
     tool_call_parser: Optional[str] = None
+    # Image inputs (sglang/srt/multimodal/image_loading.py): http(s) image URLs are fetched only from these
+    # comma-separated domains (or SGLANG_ALLOWED_IMAGE_URL_DOMAINS); none by default. Size limits per image.
+    allowed_image_url_domains: Optional[str] = None
+    image_url_timeout: float = 5.0
+    max_image_bytes: int = 20 * 1024 * 1024
+    max_image_pixels: int = 4096 * 4096
 
     # Memory and scheduling
     mem_fraction_static: Optional[float] = None

@@ -124,9 +124,9 @@ class NativeBackend(BaseBackend):
     @staticmethod
     def _add_images(s: Any, body: dict) -> None:
         if getattr(s, "images_", None):
-            if len(s.images_) > 1:
-                raise NotImplementedError("Only one image per program is supported by this backend")
-            body["image_data"] = s.images_[0][1]
+            # One image goes as itself (as upstream sends it); several as the prompt's list, in order.
+            images = [data for _, data in s.images_]
+            body["image_data"] = images[0] if len(images) == 1 else images
 
 
 def _dtype_to_regex(sampling_params: SglSamplingParams) -> None:

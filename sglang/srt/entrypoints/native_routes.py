@@ -108,7 +108,7 @@ async def model_info(request: Request):
         "is_generation": not state.args.is_embedding,
         "preferred_sampling_params": state.args.preferred_sampling_params,
         "weight_version": state.args.weight_version,
-        "has_image_understanding": False,
+        "has_image_understanding": state.tm.images.has_image_understanding,
         "has_audio_understanding": False,
         "model_type": getattr(cfg, "model_type", None),
         "architectures": getattr(cfg, "architectures", None),

@@ -21,6 +21,7 @@ class GenerateItem:
     logprob_start_len: int
     top_logprobs_num: int
     token_ids_logprob: Optional[list[int]]
+    image_data: Any = None  # this prompt's image(s): one item or a list
 
 
 @dataclass
@@ -131,6 +132,7 @@ class GenerateReqInput:
         else:
             tids_list = [tids] * batch
         rids = self._rids(batch, single and n == 1)
+        images = split_image_data(self.image_data, batch, single)
 
         items = []
         for i in range(batch):
@@ -148,6 +150,7 @@ class GenerateReqInput:
                     logprob_start_len=values["logprob_start_len"][i],
                     top_logprobs_num=values["top_logprobs_num"][i],
                     token_ids_logprob=tids_list[i],
+                    image_data=images[i],
                 ))
         return items
 
@@ -161,6 +164,20 @@ class GenerateReqInput:
         if single:
             return [str(self.rid)]
         return [f"{self.rid}_{i}" for i in range(batch)]
+
+
+def split_image_data(image_data: Any, batch: int, single: bool) -> list[Any]:
+    """Per prompt: its image(s). A single prompt takes the item or list as is; a batch takes one entry (an
+    image or a list of images) per prompt."""
+    if image_data is None:
+        return [None] * batch
+    if single:
+        return [image_data]
+    if not isinstance(image_data, list):
+        return [image_data] * batch
+    if len(image_data) != batch:
+        raise ValueError("The length of image_data should be equal to the batch size.")
+    return list(image_data)
 
 
 def _get_n(params: dict) -> int:

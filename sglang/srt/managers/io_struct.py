@@ -21,6 +21,8 @@ class TokenizedGenerateReqInput:
     token_ids_logprob: Optional[list[int]] = None
     stream: bool = False
     priority: int = 0
+    # Images of a vision-language prompt (multimodal/processor.py MultimodalInputs): pixels, spans, M-RoPE.
+    mm_inputs: Optional[Any] = None
 
 
 @dataclass

@@ -12,6 +12,7 @@ from sglang.srt.constrained.base_grammar_backend import BaseGrammarObject
 from sglang.srt.forward_batch import ForwardBatch, ForwardMode, build_positions
 from sglang.srt.managers.finish_reason import FinishAbort, FinishReason
 from sglang.srt.mem_cache.memory_pools import MemoryPools, OutOfKVMemory
+from sglang.srt.multimodal.forward_inputs import build_multimodal_forward
 from sglang.srt.sampling.penalties import RequestPenaltyState
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -46,6 +47,7 @@ class Req:
         stream: bool = False,
         priority: int = 0,
         token_type_ids: Optional[list[int]] = None,
+        mm_inputs: Optional[Any] = None,
     ) -> None:
         self.rid = rid
         self.origin_input_ids = origin_input_ids
@@ -61,6 +63,8 @@ class Req:
         self.priority = priority
         # Segment ids of a sentence pair for encoders that read them (BERT cross-encoders); None otherwise.
         self.token_type_ids = token_type_ids
+        # Images of the prompt and its M-RoPE positions (multimodal/processor.py); None for text prompts.
+        self.mm_inputs = mm_inputs
 
         self.output_ids: list[int] = []
         self.finished_reason: Optional[FinishReason] = None
@@ -252,6 +256,7 @@ class ScheduleBatch:
             return_input_logprobs=any(r.return_logprob and len(rows) > (s is not None) for r, rows, s in
                                       zip(self.reqs, self.logit_positions, self.sample_row)),
             token_type_ids=token_type_ids,
+            multimodal=build_multimodal_forward([r.mm_inputs for r in self.reqs], self.prefix_lens, self.extend_lens),
         )
 
     def sampling_inputs(self, vocab_size: int, device: torch.device) -> Optional[SamplingBatchInfo]:

@@ -33,6 +33,7 @@ from sglang.srt.managers.prompt_limits import allowed_input_len, check_output_li
 from sglang.srt.managers.request_errors import check_queue_capacity, wait_until
 from sglang.srt.metrics import ServerMetrics
 from sglang.srt.model_loader.model_info import ModelInfo
+from sglang.srt.multimodal.request_images import RequestImages, check_image_request
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import PortArgs, ServerArgs
 
@@ -73,6 +74,7 @@ class TokenizerManager:
         # The KV cache bounds a prompt below the context length: the scheduler reports the bound at startup.
         self.max_req_input_len = scheduler_info.max_req_input_len
         self.vocab_size = model_info.vocab_size
+        self.images = RequestImages(model_info, server_args)
         self.preferred_sampling_params = (
             json.loads(server_args.preferred_sampling_params) if server_args.preferred_sampling_params else {}
         )
@@ -104,6 +106,7 @@ class TokenizerManager:
             input_text = None
             input_ids = list(item.input_ids or [])
             check_token_ids(input_ids, self.vocab_size)
+        input_ids, mm_inputs = self.images.prepare(input_ids, item.image_data)
         n = len(input_ids)
         if n == 0:
             raise ValueError("The input is empty after tokenization; provide a non-empty prompt.")
@@ -112,6 +115,9 @@ class TokenizerManager:
                 f"The input ({n} tokens) is longer than the model's context length ({self.context_len} tokens)."
             )
         n = allowed_input_len(n, self.max_req_input_len, self.server_args.allow_auto_truncate)
+        if mm_inputs is not None and n < len(input_ids):
+            raise ValueError(f"The input with its image tokens ({len(input_ids)} tokens) is longer than the "
+                             f"maximum allowed length ({self.max_req_input_len} tokens).")
         input_ids = input_ids[:n]
         start = item.logprob_start_len
         if item.return_logprob and start is not None and start >= n:
@@ -121,6 +127,7 @@ class TokenizerManager:
         params = SamplingParams.from_dict({**self.preferred_sampling_params, **item.sampling_params})
         params.normalize(self.tokenizer)
         params.verify(self.vocab_size)
+        check_image_request(mm_inputs, params, item.return_logprob, item.logprob_start_len)
         if params.max_new_tokens is not None and params.max_new_tokens + n >= self.context_len:
             raise ValueError(
                 f"Requested token count exceeds the model's maximum context length of {self.context_len} tokens. "
@@ -138,7 +145,7 @@ class TokenizerManager:
         return TokenizedGenerateReqInput(
             rid=item.rid, input_text=input_text, input_ids=input_ids, sampling_params=params,
             return_logprob=item.return_logprob, logprob_start_len=item.logprob_start_len,
-            top_logprobs_num=top, token_ids_logprob=tids,
+            top_logprobs_num=top, token_ids_logprob=tids, mm_inputs=mm_inputs,
         )
 
     async def generate_request(self, obj: GenerateReqInput) -> AsyncGenerator[Any, None]:

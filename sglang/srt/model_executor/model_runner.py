@@ -61,7 +61,7 @@ class ModelRunner:
         self.arithmetic = arithmetic
         if arithmetic is not None and self.device.type == "cpu" and dtype == torch.float32:
             self.quant_bytes += attach_large_batch_gemm(self.model, arithmetic.large_batch_gemm)
-        self.vocab_size = hf_config.vocab_size
+        self.vocab_size = hf_config.get_text_config().vocab_size
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.attn_backend = TorchSDPABackend()
         self.sampler = Sampler()
@@ -72,7 +72,7 @@ class ModelRunner:
         self.pooler = Pooler(read_pooling_config(model_dir, self.is_encoder))
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        config = self.hf_config
+        config = self.hf_config.get_text_config()  # the decoder's settings, also for vision-language configs
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return KVCacheSpec(config.num_hidden_layers, num_kv_heads, head_dim, self.dtype)

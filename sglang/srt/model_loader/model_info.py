@@ -27,7 +27,7 @@ class ModelInfo:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.hf_config.vocab_size)
+        return int(self.hf_config.get_text_config().vocab_size)
 
 
 def load_model_info(server_args: ServerArgs) -> ModelInfo:
@@ -42,11 +42,13 @@ def load_model_info(server_args: ServerArgs) -> ModelInfo:
     overrides = json.loads(server_args.json_model_override_args or "{}")
     for k, v in overrides.items():
         setattr(hf_config, k, v)
-    context_len = server_args.context_length or _config_context_len(hf_config)
+    # Vision-language configs keep the decoder's settings in text_config.
+    context_len = server_args.context_length or _config_context_len(hf_config.get_text_config())
     config_dtype = getattr(hf_config, "dtype", None)
     arithmetic = plan_for_this_machine(server_args.device, server_args.dtype, server_args.cpu_gemm, config_dtype)
     dtype = arithmetic.weight_dtype
-    eos = _as_list(getattr(hf_config, "eos_token_id", None))
+    text_config = hf_config.get_text_config()
+    eos = _as_list(getattr(hf_config, "eos_token_id", None) or getattr(text_config, "eos_token_id", None))
     generation_defaults: dict = {}
     try:
         gen = GenerationConfig.from_pretrained(model_dir)

@@ -168,11 +168,13 @@ class LlamaModel(nn.Module):
         dtype: Optional[torch.dtype] = None,
         device: Optional[torch.device | str] = None,
         mlp_factory: Optional[MlpFactory] = None,
+        rotary_emb: Optional[RotaryEmbedding] = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.rotary_emb: RotaryEmbedding = get_rope(config, head_dim_of(config), device=device)
+        # A model with its own position scheme (multimodal M-RoPE) passes its rotary embedding in.
+        self.rotary_emb: RotaryEmbedding = rotary_emb or get_rope(config, head_dim_of(config), device=device)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, self.rotary_emb.rotary_dim, options, dtype, device,
                               mlp_factory(config, i, dtype, device) if mlp_factory is not None else None)

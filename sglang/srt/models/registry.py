@@ -15,7 +15,9 @@ from sglang.srt.models.bert import (
 from sglang.srt.models.llama import LlamaForCausalLM
 from sglang.srt.models.mixtral import MixtralForCausalLM
 from sglang.srt.models.qwen2 import Qwen2ForCausalLM
+from sglang.srt.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from sglang.srt.models.qwen2_moe import Qwen2MoeForCausalLM
+from sglang.srt.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from sglang.srt.models.qwen3 import Qwen3ForCausalLM
 from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM
 from sglang.srt.models.sequence_classification import (
@@ -32,6 +34,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    # Vision-language models (image inputs: sglang/srt/multimodal/).
+    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
     # Embedding, reward and cross-encoder models (served with --is-embedding).
     "BertModel": BertModel,
     "XLMRobertaModel": XLMRobertaModel,

@@ -6,6 +6,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any, Optional
 
+from sglang.srt.entrypoints.openai.chat_images import flatten_content
 from sglang.srt.entrypoints.openai.chat_output import ChoiceOutputParser
 from sglang.srt.entrypoints.openai.common import (
     OpenAIHandler,
@@ -41,11 +42,13 @@ class ChatHandler(OpenAIHandler):
     def _output_parser(self, req: ChatCompletionRequest) -> ChoiceOutputParser:
         return ChoiceOutputParser(req, self.tool_call_parser, self.reasoning_parser)
 
-    def build_prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
+    def build_prompt_ids(self, req: ChatCompletionRequest, images: Optional[list[Any]] = None) -> list[int]:
+        """The prompt's token ids; the urls of image_url parts are appended to `images`, in order."""
         tokenizer = self.tm.tokenizer
         if tokenizer is None:
             raise ValueError("Chat completions need a tokenizer; the server runs with --skip-tokenizer-init.")
-        messages = [self._message_dict(m) for m in req.messages]
+        placeholder = self.tm.images.placeholder
+        messages = [self._message_dict(m, images if images is not None else [], placeholder) for m in req.messages]
         source = self.chat_template or getattr(tokenizer, "chat_template", None) or ""
         messages = template_messages(messages, req.tools, tools_active(req.tools, req.tool_choice), str(source),
                                      self._tool_parser(req))
@@ -65,13 +68,10 @@ class ChatHandler(OpenAIHandler):
         return list(ids)
 
     @staticmethod
-    def _message_dict(m) -> dict:
+    def _message_dict(m, images: list[Any], placeholder: Optional[str]) -> dict:
         content = m.content
         if isinstance(content, list):
-            kinds = {p.get("type") for p in content}
-            if kinds - {"text"}:
-                raise ValueError(f"This model does not accept {', '.join(sorted(kinds - {'text'}))} content.")
-            content = "".join(p["text"] for p in content)
+            content = flatten_content(content, images, placeholder)
         d: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
         for key in ("name", "tool_call_id", "tool_calls", "reasoning_content"):
             val = getattr(m, key)
@@ -81,7 +81,8 @@ class ChatHandler(OpenAIHandler):
 
     def to_generate_input(self, req: ChatCompletionRequest) -> GenerateReqInput:
         validate_tools(req.tools, req.tool_choice)
-        ids = self.build_prompt_ids(req)
+        images: list[Any] = []
+        ids = self.build_prompt_ids(req, images)
         max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         sp = sampling_params_from(req, max_new, self.defaults)
         fmt = req.response_format
@@ -100,7 +101,7 @@ class ChatHandler(OpenAIHandler):
         return GenerateReqInput(
             input_ids=ids, sampling_params=sp, stream=req.stream, rid=req.rid,
             return_logprob=want_logprobs, top_logprobs_num=req.top_logprobs or 0 if want_logprobs else 0,
-            return_text_in_logprobs=True,
+            return_text_in_logprobs=True, image_data=images or None,
         )
 
     def build_response(self, req: ChatCompletionRequest, outputs: list[dict]) -> dict:

@@ -201,6 +201,7 @@ class Scheduler:
             token_ids_logprob=msg.token_ids_logprob,
             stream=msg.stream,
             priority=msg.priority,
+            mm_inputs=msg.mm_inputs,
         )
         cap = self.max_req_len - len(req.origin_input_ids) - 1
         if params.max_new_tokens is None or params.max_new_tokens > cap:
