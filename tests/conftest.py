@@ -29,3 +29,23 @@ def smollm2_hf(smollm2_dir):
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
     model.eval()
     return model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer) -> str:
+    """A one-layer random Llama with SmolLM2's tokenizer and a 256-token context: a server on it answers any
+    request in milliseconds (the API-level tests: fuzzing, authentication)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    smollm2_tokenizer.save_pretrained(path)
+    config = LlamaConfig(
+        vocab_size=len(smollm2_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+        eos_token_id=smollm2_tokenizer.eos_token_id, bos_token_id=smollm2_tokenizer.bos_token_id,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)

@@ -13,7 +13,6 @@ import time
 import pytest
 import requests
 import schemathesis
-import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
@@ -26,29 +25,12 @@ _cases: list[str] = []
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory, smollm2_tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path = tmp_path_factory.mktemp("fuzz-llama")
-    smollm2_tokenizer.save_pretrained(path)
-    config = LlamaConfig(
-        vocab_size=len(smollm2_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-        eos_token_id=smollm2_tokenizer.eos_token_id, bos_token_id=smollm2_tokenizer.bos_token_id,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def fuzz_server(tiny_llama, tmp_path_factory):
+def fuzz_server(tiny_llama_dir, tmp_path_factory):
     storage = tmp_path_factory.mktemp("fuzz-storage")
     with running_server("--log-level", "error", "--max-total-tokens", "16384", "--dtype", "float32",
                         "--enable-metrics", "--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3",
                         "--file-storage-path", str(storage), "--max-request-body-bytes", "1048576",
-                        model=tiny_llama) as url:
+                        model=tiny_llama_dir) as url:
         yield url
 
 
