@@ -42,7 +42,9 @@ def hf_greedy(model, prompts_ids: list[list[int]], max_new_tokens: int) -> list[
     outs = []
     with torch.no_grad():
         for ids in prompts_ids:
-            out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                                 min_new_tokens=max_new_tokens, pad_token_id=0)
+            # eos_token_id=None: generation runs on past the end token, as with ignore_eos.
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
             outs.append(out[0, len(ids):].tolist())
+            assert len(outs[-1]) == max_new_tokens
     return outs
