@@ -89,7 +89,8 @@ def test_update_serves_new_weights_then_back(base_url, checkpoints, original):
 
     response = _update(base_url, model_path=checkpoints["perturbed"], weight_version="step-1")
     assert response.status_code == 200
-    assert response.json() == {"success": True, "message": "Succeeded to update model weights."}
+    assert response.json() == {"success": True,
+                               "message": "Succeeded to update model weights. Weight version updated to step-1."}
     meta = requests.post(f"{base_url}/generate", json=repeated).json()["meta_info"]
     assert meta["cached_tokens"] == 0  # the prefix cache held K/V of the old weights
     assert meta["weight_version"] == "step-1"
@@ -208,6 +209,8 @@ def test_engine_update_and_read(checkpoints):
     wrong = "HuggingFaceTB/SmolLM2-135M-Instruct-wrong"
     greedy = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
     with Engine(model_path=SMOLLM2, cpu_gemm="float32", max_total_tokens=2048) as engine:
+        before = engine.generate(input_ids=checkpoints["prompt_ids"][0], sampling_params=greedy)["output_ids"]
+        assert before != checkpoints["expected"][0]
         assert engine.update_weights_from_disk(wrong) == (
             False, f"Failed to get weights iterator: {wrong} (repository not found).")
         assert engine.update_weights_from_disk(checkpoints["perturbed"]) == (

@@ -76,7 +76,10 @@ class Engine:
         gen = self.tokenizer_manager.generate_request(obj)
         if stream:
             return self._iterate(gen)
-        return self.loop.run_until_complete(gen.__anext__())
+        try:
+            return self.loop.run_until_complete(gen.__anext__())
+        finally:  # ends the request's bookkeeping now (and its hold on the weight-update lock)
+            self.loop.run_until_complete(gen.aclose())
 
     def _iterate(self, gen: AsyncGenerator[dict, None]) -> Iterator[dict]:
         try:
@@ -110,7 +113,10 @@ class Engine:
         gen = self.tokenizer_manager.generate_request(obj)
         if stream:
             return gen
-        return await gen.__anext__()
+        try:
+            return await gen.__anext__()
+        finally:
+            await gen.aclose()
 
     # ---- control --------------------------------------------------------------------------------------
     def encode(

@@ -3,7 +3,8 @@
 An update takes the manager's writer lock (`TokenizerManager.model_update_lock`), so no generation starts while
 weights load; requests already running finish first, or are aborted first with `abort_all_requests`. On success
 the server's `model_path` and `served_model_name` become the new path and, when the request names one, its
-`weight_version` becomes the reported version (upstream SGLang keeps the old version otherwise).
+`weight_version` becomes the reported version and the message says so (upstream SGLang keeps the old version
+otherwise).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ async def update_weights_from_disk(tm: TokenizerManager, obj: UpdateWeightFromDi
         tm.abort_request(abort_all=True)
     async with tm.model_update_lock.writer():
         out: UpdateWeightFromDiskReqOutput = await tm._control(obj, UpdateWeightFromDiskReqOutput)
+        message = out.message
         if out.success:
             tm.server_args.model_path = obj.model_path
             tm.server_args.served_model_name = obj.model_path
@@ -40,7 +42,8 @@ async def update_weights_from_disk(tm: TokenizerManager, obj: UpdateWeightFromDi
                 tm.server_args.load_format = obj.load_format
             if obj.weight_version is not None:
                 tm.server_args.weight_version = obj.weight_version
-    return out.success, out.message
+                message += f" Weight version updated to {obj.weight_version}."  # as upstream SGLang says it
+    return out.success, message
 
 
 async def get_weights_by_name(tm: TokenizerManager, obj: GetWeightsByNameReqInput) -> list:
