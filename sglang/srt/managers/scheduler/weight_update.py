@@ -41,6 +41,9 @@ class WeightControl:
         if isinstance(msg, GetWeightsByNameReqInput):
             self._reply(self.read(msg))
             return
+        if self.pending is not None:  # the tokenizer manager's writer lock serializes updates; refuse, never drop
+            self._reply(UpdateWeightFromDiskReqOutput(False, "Another weight update is in progress."))
+            return
         self.pending = msg
         # Aborts sent with abort_all_requests came just before this message; retire those requests now.
         self.scheduler.process_aborts()
