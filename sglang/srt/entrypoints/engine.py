@@ -77,7 +77,10 @@ class Engine:
         gen = self.tokenizer_manager.generate_request(obj)
         if stream:
             return self._iterate(gen)
-        return self.loop.run_until_complete(gen.__anext__())
+        try:
+            return self.loop.run_until_complete(gen.__anext__())
+        finally:  # ends the request's bookkeeping now (and its hold on the weight-update lock)
+            self.loop.run_until_complete(gen.aclose())
 
     def _iterate(self, gen: AsyncGenerator[dict, None]) -> Iterator[dict]:
         try:
@@ -111,7 +114,10 @@ class Engine:
         gen = self.tokenizer_manager.generate_request(obj)
         if stream:
             return gen
-        return await gen.__anext__()
+        try:
+            return await gen.__anext__()
+        finally:
+            await gen.aclose()
 
     # ---- control --------------------------------------------------------------------------------------
     def encode(
@@ -142,6 +148,20 @@ class Engine:
     def dump_expert_distribution_record(self) -> str:
         """Write the record (see README) and return the .pt file's path."""
         return self.loop.run_until_complete(expert_distribution(self.tokenizer_manager, "dump_record"))
+
+    def update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None) -> tuple[bool, str]:
+        """(success, message): serve the weights at `model_path` (same architecture and shapes) from now on."""
+        from sglang.srt.managers.weight_update_client import parse_update_request, update_weights_from_disk
+
+        obj = parse_update_request({"model_path": model_path, "load_format": load_format})
+        return self.loop.run_until_complete(update_weights_from_disk(self.tokenizer_manager, obj))
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """The first `truncate_size` rows of checkpoint weight `name` (ValueError when there is none)."""
+        from sglang.srt.managers.weight_update_client import get_weights_by_name, parse_read_request
+
+        obj = parse_read_request({"name": name, "truncate_size": truncate_size})
+        return self.loop.run_until_complete(get_weights_by_name(self.tokenizer_manager, obj))
 
     def get_internal_state(self) -> dict:
         return self.loop.run_until_complete(self.tokenizer_manager.get_internal_state()).to_dict()

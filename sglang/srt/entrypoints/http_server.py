@@ -24,6 +24,7 @@ from sglang.srt.entrypoints.openai.routes import attach_openai, install_api_key_
 from sglang.srt.entrypoints.openai.score import router as openai_score_router
 from sglang.srt.entrypoints.parser_routes import router as parser_router
 from sglang.srt.entrypoints.server_state import ServerState
+from sglang.srt.entrypoints.weight_routes import router as weight_router
 from sglang.srt.managers.process_utils import configure_logging
 from sglang.srt.server_args import ServerArgs
 
@@ -40,6 +41,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(native_router)
     app.include_router(parser_router)
     app.include_router(expert_router)
+    app.include_router(weight_router)
     app.include_router(embedding_router)
     install_generation_guard(app, state.args.is_embedding)
     app.include_router(openai_embeddings_router)

@@ -91,7 +91,11 @@ async def health_generate(request: Request):
             probe = EmbeddingReqInput(input_ids=[0], rid=obj.rid)
             await asyncio.wait_for(encode_request(state.tm, probe), timeout=_health_timeout())
         else:
-            await asyncio.wait_for(state.tm.generate_request(obj).__anext__(), timeout=_health_timeout())
+            gen = state.tm.generate_request(obj)
+            try:
+                await asyncio.wait_for(gen.__anext__(), timeout=_health_timeout())
+            finally:
+                await gen.aclose()
     except (asyncio.TimeoutError, ValueError):
         return Response(status_code=503)
     return Response(status_code=200)

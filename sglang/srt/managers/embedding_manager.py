@@ -61,7 +61,14 @@ def tokenize_embedding_item(tm: TokenizerManager, item: EmbeddingItem) -> Tokeni
 
 async def encode_request(tm: TokenizerManager, obj: EmbeddingReqInput) -> list[dict[str, Any]]:
     """Pool every item of `obj`; one output dict per item, in order. Raises ValueError for bad input."""
+    await tm.model_update_lock.acquire_reader()  # no pooling starts while weights load
+    try:
+        return await _encode_request(tm, obj)
+    finally:
+        tm.model_update_lock.release_reader()
 
+
+async def _encode_request(tm: TokenizerManager, obj: EmbeddingReqInput) -> list[dict[str, Any]]:
     if not tm.server_args.is_embedding:
         raise ValueError(NOT_EMBEDDING_MODEL)
     tm._ensure_recv_loop()

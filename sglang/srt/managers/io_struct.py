@@ -163,3 +163,35 @@ class BatchEmbeddingOutput:
     prompt_tokens: list[int]
     cached_tokens: list[int]
     finished_reasons: list[Optional[FinishReason]]
+
+
+@dataclass
+class UpdateWeightFromDiskReqInput:
+    """Replace the served weights with the checkpoint at `model_path` (same architecture and shapes)."""
+
+    model_path: str
+    load_format: Optional[str] = None
+    # Abort the running and queued requests instead of letting them finish before the update.
+    abort_all_requests: bool = False
+    # The weight_version reported after a successful update; None keeps the current one.
+    weight_version: Optional[str] = None
+
+
+@dataclass
+class UpdateWeightFromDiskReqOutput:
+    success: bool
+    message: str
+
+
+@dataclass
+class GetWeightsByNameReqInput:
+    """One parameter's values by its checkpoint name, truncated to `truncate_size` rows."""
+
+    name: str
+    truncate_size: int = 100
+
+
+@dataclass
+class GetWeightsByNameReqOutput:
+    parameter: Optional[list]
+    error: Optional[str] = None

@@ -31,6 +31,7 @@ from sglang.srt.managers.io_struct import (
 from sglang.srt.managers.logprob_format import LogprobFormatter
 from sglang.srt.managers.prompt_limits import allowed_input_len, check_output_limits, check_token_ids
 from sglang.srt.managers.request_errors import check_queue_capacity, wait_until
+from sglang.srt.managers.rw_lock import RWLock
 from sglang.srt.metrics import ServerMetrics
 from sglang.srt.model_loader.model_info import ModelInfo
 from sglang.srt.multimodal.request_images import RequestImages, check_image_request
@@ -85,6 +86,8 @@ class TokenizerManager:
         self.recv_from_detokenizer.bind(port_args.tokenizer_ipc_name)
         self.rid_to_state: dict[str, ReqState] = {}
         self.control_waiters: dict[type, asyncio.Queue] = {}
+        # Generation reads, a weight update (managers/weight_update_client.py) writes.
+        self.model_update_lock = RWLock()
         self.recv_task: Optional[asyncio.Task] = None
         self.recv_loop_owner: Optional[asyncio.AbstractEventLoop] = None
         self.metrics: Optional[ServerMetrics] = (
@@ -151,6 +154,18 @@ class TokenizerManager:
     async def generate_request(self, obj: GenerateReqInput) -> AsyncGenerator[Any, None]:
         """Yield output dicts: for a single request, one per stream event (or one at the end); for a batch,
         each yielded dict carries "index", and without streaming one final list is yielded instead."""
+        await self.model_update_lock.acquire_reader()  # no generation starts while weights load
+        gen = self._generate_request(obj)
+        try:
+            async for out in gen:
+                yield out
+        finally:
+            try:
+                await gen.aclose()
+            finally:
+                self.model_update_lock.release_reader()
+
+    async def _generate_request(self, obj: GenerateReqInput) -> AsyncGenerator[Any, None]:
         if self.server_args.is_embedding:
             raise ValueError(NOT_GENERATION_MODEL)
         self._ensure_recv_loop()

@@ -39,6 +39,19 @@ class StepOutput:
     input_logprobs: Optional[torch.Tensor]
 
 
+def attach_fast_paths(model: Any, gguf_path: Optional[str], hf_config: Any, gguf_kernel_max_rows: int,
+                      arithmetic: Optional[ArithmeticPlan]) -> int:
+    """Give a freshly loaded model its derived weight copies (GGUF blocks for small batches, the large-batch GEMM
+    copies); returns their bytes. Every loaded model goes through here, at startup and after a weight update."""
+    param = next(model.parameters())
+    quant_bytes = 0
+    if gguf_path and gguf_kernel_max_rows > 0 and param.device.type == "cpu":
+        quant_bytes = attach_gguf_quant_weights(model, gguf_path, hf_config, gguf_kernel_max_rows)
+    if arithmetic is not None and param.device.type == "cpu" and param.dtype == torch.float32:
+        quant_bytes += attach_large_batch_gemm(model, arithmetic.large_batch_gemm)
+    return quant_bytes
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -55,12 +68,8 @@ class ModelRunner:
         self.hf_config = hf_config
         self.gguf_kernel_max_rows = gguf_kernel_max_rows
         self.model = load_model(model_dir, dtype, self.device)
-        self.quant_bytes = 0
-        if gguf_path and gguf_kernel_max_rows > 0 and self.device.type == "cpu":
-            self.quant_bytes = attach_gguf_quant_weights(self.model, gguf_path, hf_config, gguf_kernel_max_rows)
         self.arithmetic = arithmetic
-        if arithmetic is not None and self.device.type == "cpu" and dtype == torch.float32:
-            self.quant_bytes += attach_large_batch_gemm(self.model, arithmetic.large_batch_gemm)
+        self.quant_bytes = attach_fast_paths(self.model, gguf_path, hf_config, gguf_kernel_max_rows, arithmetic)
         self.vocab_size = hf_config.get_text_config().vocab_size
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.attn_backend = TorchSDPABackend()

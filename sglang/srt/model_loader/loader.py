@@ -16,13 +16,16 @@ from sglang.srt.models.registry import architectures_of, get_model_class
 logger = logging.getLogger(__name__)
 
 
-def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
-    """The model of `model_dir` in `dtype` on `device`, weights loaded, in eval mode, without gradients."""
+def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device, config: Any = None) -> nn.Module:
+    """The model of `model_dir` in `dtype` on `device`, weights loaded, in eval mode, without gradients.
+
+    `config` (default: the directory's own) lets a weight update build the serving architecture around
+    another checkpoint's weights."""
     from transformers import AutoConfig
 
     start = time.perf_counter()
     device = torch.device(device)
-    config = AutoConfig.from_pretrained(model_dir)
+    config = config if config is not None else AutoConfig.from_pretrained(model_dir)
     model_class = get_model_class(architectures_of(config))
     # Built on the meta device, then given real but uninitialised storage: random initialisation of
     # weights that the checkpoint overwrites anyway would cost seconds for larger models.

@@ -36,6 +36,7 @@ from sglang.srt.managers.scheduler.policy import SchedulePolicy
 from sglang.srt.managers.scheduler.prefill_adder import PrefillAdder
 from sglang.srt.managers.scheduler.priority import PriorityGate, by_priority
 from sglang.srt.managers.scheduler.results import process_result
+from sglang.srt.managers.scheduler.weight_update import WEIGHT_MESSAGES, WeightControl
 from sglang.srt.mem_cache.memory_pools import build_memory_pools
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.model_loader.model_info import ModelInfo
@@ -117,6 +118,7 @@ class Scheduler:
         self.total_cached_tokens = 0
         self.invariant_error: Optional[str] = None
         self.expert_record = ExpertRecordControl.for_server(server_args, model_info.hf_config)
+        self.weight_control = WeightControl(self)
 
     def info(self) -> SchedulerInfo:
         return SchedulerInfo(
@@ -132,6 +134,7 @@ class Scheduler:
     # ---- main loop ------------------------------------------------------------------------------------
     def event_loop(self) -> None:
         while True:
+            self.weight_control.run_pending()
             self.recv_requests(block=self.is_idle() and not self.grammar_queue)
             if self.grammar_queue:
                 self.admit_compiled_grammars()
@@ -182,6 +185,8 @@ class Scheduler:
             self.send_to_detokenizer.send_pyobj(self.expert_record.handle(msg))
         elif isinstance(msg, GetInternalStateReq):
             self.send_to_detokenizer.send_pyobj(GetInternalStateReqOutput(self.internal_state()))
+        elif isinstance(msg, WEIGHT_MESSAGES):
+            self.weight_control.handle(msg)
         else:
             logger.error("Unknown message: %r", type(msg))
 
