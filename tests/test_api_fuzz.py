@@ -48,22 +48,24 @@ def _strategy(operation):
         return positive
 
 
+def _fuzz(operation, base_url: str, failures: list[str]) -> None:
+    @given(case=_strategy(operation))
+    @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, suppress_health_check=list(HealthCheck),
+              phases=[Phase.explicit, Phase.generate], derandomize=True, database=None)
+    def run(case) -> None:
+        _cases.append(operation.label)
+        response = case.call(base_url=base_url, timeout=60)
+        if response.status_code >= 500:
+            failures.append(f"{response.status_code} {response.text[:300]}\n{case.as_curl_command()}")
+
+    run()
+
+
 def test_no_request_gets_a_server_error_or_hangs(fuzz_server):
     """About EXAMPLES_PER_OPERATION generated requests per route: every answer is below 500."""
     failures: list[str] = []
-    operations = _operations(fuzz_server)
-    for operation in operations:
-
-        @given(case=_strategy(operation))
-        @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, suppress_health_check=list(HealthCheck),
-                  phases=[Phase.explicit, Phase.generate], derandomize=True, database=None)
-        def run(case, label: str = operation.label) -> None:
-            _cases.append(label)
-            response = case.call(base_url=fuzz_server, timeout=60)
-            if response.status_code >= 500:
-                failures.append(f"{response.status_code} {response.text[:300]}\n{case.as_curl_command()}")
-
-        run()
+    for operation in _operations(fuzz_server):
+        _fuzz(operation, fuzz_server, failures)
     assert not failures, "\n\n".join(failures[:10])
 
 
