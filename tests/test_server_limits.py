@@ -175,3 +175,24 @@ def test_killed_scheduler_makes_the_server_exit_nonzero_within_seconds(tmp_path)
         assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     finally:
         terminate_process(proc)
+
+
+def test_watchdog_ends_a_forward_pass_that_runs_too_long(tmp_path):
+    url = f"http://127.0.0.1:{find_free_port()}"
+    log = str(tmp_path / "server.log")
+    # A warm-up forward takes milliseconds; a 4,000-token prefill chunk takes seconds on a CPU.
+    proc = popen_launch_server(DEFAULT_SMALL_MODEL_NAME_FOR_TEST, url, log_path=log,
+                               other_args=["--max-total-tokens", "8192", "--watchdog-timeout", "0.5"])
+    try:
+        ipc_dir = _ipc_dir(log)
+        start = time.monotonic()
+        r = requests.post(f"{url}/generate", timeout=60, json={
+            "text": "word " * 4000, "sampling_params": {"max_new_tokens": 1}})
+        assert r.status_code == 503 and "scheduler process died" in r.json()["error"]["message"]
+        assert proc.wait(timeout=30) != 0
+        assert time.monotonic() - start < 15
+        text = open(log).read()
+        assert "Scheduler watchdog: the extend forward pass has run for more than 0.5 s" in text
+        assert not os.path.exists(ipc_dir)
+    finally:
+        terminate_process(proc)

@@ -26,6 +26,7 @@ from sglang.srt.entrypoints.parser_routes import router as parser_router
 from sglang.srt.entrypoints.server_state import ServerState
 from sglang.srt.entrypoints.weight_routes import router as weight_router
 from sglang.srt.managers.process_utils import configure_logging
+from sglang.srt.managers.request_errors import WorkerDiedError
 from sglang.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,13 @@ def launch_server(server_args: ServerArgs) -> None:
     def on_child_death(name: str) -> None:
         logger.error("Child process %s died; shutting down the server.", name)
         dead_children.append(name)
-        # Nothing in flight can finish without the child: close connections now rather than after the grace.
+        # Nothing in flight can finish without the child: answer it with a 503 now, then close the connections
+        # rather than wait for the grace period.
+        loop = subs.tokenizer_manager.recv_loop_owner
+        if loop is not None and not loop.is_closed():
+            error = WorkerDiedError(f"The server's {name} process died; the server is shutting down.")
+            loop.call_soon_threadsafe(subs.tokenizer_manager.fail_all, error)
+            time.sleep(0.5)
         server.should_exit = server.force_exit = True
 
     watch_children(subs, on_child_death)

@@ -25,6 +25,12 @@ class ServerBusyError(RequestRefused):
     status_code = 503
 
 
+class WorkerDiedError(RequestRefused):
+    """A worker process died while the request was in flight: 503 (the server is going down)."""
+
+    status_code = 503
+
+
 class RequestTimeoutError(RequestRefused):
     """The request ran past --request-timeout and was aborted: 504."""
 

@@ -30,7 +30,7 @@ from sglang.srt.managers.io_struct import (
 )
 from sglang.srt.managers.logprob_format import LogprobFormatter
 from sglang.srt.managers.prompt_limits import allowed_input_len, check_output_limits, check_token_ids
-from sglang.srt.managers.request_errors import check_queue_capacity, wait_until
+from sglang.srt.managers.request_errors import RequestRefused, check_queue_capacity, wait_until
 from sglang.srt.managers.rw_lock import RWLock
 from sglang.srt.metrics import ServerMetrics
 from sglang.srt.model_loader.model_info import ModelInfo
@@ -62,6 +62,8 @@ class ReqState:
     embedding: Optional[list[float]] = None
     # Event-loop time after which the request is aborted (--request-timeout); None: no limit.
     deadline: Optional[float] = None
+    # Set when the request cannot finish (a worker died): raised to its waiter.
+    error: Optional[RequestRefused] = None
 
 
 class TokenizerManager:
@@ -231,6 +233,14 @@ class TokenizerManager:
         """Until the scheduler reports more of `state`; RequestTimeoutError past its deadline."""
         await wait_until(state.event, state.deadline, self.server_args.request_timeout)
         state.event.clear()
+        if state.error is not None:
+            raise state.error
+
+    def fail_all(self, error: RequestRefused) -> None:
+        """End every request in flight with `error` (call on the event loop)."""
+        for state in list(self.rid_to_state.values()):
+            state.error = error
+            state.event.set()
 
     async def _wait_one(self, state: ReqState, stream: bool) -> AsyncIterator[dict]:
         while True:

@@ -36,6 +36,7 @@ from sglang.srt.managers.scheduler.policy import SchedulePolicy
 from sglang.srt.managers.scheduler.prefill_adder import PrefillAdder
 from sglang.srt.managers.scheduler.priority import PriorityGate, by_priority
 from sglang.srt.managers.scheduler.results import process_result
+from sglang.srt.managers.scheduler.watchdog import ForwardWatchdog
 from sglang.srt.managers.scheduler.weight_update import WEIGHT_MESSAGES, WeightControl
 from sglang.srt.mem_cache.memory_pools import build_memory_pools
 from sglang.srt.model_executor.model_runner import ModelRunner
@@ -119,6 +120,7 @@ class Scheduler:
         self.invariant_error: Optional[str] = None
         self.expert_record = ExpertRecordControl.for_server(server_args, model_info.hf_config)
         self.weight_control = WeightControl(self)
+        self.watchdog = ForwardWatchdog(server_args.watchdog_timeout)
 
     def info(self) -> SchedulerInfo:
         return SchedulerInfo(
@@ -148,11 +150,13 @@ class Scheduler:
                         self.check_memory()
                 continue
             if self.is_embedding:
-                self.send_to_detokenizer.send_pyobj(run_embedding_batch(self, batch))
+                with self.watchdog.guard("embedding"):
+                    self.send_to_detokenizer.send_pyobj(run_embedding_batch(self, batch))
                 continue
             forward_batch, sampling = batch.forward_inputs(self.mem, self.runner.vocab_size, self.runner.device)
             self.expert_record.begin_pass(self.forward_ct, batch, forward_batch)
-            result = self.runner.forward(forward_batch, sampling)
+            with self.watchdog.guard(forward_batch.forward_mode.name.lower()):
+                result = self.runner.forward(forward_batch, sampling)
             self.expert_record.end_pass()
             finished_or_streamed = process_result(self, batch, result)
             if finished_or_streamed:
