@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
+from collections.abc import Iterator
 
 import psutil
 import pytest
@@ -124,13 +127,26 @@ def _ipc_dir(log_path: str) -> str:
     return match.group(1)
 
 
-def test_sigterm_finishes_in_flight_requests_and_removes_its_sockets(tmp_path):
+@contextlib.contextmanager
+def _own_server(tmp_path, *args: str) -> Iterator[tuple[str, subprocess.Popen, str, str]]:
+    """(url, process, log path, socket folder) of a server this test stops itself; killed in any case."""
     url = f"http://127.0.0.1:{find_free_port()}"
     log = str(tmp_path / "server.log")
-    proc = popen_launch_server(DEFAULT_SMALL_MODEL_NAME_FOR_TEST, url, log_path=log,
-                               other_args=["--max-total-tokens", "2048"])
+    proc = popen_launch_server(DEFAULT_SMALL_MODEL_NAME_FOR_TEST, url, log_path=log, other_args=list(args))
     try:
-        ipc_dir = _ipc_dir(log)
+        yield url, proc, log, _ipc_dir(log)
+    finally:
+        terminate_process(proc)
+
+
+def _assert_stopped_cleanly(children: list[psutil.Process], ipc_dir: str) -> None:
+    assert not os.path.exists(ipc_dir)
+    time.sleep(1)  # children notice their parent is gone within a second
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_sigterm_finishes_in_flight_requests_and_removes_its_sockets(tmp_path):
+    with _own_server(tmp_path, "--max-total-tokens", "2048") as (url, proc, _, ipc_dir):
         assert os.path.isdir(ipc_dir)
         children = psutil.Process(proc.pid).children(recursive=True)
         answer: list[requests.Response] = []
@@ -143,56 +159,41 @@ def test_sigterm_finishes_in_flight_requests_and_removes_its_sockets(tmp_path):
         t.join(timeout=30)
         assert answer and answer[0].status_code == 200
         assert answer[0].json()["meta_info"]["completion_tokens"] == 64
-        assert not os.path.exists(ipc_dir)
-        time.sleep(1)
-        assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
-    finally:
-        terminate_process(proc)
+        _assert_stopped_cleanly(children, ipc_dir)
 
 
 def test_killed_scheduler_makes_the_server_exit_nonzero_within_seconds(tmp_path):
-    url = f"http://127.0.0.1:{find_free_port()}"
-    log = str(tmp_path / "server.log")
-    proc = popen_launch_server(DEFAULT_SMALL_MODEL_NAME_FOR_TEST, url, log_path=log,
-                               other_args=["--max-total-tokens", "2048"])
-    try:
-        ipc_dir = _ipc_dir(log)
+    with _own_server(tmp_path, "--max-total-tokens", "2048") as (url, proc, log, ipc_dir):
         children = psutil.Process(proc.pid).children(recursive=True)
         scheduler = next(c for c in children if "spawn_main" in " ".join(c.cmdline()) and
                          c.memory_info().rss == max(k.memory_info().rss for k in children))
-        # A request in flight when the scheduler dies must not keep the server up.
-        t = threading.Thread(target=lambda: requests.post(f"{url}/generate", json={
-            "text": "Go", "sampling_params": LONG}, timeout=30), daemon=True)
+        answer: list[requests.Response] = []
+        t = threading.Thread(target=lambda: answer.append(requests.post(f"{url}/generate", json={
+            "text": "Go", "sampling_params": LONG}, timeout=30)))
         t.start()
         time.sleep(0.5)
         start = time.monotonic()
         os.kill(scheduler.pid, signal.SIGKILL)
         assert proc.wait(timeout=30) != 0
         assert time.monotonic() - start < 10
-        assert "process died" in open(log).read()
-        assert not os.path.exists(ipc_dir)
-        time.sleep(2)
-        assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
-    finally:
-        terminate_process(proc)
+        t.join(timeout=30)
+        # The request in flight is answered, not left hanging.
+        assert answer and answer[0].status_code == 503
+        assert "scheduler process died" in answer[0].json()["error"]["message"]
+        assert "Child process sglang-scheduler died" in open(log).read()
+        _assert_stopped_cleanly(children, ipc_dir)
 
 
 def test_watchdog_ends_a_forward_pass_that_runs_too_long(tmp_path):
-    url = f"http://127.0.0.1:{find_free_port()}"
-    log = str(tmp_path / "server.log")
     # A warm-up forward takes milliseconds; a 4,000-token prefill chunk takes seconds on a CPU.
-    proc = popen_launch_server(DEFAULT_SMALL_MODEL_NAME_FOR_TEST, url, log_path=log,
-                               other_args=["--max-total-tokens", "8192", "--watchdog-timeout", "0.5"])
-    try:
-        ipc_dir = _ipc_dir(log)
+    with _own_server(tmp_path, "--max-total-tokens", "8192", "--watchdog-timeout", "0.5") as (url, proc, log,
+                                                                                               ipc_dir):
+        children = psutil.Process(proc.pid).children(recursive=True)
         start = time.monotonic()
         r = requests.post(f"{url}/generate", timeout=60, json={
             "text": "word " * 4000, "sampling_params": {"max_new_tokens": 1}})
         assert r.status_code == 503 and "scheduler process died" in r.json()["error"]["message"]
         assert proc.wait(timeout=30) != 0
         assert time.monotonic() - start < 15
-        text = open(log).read()
-        assert "Scheduler watchdog: the extend forward pass has run for more than 0.5 s" in text
-        assert not os.path.exists(ipc_dir)
-    finally:
-        terminate_process(proc)
+        assert "Scheduler watchdog: the extend forward pass has run for more than 0.5 s" in open(log).read()
+        _assert_stopped_cleanly(children, ipc_dir)

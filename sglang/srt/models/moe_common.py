@@ -18,6 +18,8 @@ def is_sparse_layer(config: Any, layer_id: int) -> bool:
 def check_full_attention(config: Any) -> None:
     """Refuse a sliding attention window smaller than the context: the attention backend attends to all tokens."""
     window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False:  # Qwen configs carry a window they do not use
+        return
     if window and window < config.max_position_embeddings:
         raise ValueError(
             f"Sliding-window attention (sliding_window={window} < max_position_embeddings="
