@@ -311,7 +311,20 @@ def test_qwen2_moe_counts_match_transformers_router(tmp_path, smollm2_tokenizer)
             }).json()
             assert requests.post(f"{url}/stop_expert_distribution_record").text == STOP
             assert requests.post(f"{url}/dump_expert_distribution_record").text == DUMP
-    (path,) = dump_dir.glob("*.pt")
+            (path,) = dump_dir.glob("*.pt")
+            # Notebook 004's cell, unchanged but for the server it talks to (a MoE model here too).
+            port = url.rsplit(":", 1)[1]
+            response = requests.post(f"http://localhost:{port}/start_expert_distribution_record")
+            assert str(response) == "<Response [200]>"
+            response = requests.post(f"http://localhost:{port}/generate",
+                                     json={"text": "What is the capital of France?"})
+            cell_out = response.json()
+            response = requests.post(f"http://localhost:{port}/stop_expert_distribution_record")
+            response = requests.post(f"http://localhost:{port}/dump_expert_distribution_record")
+            assert str(response) == "<Response [200]>"
+    (cell_path,) = set(dump_dir.glob("*.pt")) - {path}
+    cell_tokens = cell_out["meta_info"]["prompt_tokens"] + cell_out["meta_info"]["completion_tokens"] - 1
+    assert int(torch.load(cell_path)["logical_count"].sum()) == cell_tokens * 2 * config.num_experts_per_tok
     counts = torch.load(path)["logical_count"]
 
     expected = torch.zeros((2, 8), dtype=torch.int64)
