@@ -10,6 +10,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from unittest import mock
 
 import psutil
 import pytest
@@ -24,8 +25,10 @@ LONG = {"max_new_tokens": 1500, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def base_url():
-    with running_server("--max-running-requests", "2", "--max-queued-requests", "1", "--request-timeout", "6",
-                        "--max-request-body-bytes", "65536", "--max-total-tokens", "8192") as url:
+    # Requests whose id starts with "fault-" fail inside the scheduler (sglang/srt/managers/scheduler/results.py).
+    limits = ["--max-running-requests", "2", "--max-queued-requests", "1", "--request-timeout", "6",
+              "--max-request-body-bytes", "65536", "--max-total-tokens", "8192"]
+    with mock.patch.dict(os.environ, {"SGLANG_TEST_FAULT_RID_PREFIX": "fault-"}), running_server(*limits) as url:
         yield url
 
 
@@ -118,6 +121,28 @@ def test_streaming_timeout_ends_with_an_error_event(base_url):
     assert lines[-1] == b"data: [DONE]"
     assert b'"code":504' in lines[-2] and b"--request-timeout" in lines[-2]
     _wait_idle(base_url)
+
+
+def test_a_request_failing_in_the_scheduler_gets_a_500_and_the_others_carry_on(base_url):
+    innocent: list[requests.Response] = []
+    t = threading.Thread(target=lambda: innocent.append(requests.post(f"{base_url}/generate", json={
+        "text": "Count slowly", "sampling_params": {"max_new_tokens": 48, "ignore_eos": True, "temperature": 0}})))
+    t.start()
+    time.sleep(0.3)  # the two share decode batches
+    failed = requests.post(f"{base_url}/generate", json={
+        "text": "Count slowly", "rid": "fault-1", "sampling_params": {"max_new_tokens": 48, "ignore_eos": True}})
+    assert failed.status_code == 500
+    assert "Internal server error while running the request" in failed.json()["error"]["message"]
+    t.join()
+    assert innocent[0].status_code == 200 and innocent[0].json()["meta_info"]["completion_tokens"] == 48
+    stream = requests.post(f"{base_url}/v1/completions", json={
+        "model": "m", "prompt": "x", "max_tokens": 4, "stream": True, "rid": "fault-2"})
+    # It fails before its first event, so the stream is answered as a plain OpenAI error.
+    assert stream.status_code == 500 and stream.json()["type"] == "InternalServerError"
+    _wait_idle(base_url)
+    ok = requests.post(f"{base_url}/generate", json={"text": "Count slowly", "sampling_params": {
+        "max_new_tokens": 48, "ignore_eos": True, "temperature": 0}})
+    assert ok.json()["text"] == innocent[0].json()["text"]
 
 
 def _ipc_dir(log_path: str) -> str:

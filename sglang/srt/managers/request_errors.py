@@ -25,6 +25,12 @@ class ServerBusyError(RequestRefused):
     status_code = 503
 
 
+class InternalRequestError(RequestRefused):
+    """The request failed inside the server (a bug or a fault, not its input): 500. Other requests carry on."""
+
+    status_code = 500
+
+
 class WorkerDiedError(RequestRefused):
     """A worker process died while the request was in flight: 503 (the server is going down)."""
 

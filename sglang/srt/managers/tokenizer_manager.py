@@ -30,7 +30,12 @@ from sglang.srt.managers.io_struct import (
 )
 from sglang.srt.managers.logprob_format import LogprobFormatter
 from sglang.srt.managers.prompt_limits import allowed_input_len, check_output_limits, check_token_ids
-from sglang.srt.managers.request_errors import RequestRefused, check_queue_capacity, wait_until
+from sglang.srt.managers.request_errors import (
+    InternalRequestError,
+    RequestRefused,
+    check_queue_capacity,
+    wait_until,
+)
 from sglang.srt.managers.rw_lock import RWLock
 from sglang.srt.metrics import ServerMetrics
 from sglang.srt.model_loader.model_info import ModelInfo
@@ -276,6 +281,8 @@ class TokenizerManager:
         reason = state.finish_reason
         if isinstance(reason, FinishAbort) and reason.is_bad_request:
             raise ValueError(reason.message)
+        if isinstance(reason, FinishAbort) and (reason.status_code or 0) >= 500:
+            raise InternalRequestError(reason.message)
 
     def _make_output(self, state: ReqState) -> dict:
         reason = state.finish_reason.to_json() if state.finish_reason is not None else None

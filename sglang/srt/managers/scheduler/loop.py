@@ -21,7 +21,6 @@ from sglang.srt.managers.io_struct import (
     GetInternalStateReqOutput,
     SchedulerInfo,
     SchedulerStartupError,
-    SchedulerState,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
@@ -35,7 +34,8 @@ from sglang.srt.managers.scheduler.output import (
 from sglang.srt.managers.scheduler.policy import SchedulePolicy
 from sglang.srt.managers.scheduler.prefill_adder import PrefillAdder
 from sglang.srt.managers.scheduler.priority import PriorityGate, by_priority
-from sglang.srt.managers.scheduler.results import process_result
+from sglang.srt.managers.scheduler.results import fail_batch, process_result
+from sglang.srt.managers.scheduler.stats import check_memory, internal_state, log_prefill
 from sglang.srt.managers.scheduler.watchdog import ForwardWatchdog
 from sglang.srt.managers.scheduler.weight_update import WEIGHT_MESSAGES, WeightControl
 from sglang.srt.mem_cache.memory_pools import build_memory_pools
@@ -147,7 +147,7 @@ class Scheduler:
                     if self.grammar_queue:
                         self.recv_from_tokenizer.poll(timeout=5)  # wait for a message or a compile
                     else:
-                        self.check_memory()
+                        check_memory(self)
                 continue
             if self.is_embedding:
                 with self.watchdog.guard("embedding"):
@@ -155,10 +155,15 @@ class Scheduler:
                 continue
             forward_batch, sampling = batch.forward_inputs(self.mem, self.runner.vocab_size, self.runner.device)
             self.expert_record.begin_pass(self.forward_ct, batch, forward_batch)
-            with self.watchdog.guard(forward_batch.forward_mode.name.lower()):
-                result = self.runner.forward(forward_batch, sampling)
-            self.expert_record.end_pass()
-            finished_or_streamed = process_result(self, batch, result)
+            try:
+                with self.watchdog.guard(forward_batch.forward_mode.name.lower()):
+                    result = self.runner.forward(forward_batch, sampling)
+            except Exception as e:  # noqa: BLE001 - the batch's requests fail, the server keeps serving
+                finished_or_streamed = fail_batch(self, batch, e)
+            else:
+                finished_or_streamed = process_result(self, batch, result)
+            finally:
+                self.expert_record.end_pass()
             if finished_or_streamed:
                 self.send_to_detokenizer.send_pyobj(build_output_message(finished_or_streamed))
 
@@ -188,7 +193,7 @@ class Scheduler:
         elif isinstance(msg, ExpertDistributionReq):
             self.send_to_detokenizer.send_pyobj(self.expert_record.handle(msg))
         elif isinstance(msg, GetInternalStateReq):
-            self.send_to_detokenizer.send_pyobj(GetInternalStateReqOutput(self.internal_state()))
+            self.send_to_detokenizer.send_pyobj(GetInternalStateReqOutput(internal_state(self)))
         elif isinstance(msg, WEIGHT_MESSAGES):
             self.weight_control.handle(msg)
         else:
@@ -306,7 +311,7 @@ class Scheduler:
             req.already_computed = len(req.fill_ids)
         self.total_cached_tokens += cached
         self.total_prompt_tokens += sum(batch.extend_lens) + cached
-        self._log_prefill(batch, cached)
+        log_prefill(self, batch, cached)
         return batch
 
     def get_decode_batch(self) -> ScheduleBatch:
@@ -327,73 +332,13 @@ class Scheduler:
         self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
         logger.info("Retract request %s (#running-req: %d)", victim.rid, len(self.running))
 
-    # ---- cache control, invariants, state -------------------------------------------------------------
+    # ---- cache control (invariants, state and logs: stats.py) ------------------------------------------
     def flush_cache(self) -> bool:
         if not self.is_idle():
             return False
         self.mem.clear()
         logger.info("Cache flushed successfully!")
         return True
-
-    def check_memory(self) -> None:
-        """When idle, every slot is either free or held by the prefix cache, and nothing is locked."""
-        free = self.mem.allocator.available_size()
-        cached = self.mem.tree_cache.total_size()
-        protected = self.mem.tree_cache.protected_size()
-        rows_free = self.mem.req_to_token_pool.available_size()
-        rows_total = self.max_running_requests + 1
-        if free + cached != self.max_total_num_tokens or protected != 0 or rows_free != rows_total:
-            self.invariant_error = (
-                f"memory leak: free={free} cached={cached} protected={protected} "
-                f"total={self.max_total_num_tokens} free_rows={rows_free}/{rows_total}"
-            )
-            logger.error(self.invariant_error)
-
-    def token_usage(self) -> float:
-        used = self.max_total_num_tokens - self.mem.available_tokens()
-        return used / self.max_total_num_tokens
-
-    def internal_state(self) -> SchedulerState:
-        if self.is_idle():
-            self.check_memory()
-        used = self.max_total_num_tokens - self.mem.available_tokens()
-        return SchedulerState(
-            info=self.info(),
-            last_gen_throughput=self.last_gen_throughput,
-            num_running_reqs=len(self.running) + (self.chunked_req is not None),
-            num_queue_reqs=len(self.waiting) + len(self.grammar_queue),
-            num_grammar_queue_reqs=len(self.grammar_queue),
-            num_jump_forward_tokens=self.num_jump_forward_tokens,
-            token_usage=self.token_usage(),
-            used_kv_tokens=used,
-            cache_hit_rate=self.total_cached_tokens / max(1, self.total_prompt_tokens),
-            evictable_size=self.mem.tree_cache.evictable_size(),
-            free_kv_tokens=self.mem.allocator.available_size(),
-            invariant_error=self.invariant_error,
-            load=used + sum(len(r.origin_input_ids) for r in self.waiting),
-        )
-
-    # ---- logging --------------------------------------------------------------------------------------
-    def _log_prefill(self, batch: ScheduleBatch, cached: int) -> None:
-        logger.info(
-            "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
-            "#running-req: %d, #queue-req: %d",
-            len(batch), sum(batch.extend_lens), cached, self.token_usage(), len(self.running), len(self.waiting),
-        )
-
-    def _maybe_log_decode(self) -> None:
-        if self.forward_ct % self.args.decode_log_interval != 0:
-            return
-        now = time.monotonic()
-        self.last_gen_throughput = self.num_generated_tokens / max(now - self.last_log_time, 1e-6)
-        self.last_log_time, self.num_generated_tokens = now, 0
-        logger.info(
-            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
-            "#queue-req: %d",
-            len(self.running), self.max_total_num_tokens - self.mem.available_tokens(), self.token_usage(),
-            self.last_gen_throughput, len(self.waiting),
-        )
-
 
 def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, model_info: ModelInfo, pipe_writer
                           ) -> None:
