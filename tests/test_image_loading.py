@@ -4,6 +4,8 @@ the field."""
 from __future__ import annotations
 
 import base64
+import dataclasses
+import os
 
 import pytest
 from PIL import Image
@@ -27,8 +29,9 @@ def test_every_accepted_form_decodes_to_the_same_pixels(picture, tmp_path):
     b64 = base64.b64encode(data).decode()
     forms = [picture, data, str(path), f"file://{path}", b64, f"data:image/png;base64,{b64}",
              {"url": f"data:image/png;base64,{b64}"}]
+    local = dataclasses.replace(LIMITS, local_media_root=os.path.realpath(tmp_path))
     for form in forms:
-        loaded = load_image_input(form, LIMITS)
+        loaded = load_image_input(form, local)
         assert loaded.size == (40, 30)
         assert loaded.convert("RGB").tobytes() == picture.tobytes(), type(form)
 
@@ -45,6 +48,23 @@ def test_refused_inputs_name_the_field(item, message):
     with pytest.raises(ImageInputError, match="^image_data\\[2\\]: ") as info:
         load_image_input(item, LIMITS, "image_data[2]")
     assert message in str(info.value)
+
+
+def test_local_files_are_read_only_inside_the_allowed_folder(picture, tmp_path):
+    allowed, other = tmp_path / "allowed", tmp_path / "other"
+    allowed.mkdir()
+    other.mkdir()
+    (other / "p.png").write_bytes(png_bytes(picture))
+    (allowed / "link.png").symlink_to(other / "p.png")
+    local = dataclasses.replace(LIMITS, local_media_root=os.path.realpath(allowed))
+    for outside in (str(other / "p.png"), str(allowed / ".." / "other" / "p.png"), str(allowed / "link.png")):
+        with pytest.raises(ImageInputError, match="outside --allowed-local-media-path"):
+            load_image_input(outside, local)
+    # Without an allowed folder nothing is read from disk; a path is just not valid base64.
+    with pytest.raises(ImageInputError, match="not a readable file path"):
+        load_image_input(str(other / "p.png"), LIMITS)
+    with pytest.raises(ImageInputError, match="local files are not readable"):
+        load_image_input(f"file://{other / 'p.png'}", LIMITS)
 
 
 def test_size_limits_apply_before_decoding(tmp_path):

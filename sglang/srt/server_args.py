@@ -61,6 +61,8 @@ class ServerArgs:
     # Image inputs (sglang/srt/multimodal/image_loading.py): http(s) image URLs are fetched only from these
     # comma-separated domains (or SGLANG_ALLOWED_IMAGE_URL_DOMAINS); none by default. Size limits per image.
     allowed_image_url_domains: Optional[str] = None
+    # Image inputs given as local paths / file:// URLs are read only under this folder; None: refused.
+    allowed_local_media_path: Optional[str] = None
     image_url_timeout: float = 5.0
     max_image_bytes: int = 20 * 1024 * 1024
     max_image_pixels: int = 4096 * 4096

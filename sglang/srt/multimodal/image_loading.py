@@ -3,7 +3,8 @@
 Every failure is an `ImageInputError` (a ValueError, so the API answers 400) whose message starts with the
 field it concerns, e.g. `image_data[1]: ...`. Remote URLs are refused unless their host is in the allow-list
 (`--allowed-image-url-domains` or SGLANG_ALLOWED_IMAGE_URL_DOMAINS; a domain also allows its subdomains), and
-are fetched with a timeout and a byte limit.
+are fetched with a timeout and a byte limit. Local files are read only under `--allowed-local-media-path` (off
+by default: a remote client should not make the server read its files).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class ImageLimits:
     max_pixels: int = 4096 * 4096
     url_timeout: float = 5.0
     allowed_domains: tuple[str, ...] = ()
+    # Local files are read only under this folder (--allowed-local-media-path); None: never.
+    local_media_root: Optional[str] = None
 
     @classmethod
     def from_server_args(cls, args: Any) -> ImageLimits:
@@ -42,6 +45,7 @@ class ImageLimits:
             max_pixels=int(getattr(args, "max_image_pixels", cls.max_pixels)),
             url_timeout=float(getattr(args, "image_url_timeout", cls.url_timeout)),
             allowed_domains=domains,
+            local_media_root=_real_dir(getattr(args, "allowed_local_media_path", None)),
         )
 
     def domain_allowed(self, host: str) -> bool:
@@ -76,15 +80,34 @@ def load_image_input(item: Any, limits: ImageLimits, field: str = "image_data") 
         if ";base64" not in header:
             raise ImageInputError(f"{field}: only base64 data URIs are supported")
         return _decode(_b64(payload, field), limits, field)
-    if item.startswith("file://"):
+    is_file_url = item.startswith("file://")
+    if is_file_url:
         item = item[len("file://"):]
+    if limits.local_media_root is None:
+        # Without an allowed folder the file system is never consulted, so a request learns nothing of it.
+        if is_file_url:
+            raise ImageInputError(f"{field}: local files are not readable by this server (see "
+                                  "--allowed-local-media-path)")
+        return _decode(_b64(item, field), limits, field)
     if len(item) < 4096 and os.path.isfile(item):
+        if not _inside(item, limits.local_media_root):
+            raise ImageInputError(f"{field}: the file is outside --allowed-local-media-path")
         size = os.path.getsize(item)
         if size > limits.max_bytes:
             raise ImageInputError(f"{field}: image file is {size} bytes, over the limit of {limits.max_bytes}")
         with open(item, "rb") as f:
             return _decode(f.read(), limits, field)
     return _decode(_b64(item, field), limits, field)
+
+
+def _real_dir(path: Optional[str]) -> Optional[str]:
+    return os.path.realpath(path) if path else None
+
+
+def _inside(path: str, root: str) -> bool:
+    """Whether `path`, links resolved, lies in the folder `root` (so `..` and symlinks cannot leave it)."""
+    real = os.path.realpath(path)
+    return os.path.commonpath([real, root]) == root
 
 
 def _b64(text: str, field: str) -> bytes:
