@@ -16,9 +16,9 @@ logger = logging.getLogger(__name__)
 # Flags that only matter on hardware or topologies this engine does not use. They are accepted so that
 # upstream command lines run unchanged; a non-default value is reported once at startup.
 NOT_APPLICABLE_FLAGS = (
-    "tp_size", "pp_size", "dp_size", "nnodes", "node_rank", "dist_init_addr", "base_gpu_id", "gpu_id_step",
+    "tp_size", "pp_size", "nnodes", "node_rank", "dist_init_addr", "base_gpu_id", "gpu_id_step",
     "cuda_graph_max_bs", "disable_cuda_graph", "disable_overlap_schedule", "enable_mixed_chunk",
-    "cpu_offload_gb", "kv_cache_dtype", "quantization", "load_balance_method", "lora_paths",
+    "cpu_offload_gb", "kv_cache_dtype", "quantization", "lora_paths",
     "attention_backend", "sampling_backend", "dist_timeout",
 )
 
@@ -93,7 +93,7 @@ class ServerArgs:
     graceful_shutdown_timeout: int = 30
     num_threads: Optional[int] = None
 
-    # Parallelism (single process here; accepted for compatibility)
+    # Parallelism: dp_size scheduler replicas (managers/data_parallel); the others are accepted for compatibility
     tp_size: int = 1
     pp_size: int = 1
     dp_size: int = 1
@@ -172,6 +172,14 @@ class ServerArgs:
             raise ValueError("--page-size: only 1 is supported")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"--max-total-tokens must be at least 16, got {self.max_total_tokens}")
+        from sglang.srt.managers.data_parallel.balancer import canonical_method
+
+        canonical_method(self.load_balance_method)
+        if self.dp_size < 1:
+            raise ValueError(f"--dp-size must be at least 1, got {self.dp_size}")
+        if self.max_total_tokens is not None and self.max_total_tokens // self.dp_size < 16:
+            raise ValueError(f"--max-total-tokens ({self.max_total_tokens}) is split between {self.dp_size} "
+                             "replicas (--dp-size): each needs at least 16 tokens")
         if self.max_file_size < 1:
             raise ValueError(f"--max-file-size must be a positive number of bytes, got {self.max_file_size}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
@@ -239,6 +247,7 @@ _CHOICES = {
     "schedule_policy": list(SCHEDULE_POLICIES),
     "grammar_backend": ["xgrammar", "outlines", "llguidance", "none"],
     "log_level": ["debug", "info", "warning", "error", "critical"],
+    "load_balance_method": ["round_robin", "shortest_queue", "cache_aware", "minimum_tokens"],
 }
 
 

@@ -12,10 +12,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
+from sglang.srt.entrypoints.replicas import (
+    attach_dispatcher,
+    replica_port_args,
+    replica_server_args,
+    start_scheduler_group,
+    wait_started,
+)
+from sglang.srt.managers.data_parallel import merge_infos
 from sglang.srt.managers.detokenizer_manager import run_detokenizer_process
-from sglang.srt.managers.io_struct import SchedulerInfo, SchedulerStartupError
+from sglang.srt.managers.io_struct import SchedulerInfo
 from sglang.srt.managers.process_utils import load_tokenizer_for
-from sglang.srt.managers.scheduler import run_scheduler_process
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.model_loader.model_info import ModelInfo, load_model_info
 from sglang.srt.server_args import PortArgs, ServerArgs
@@ -63,32 +70,23 @@ def launch_subprocesses(server_args: ServerArgs) -> Subprocesses:
     # detokenizer, HTTP) takes a core; passive waiting keeps the forward fast under that contention.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     ctx = mp.get_context("spawn")
-    reader, writer = ctx.Pipe(duplex=False)
-    scheduler = ctx.Process(
-        target=run_scheduler_process, args=(server_args, port_args, model_info, writer),
-        name="sglang-scheduler", daemon=True,
-    )
+    replica_args = replica_server_args(server_args)
+    replica_ports = [replica_port_args(port_args, r, server_args.dp_size) for r in range(server_args.dp_size)]
+    groups = [start_scheduler_group(ctx, replica_args, ports, model_info, r) for r, ports in enumerate(replica_ports)]
     detokenizer = ctx.Process(
         target=run_detokenizer_process, args=(server_args, port_args), name="sglang-detokenizer", daemon=True,
     )
-    scheduler.start()
     detokenizer.start()
-    procs = [scheduler, detokenizer]
+    procs = [p for g in groups for p in g.procs] + [detokenizer]
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not reader.poll(0.5):
-            if not scheduler.is_alive():
-                raise RuntimeError("The scheduler process exited during startup; see its log above.")
-            if time.monotonic() > deadline:
-                raise RuntimeError("The scheduler did not start in time.")
-        info = reader.recv()
-        if isinstance(info, SchedulerStartupError):
-            raise RuntimeError(f"The scheduler failed to start: {info.error}")
+        info = merge_infos(wait_started(groups, STARTUP_TIMEOUT_S))
     except BaseException:
         Subprocesses(None, None, model_info, procs, ipc_dir=port_args.ipc_dir).shutdown()  # type: ignore[arg-type]
         raise
     tokenizer = load_tokenizer_for(server_args)
-    manager = TokenizerManager(server_args, port_args, tokenizer, model_info, info)
+    manager = TokenizerManager(server_args, replica_ports[0], tokenizer, model_info, info)
+    if server_args.dp_size > 1:
+        attach_dispatcher(manager, server_args, replica_ports)
     return Subprocesses(manager, info, model_info, procs, ipc_dir=port_args.ipc_dir)
 
 

@@ -26,6 +26,7 @@ from sglang.srt.entrypoints.body_schemas import (
 from sglang.srt.entrypoints.responses import ORJSONResponse
 from sglang.srt.entrypoints.server_state import model_card, native_error, read_json, server_state
 from sglang.srt.entrypoints.sse import open_stream, sse_json, sse_response
+from sglang.srt.managers.data_parallel import merge_states
 from sglang.srt.managers.generate_input import GenerateReqInput
 from sglang.version import __version__
 
@@ -123,7 +124,8 @@ async def model_info(request: Request):
 @router.get("/server_info")
 async def server_info(request: Request):
     state = server_state(request)
-    internal = await state.tm.get_internal_state()
+    states = await state.tm.get_internal_states()
+    internal = merge_states(states)
     info = dataclasses.asdict(state.args)
     info.update(
         status="ready",
@@ -131,21 +133,22 @@ async def server_info(request: Request):
         max_req_input_len=internal.info.max_req_input_len,
         arithmetic=internal.info.arithmetic,
         internal_states=[{
-            "last_gen_throughput": internal.last_gen_throughput,
+            "last_gen_throughput": s.last_gen_throughput,
             "memory_usage": {
-                "weight": internal.info.weight_bytes / 2**30,
-                "kvcache": internal.info.kv_bytes / 2**30,
-                "token_capacity": internal.info.max_total_num_tokens,
+                "weight": s.info.weight_bytes / 2**30,
+                "kvcache": s.info.kv_bytes / 2**30,
+                "token_capacity": s.info.max_total_num_tokens,
                 "cuda_graph": 0,
             },
-            "load": internal.load,
-            "num_running_reqs": internal.num_running_reqs,
-            "num_queue_reqs": internal.num_queue_reqs,
-            "token_usage": internal.token_usage,
-            "cache_hit_rate": internal.cache_hit_rate,
-            "num_grammar_queue_reqs": internal.num_grammar_queue_reqs,
-            "num_jump_forward_tokens": internal.num_jump_forward_tokens,
-        }],
+            "load": s.load,
+            "num_running_reqs": s.num_running_reqs,
+            "num_queue_reqs": s.num_queue_reqs,
+            "token_usage": s.token_usage,
+            "cache_hit_rate": s.cache_hit_rate,
+            "num_grammar_queue_reqs": s.num_grammar_queue_reqs,
+            "num_jump_forward_tokens": s.num_jump_forward_tokens,
+            "evictable_size": s.evictable_size,
+        } for s in states],
         version=__version__,
     )
     return ORJSONResponse(info)
