@@ -151,7 +151,7 @@ def test_replies_fold_into_one():
     assert not merge_replies([FlushCacheReqOutput(True), FlushCacheReqOutput(False)]).success
     ok = UpdateWeightFromDiskReqOutput(True, "Succeeded to update model weights.")
     failed = merge_replies([ok, UpdateWeightFromDiskReqOutput(False, "bad shape")])
-    assert not failed.success and failed.message == "replica 1: bad shape"
+    assert not failed.success and failed.message == "1 of 2 replicas failed: bad shape"
     assert merge_replies([ok, ok]) == ok
     dumped = merge_replies([ExpertDistributionReqOutput(True, "/tmp/a.pt"), ExpertDistributionReqOutput(True, "/b")])
     assert dumped.success and dumped.message == "/tmp/a.pt"

@@ -114,9 +114,11 @@ def merge_replies(replies: Sequence[Any]) -> Any:
     if isinstance(first, FlushCacheReqOutput):
         return FlushCacheReqOutput(all(r.success for r in replies))
     if isinstance(first, (UpdateWeightFromDiskReqOutput, ExpertDistributionReqOutput)):
-        failed = [f"replica {i}: {r.message}" for i, r in enumerate(replies) if not r.success]
+        failed = [r.message for r in replies if not r.success]
         if failed:
-            return type(first)(False, "; ".join(failed))
+            # Replies carry no replica id; identical messages (the usual case) are said once.
+            reasons = "; ".join(dict.fromkeys(failed))
+            return type(first)(False, f"{len(failed)} of {len(replies)} replicas failed: {reasons}")
         if len(set(r.message for r in replies)) > 1:
             # A dump writes one file per replica; the first is the answer, the others are logged.
             logger.info("Replica replies: %s", [r.message for r in replies])
