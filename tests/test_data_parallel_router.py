@@ -161,3 +161,21 @@ def test_replies_fold_into_one():
     assert state.info.max_total_num_tokens == 400 and state.info.max_req_input_len == 92
     assert state.info.max_running_requests == 32
     assert state.token_usage == pytest.approx(0.1) and state.cache_hit_rate == pytest.approx(0.3)
+
+
+def test_each_replica_gets_its_share_and_its_own_input_socket():
+    from sglang.srt.entrypoints.replicas import replica_port_args, replica_server_args
+    from sglang.srt.server_args import PortArgs
+
+    args = ServerArgs(model_path="m", device="cpu", dp_size=2, max_total_tokens=8192, mem_fraction_static=0.3)
+    share = replica_server_args(args)
+    assert (share.max_total_tokens, share.mem_fraction_static) == (4096, 0.15)
+    assert share.num_threads is not None and share.num_threads >= 1
+    assert replica_server_args(ServerArgs(model_path="m", device="cpu", dp_size=2, num_threads=3)).num_threads == 3
+    single = ServerArgs(model_path="m", device="cpu")
+    assert replica_server_args(single) is single
+    ports = PortArgs("ipc:///x/tok", "ipc:///x/sched", "ipc:///x/detok")
+    assert replica_port_args(ports, 0, 1) == ports
+    names = [replica_port_args(ports, r, 2) for r in range(2)]
+    assert [p.scheduler_input_ipc_name for p in names] == ["ipc:///x/sched-0", "ipc:///x/sched-1"]
+    assert {p.detokenizer_ipc_name for p in names} == {"ipc:///x/detok"}  # one shared detokenizer
