@@ -179,3 +179,35 @@ def test_each_replica_gets_its_share_and_its_own_input_socket():
     names = [replica_port_args(ports, r, 2) for r in range(2)]
     assert [p.scheduler_input_ipc_name for p in names] == ["ipc:///x/sched-0", "ipc:///x/sched-1"]
     assert {p.detokenizer_ipc_name for p in names} == {"ipc:///x/detok"}  # one shared detokenizer
+
+
+def test_control_gathers_one_reply_per_replica_even_after_a_caller_gives_up():
+    import asyncio
+
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    tm = TokenizerManager.__new__(TokenizerManager)  # only the control path: no sockets, no model
+    tm.server_args = ServerArgs(model_path="m", dp_size=2)
+    tm.control_waiters, tm.control_locks = {}, {}
+    tm._ensure_recv_loop = lambda: None  # type: ignore[method-assign]
+    sent = _Socket()
+    tm.send_to_scheduler = sent  # type: ignore[assignment]
+
+    async def scenario() -> None:
+        first = asyncio.ensure_future(tm._control(FlushCacheReq(), FlushCacheReqOutput))
+        await asyncio.sleep(0)
+        queue = tm.control_waiters[FlushCacheReqOutput]
+        queue.put_nowait(FlushCacheReqOutput(False))
+        first.cancel()  # the caller gives up with one of its two replies still to come
+        second = asyncio.ensure_future(tm._control(FlushCacheReq(), FlushCacheReqOutput))
+        await asyncio.sleep(0)
+        assert len(sent.sent) == 1  # the second exchange waits for the first one's last reply
+        queue.put_nowait(FlushCacheReqOutput(False))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert len(sent.sent) == 2
+        queue.put_nowait(FlushCacheReqOutput(True))
+        queue.put_nowait(FlushCacheReqOutput(True))
+        assert (await second).success  # neither stale failure reached it
+
+    asyncio.run(scenario())

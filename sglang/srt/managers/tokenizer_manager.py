@@ -382,10 +382,22 @@ class TokenizerManager:
         self._ensure_recv_loop()
         queue = self.control_waiters.setdefault(reply_type, asyncio.Queue())
         # One exchange of a type at a time: replies carry no request id, so two concurrent gathers could
-        # otherwise each take two replies of the same replica.
-        async with self.control_locks.setdefault(reply_type, asyncio.Lock()):
+        # otherwise each take two replies of the same replica. The gathering task, not the caller, releases
+        # the lock once every reply is in, so a caller that gives up leaves no stale reply for the next one.
+        lock = self.control_locks.setdefault(reply_type, asyncio.Lock())
+        await lock.acquire()
+        try:
             self.send_to_scheduler.send_pyobj(req)
+        except BaseException:
+            lock.release()
+            raise
+        return await asyncio.shield(asyncio.ensure_future(self._gather_replies(queue, lock)))
+
+    async def _gather_replies(self, queue: asyncio.Queue, lock: asyncio.Lock) -> list[Any]:
+        try:
             return [await queue.get() for _ in range(self.server_args.dp_size)]
+        finally:
+            lock.release()
 
     async def flush_cache(self) -> bool:
         out: FlushCacheReqOutput = await self._control(FlushCacheReq(), FlushCacheReqOutput)
