@@ -170,7 +170,7 @@ def test_weight_update_reaches_both_replicas(dp_server, smollm2_dir, smollm2_tok
     bad = requests.post(f"{url}/update_weights_from_disk", json={"model_path": str(tmp_path / "missing")},
                         timeout=300)
     assert bad.status_code == 400 and not bad.json()["success"]
-    assert bad.json()["message"].startswith("2 of 2 replicas failed: ")
+    assert bad.json()["message"] == f"Failed to get weights iterator: {tmp_path / 'missing'} (repository not found)."
 
 
 def test_a_dead_replica_stops_the_server(dp_server):

@@ -116,9 +116,12 @@ def merge_replies(replies: Sequence[Any]) -> Any:
     if isinstance(first, (UpdateWeightFromDiskReqOutput, ExpertDistributionReqOutput)):
         failed = [r.message for r in replies if not r.success]
         if failed:
-            # Replies carry no replica id; identical messages (the usual case) are said once.
-            reasons = "; ".join(dict.fromkeys(failed))
-            return type(first)(False, f"{len(failed)} of {len(replies)} replicas failed: {reasons}")
+            reasons = list(dict.fromkeys(failed))
+            if len(failed) == len(replies) and len(reasons) == 1:
+                # Every replica refused for the same reason (a wrong path): the single-replica answer, verbatim.
+                return type(first)(False, reasons[0])
+            # Replies carry no replica id; identical messages are said once.
+            return type(first)(False, f"{len(failed)} of {len(replies)} replicas failed: {'; '.join(reasons)}")
         if len(set(r.message for r in replies)) > 1:
             # A dump writes one file per replica; the first is the answer, the others are logged.
             logger.info("Replica replies: %s", [r.message for r in replies])
