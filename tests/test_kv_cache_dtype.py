@@ -71,6 +71,21 @@ def test_decode_kernel_reads_stored_dtype(dtype, heads, kv_heads, dim):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dim", [8, 4])
+def test_decode_kernel_decodes_every_fp8_code(dtype, dim):
+    """One key per sequence: the output is its value row, so every finite fp8 code must decode exactly (dim 8: the
+    vector conversion, dim 4: the scalar one)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(dtype)
+    codes = codes[torch.isfinite(codes.float())]
+    rows = codes[: len(codes) // dim * dim].view(-1, 1, dim)
+    q = torch.randn(rows.shape[0], 1, dim)
+    idx = torch.arange(rows.shape[0])[:, None]
+    out = cpu_ops.paged_decode_attention(q, rows, rows, idx, torch.ones(rows.shape[0], dtype=torch.int64), 1.0)
+    assert torch.equal(out, rows.float())
+
+
+@needs_kernels
 def test_decode_kernel_rejects_mixed_dtypes():
     k = torch.zeros(10, 1, 8, dtype=torch.bfloat16)
     q = torch.zeros(1, 1, 8)

@@ -69,6 +69,24 @@ inline __m256 load8(const bf16* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
+#if defined(__F16C__)
+// fp8 through the F16C half -> float conversion (a table gather costs several times more per element).
+// e5m2 is the high byte of an IEEE half.
+inline __m256 load8(const e5m2* p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), bytes));
+}
+// e4m3 (bias 7) read as a half (bias 15) with its exponent and mantissa bits in place, times 2^8: exact for
+// every finite value, subnormals included; the NaN codes 0x7F / 0xFF are patched in.
+inline __m256 load8(const e4m3* p) {
+  const __m128i h = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i mag = _mm_and_si128(h, _mm_set1_epi16(0x7F));
+  const __m128i half = _mm_or_si128(_mm_slli_epi16(mag, 7), _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x80)), 8));
+  const __m256 value = _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.f));
+  const __m128i nan = _mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7F));
+  return _mm256_blendv_ps(value, _mm256_set1_ps(kE4M3[0x7F]), _mm256_castsi256_ps(_mm256_cvtepi16_epi32(nan)));
+}
+#else
 inline __m256 load8(const e4m3* p) {
   const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   return _mm256_i32gather_ps(kE4M3.data(), idx, 4);
@@ -77,6 +95,7 @@ inline __m256 load8(const e5m2* p) {
   const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   return _mm256_i32gather_ps(kE5M2.data(), idx, 4);
 }
+#endif
 #endif
 
 }  // namespace kv_types
