@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 NOT_APPLICABLE_FLAGS = (
     "tp_size", "pp_size", "nnodes", "node_rank", "dist_init_addr", "base_gpu_id", "gpu_id_step",
     "cuda_graph_max_bs", "disable_cuda_graph", "disable_overlap_schedule", "enable_mixed_chunk",
-    "cpu_offload_gb", "kv_cache_dtype", "quantization", "lora_paths",
+    "cpu_offload_gb", "quantization", "lora_paths",
     "attention_backend", "sampling_backend", "dist_timeout",
 )
 
@@ -34,6 +34,7 @@ class ServerArgs:
     load_format: str = "auto"
     trust_remote_code: bool = False
     dtype: str = "auto"
+    # K/V storage: auto (the model dtype), float32, bfloat16/bf16, fp8_e4m3, fp8_e5m2 (mem_cache/kv_dtype.py).
     kv_cache_dtype: str = "auto"
     quantization: Optional[str] = None
     context_length: Optional[int] = None
@@ -168,6 +169,9 @@ class ServerArgs:
             raise ValueError("--model-path is required")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"--schedule-policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        from sglang.srt.mem_cache.kv_dtype import check_kv_cache_dtype
+
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.page_size != 1:
             raise ValueError("--page-size: only 1 is supported")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:

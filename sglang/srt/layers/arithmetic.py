@@ -57,15 +57,19 @@ class ArithmeticPlan:
     # GEMM for prefill / extend / decode batches above the small-batch row limit: float32 | bfloat16 | int8
     large_batch_gemm: str
     reason: str
+    # --kv-cache-dtype resolved (mem_cache/kv_dtype.py); None: the KV cache uses the weight dtype
+    kv_cache_dtype: Optional[torch.dtype] = None
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        return self.weight_dtype
+        return self.kv_cache_dtype or self.weight_dtype
 
     def describe(self) -> str:
         dtype = str(self.weight_dtype).removeprefix("torch.")
+        kv = str(self.kv_dtype).removeprefix("torch.")
+        stored = f"weights and KV cache {dtype}" if kv == dtype else f"weights {dtype}, KV cache {kv}"
         where = f"CPU class {self.cpu_class}" if self.cpu_class else self.device
-        return (f"Arithmetic: {where}; weights and KV cache {dtype}; prefill and large batches "
+        return (f"Arithmetic: {where}; {stored}; prefill and large batches "
                 f"{self.large_batch_gemm} GEMM ({self.reason})")
 
     def to_dict(self) -> dict[str, str]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from sglang.srt.mem_cache.kv_dtype import to_kv_dtype
+
 
 class KVPool:
     """K and V buffers for every layer: `[size + 1, kv_heads, head_dim]` each.
@@ -49,6 +51,6 @@ class KVPool:
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k/v of shape [num_tokens, kv_heads, head_dim] at slots `loc`."""
-        self.k_buffer[layer_id][loc] = k.to(self.dtype)
-        self.v_buffer[layer_id][loc] = v.to(self.dtype)
+        """Store k/v of shape [num_tokens, kv_heads, head_dim] at slots `loc`, converted to the pool's dtype."""
+        self.k_buffer[layer_id][loc] = to_kv_dtype(k, self.dtype)
+        self.v_buffer[layer_id][loc] = to_kv_dtype(v, self.dtype)

@@ -56,12 +56,14 @@ def describe_attention(attn_backend: AttentionBackend, device: torch.device) -> 
 
 def plan_decode(model: nn.Module, kv_pool: KVPool, attn_backend: AttentionBackend, max_rows: int,
                 device: torch.device) -> DecodePlan:
+    kv = str(kv_pool.dtype).removeprefix("torch.")
     layer_by_layer = (f"layer by layer (linears: {describe_linear_methods(model)}; "
-                      f"attention: {describe_attention(attn_backend, device)})")
+                      f"attention: {describe_attention(attn_backend, device)}; KV cache {kv})")
     reason = (why_not_fused(model, kv_pool.k_buffer, kv_pool.v_buffer, max_rows) if device.type == "cpu"
               else f"device is {device.type}")
     fused = build_fused_decode(model, kv_pool.k_buffer, kv_pool.v_buffer, max_rows) if reason is None else None
     if fused is None:
         return DecodePlan(None, f"Decode path: every batch {layer_by_layer}; fused CPU decode step off: {reason}")
     return DecodePlan(fused, f"Decode path: batches of 1-{max_rows} sequences run the {fused.name} "
-                             f"(sglang/srt/model_executor/fused_cpu_decode.py); larger batches {layer_by_layer}")
+                             f"(sglang/srt/model_executor/fused_cpu_decode.py, KV cache {kv}); "
+                             f"larger batches {layer_by_layer}")

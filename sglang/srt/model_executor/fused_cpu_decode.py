@@ -22,10 +22,11 @@ from sglang.srt.layers.cpu_extension import CpuExtension
 from sglang.srt.layers.cpu_ops import CSRC
 from sglang.srt.layers.quantization.gguf_blocks import KERNELS_HEADER
 from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
+from sglang.srt.mem_cache.kv_dtype import KERNEL_KV_DTYPES
 
 DISABLE_ENV = "SGLANG_DISABLE_FUSED_DECODE"
 _EXTENSION = CpuExtension("sglang_decode_stack", CSRC / "decode_stack.cpp", "fused CPU decode step", DISABLE_ENV,
-                          headers=[CSRC / "cpu_kernels.h", KERNELS_HEADER])
+                          headers=[CSRC / "cpu_kernels.h", CSRC / "kv_types.h", KERNELS_HEADER])
 
 
 def available() -> bool:
@@ -80,8 +81,8 @@ def why_not_fused(model: Any, k_buffers: list[torch.Tensor], v_buffers: list[tor
     dtype = backbone.embed_tokens.weight.dtype
     if dtype != torch.float32:
         return f"the model runs in {dtype} (the step and the GGUF blocks compute in float32; --dtype float32)"
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in [*k_buffers, *v_buffers]):
-        return "the KV cache is not float32 on CPU"
+    if any(t.dtype not in KERNEL_KV_DTYPES or t.device.type != "cpu" for t in [*k_buffers, *v_buffers]):
+        return "the KV cache is not float32, bfloat16 or fp8 on CPU"
     if any(_quant_args(m) is None for layer in layers
            for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)):
         return "not every linear layer runs on GGUF Q4_1/Q8_0 blocks"

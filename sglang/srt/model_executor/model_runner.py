@@ -84,7 +84,8 @@ class ModelRunner:
         config = self.hf_config.get_text_config()  # the decoder's settings, also for vision-language configs
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return KVCacheSpec(config.num_hidden_layers, num_kv_heads, head_dim, self.dtype)
+        kv_dtype = self.arithmetic.kv_dtype if self.arithmetic is not None else self.dtype
+        return KVCacheSpec(config.num_hidden_layers, num_kv_heads, head_dim, kv_dtype)
 
     def bind_kv_pool(self, kv_pool: KVPool) -> None:
         """Choose the decode path for the K/V buffers every forward will use, and log the choice."""

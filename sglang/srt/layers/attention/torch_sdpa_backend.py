@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.layers import cpu_ops
 from sglang.srt.layers.attention.base import AttentionBackend, AttentionLayerSpec
+from sglang.srt.mem_cache.kv_dtype import KERNEL_KV_DTYPES
 
 
 @dataclass
@@ -103,7 +104,7 @@ class TorchSDPABackend(AttentionBackend):
         pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         k_cache, v_cache = pool.get_kv_buffer(layer.layer_id)
         meta: DecodeMetadata = forward_batch.attn_metadata
-        if meta.use_kernel and q.dtype == torch.float32 and k_cache.dtype == torch.float32:
+        if meta.use_kernel and q.dtype == torch.float32 and k_cache.dtype in KERNEL_KV_DTYPES:
             out = cpu_ops.paged_decode_attention(
                 q, k_cache, v_cache, meta.kv_indices, forward_batch.seq_lens, layer.scaling
             )

@@ -1,10 +1,13 @@
 // Float32 building blocks of the CPU decode step, on raw pointers: shared by the standalone kernels (cpu_ops.cpp)
-// and the fused decode step (decode_stack.cpp).
+// and the fused decode step (decode_stack.cpp). Attention reads K/V of any kv_types element type (KV) and
+// accumulates in float32.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+
+#include "kv_types.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #define CPU_KERNELS_AVX2 1
@@ -13,16 +16,18 @@
 
 namespace cpu_kernels {
 
-inline float dot(const float* a, const float* b, int64_t n) {
+template <typename KV>
+inline float dot(const float* a, const KV* b, int64_t n) {
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * kv_types::to_f32(b[i]);
   return acc;
 }
 
-inline void axpy(float* y, const float* x, float a, int64_t n) {
+template <typename KV>
+inline void axpy(float* y, const KV* x, float a, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+  for (int64_t i = 0; i < n; ++i) y[i] += a * kv_types::to_f32(x[i]);
 }
 
 // out[r] = x[r] / rms(x[r]) * w for `rows` rows of n floats (out may alias x).
@@ -50,11 +55,12 @@ inline void rope_head(float* x, const float* cos, const float* sin, int64_t rd, 
 
 // Attention of `group` query heads q [group, D] against one KV head of one sequence: its L keys/values are the rows
 // kbase + slots[t] * slot_stride (likewise vbase). scores is scratch of group * L floats; out [group, D].
-inline void attend_kv_head_scalar(const float* q, int64_t group, int64_t D, const float* kbase, const float* vbase,
+template <typename KV>
+inline void attend_kv_head_scalar(const float* q, int64_t group, int64_t D, const KV* kbase, const KV* vbase,
                                   int64_t slot_stride, const int64_t* slots, int64_t L, float scale, float* scores,
                                   float* out) {
   for (int64_t t = 0; t < L; ++t) {
-    const float* kr = kbase + slots[t] * slot_stride;
+    const KV* kr = kbase + slots[t] * slot_stride;
     for (int64_t h = 0; h < group; ++h) scores[h * L + t] = dot(q + h * D, kr, D) * scale;
   }
   for (int64_t h = 0; h < group; ++h) {
@@ -70,7 +76,7 @@ inline void attend_kv_head_scalar(const float* q, int64_t group, int64_t D, cons
   }
   std::fill(out, out + group * D, 0.f);
   for (int64_t t = 0; t < L; ++t) {
-    const float* vr = vbase + slots[t] * slot_stride;
+    const KV* vr = vbase + slots[t] * slot_stride;
     for (int64_t h = 0; h < group; ++h) axpy(out + h * D, vr, scores[h * L + t], D);
   }
 }
@@ -103,15 +109,15 @@ inline __m256 sum_each8(const __m256* a) {
 }
 
 // out[c] += sum_t p[t] * v_t[c] for NC vectors of 8 columns starting at column col, tokens [t0, t1).
-template <int NC>
-inline void accumulate_values(const float* p, const float* vbase, int64_t slot_stride, const int64_t* slots,
+template <int NC, typename KV>
+inline void accumulate_values(const float* p, const KV* vbase, int64_t slot_stride, const int64_t* slots,
                               int64_t t0, int64_t t1, int64_t col, float* out) {
   __m256 acc[NC];
   for (int c = 0; c < NC; ++c) acc[c] = _mm256_loadu_ps(out + col + 8 * c);
   for (int64_t t = t0; t < t1; ++t) {
     const __m256 w = _mm256_broadcast_ss(p + t);
-    const float* vr = vbase + slots[t] * slot_stride + col;
-    for (int c = 0; c < NC; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+    const KV* vr = vbase + slots[t] * slot_stride + col;
+    for (int c = 0; c < NC; ++c) acc[c] = _mm256_fmadd_ps(w, kv_types::load8(vr + 8 * c), acc[c]);
   }
   for (int c = 0; c < NC; ++c) _mm256_storeu_ps(out + col + 8 * c, acc[c]);
 }
@@ -119,7 +125,8 @@ inline void accumulate_values(const float* p, const float* vbase, int64_t slot_s
 // attend_kv_head for D % 8 == 0. Tokens go in blocks of kTokenBlock so that a block's K (then V) rows stay in L1
 // while every query head of the group uses them; scores of 8 tokens are formed at once (8 independent FMA chains,
 // one horizontal reduction).
-inline void attend_kv_head_avx2(const float* q, int64_t group, int64_t D, const float* kbase, const float* vbase,
+template <typename KV>
+inline void attend_kv_head_avx2(const float* q, int64_t group, int64_t D, const KV* kbase, const KV* vbase,
                                 int64_t slot_stride, const int64_t* slots, int64_t L, float scale, float* scores,
                                 float* out) {
   constexpr int64_t kTokenBlock = 64;
@@ -132,13 +139,13 @@ inline void attend_kv_head_avx2(const float* q, int64_t group, int64_t D, const 
       float* sh = scores + h * L;
       int64_t t = b0;
       for (; t + 8 <= b1; t += 8) {
-        const float* kr[8];
+        const KV* kr[8];
         for (int j = 0; j < 8; ++j) kr[j] = kbase + slots[t + j] * slot_stride;
         __m256 acc[8];
         for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
         for (int64_t c = 0; c < nv; ++c) {
           const __m256 qc = _mm256_loadu_ps(qh + 8 * c);
-          for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kr[j] + 8 * c), acc[j]);
+          for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qc, kv_types::load8(kr[j] + 8 * c), acc[j]);
         }
         _mm256_storeu_ps(sh + t, _mm256_mul_ps(sum_each8(acc), vscale));
       }
@@ -176,14 +183,14 @@ inline void attend_kv_head_avx2(const float* q, int64_t group, int64_t D, const 
         const float* p = scores + h * L;
         float* oh = out + h * D;
         switch (std::min<int64_t>(8, nv - c0)) {
-          case 8: accumulate_values<8>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh); break;
-          case 7: accumulate_values<7>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh); break;
-          case 6: accumulate_values<6>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh); break;
-          case 5: accumulate_values<5>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh); break;
-          case 4: accumulate_values<4>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh); break;
-          case 3: accumulate_values<3>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh); break;
-          case 2: accumulate_values<2>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh); break;
-          default: accumulate_values<1>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh); break;
+          case 8: accumulate_values<8, KV>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh); break;
+          case 7: accumulate_values<7, KV>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh); break;
+          case 6: accumulate_values<6, KV>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh); break;
+          case 5: accumulate_values<5, KV>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh); break;
+          case 4: accumulate_values<4, KV>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh); break;
+          case 3: accumulate_values<3, KV>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh); break;
+          case 2: accumulate_values<2, KV>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh); break;
+          default: accumulate_values<1, KV>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh); break;
         }
       }
     }
@@ -206,7 +213,8 @@ inline void silu_mul(const float* gate, const float* up, float* out, int64_t n) 
   for (; j < n; ++j) out[j] = gate[j] / (1.f + std::exp(-gate[j])) * up[j];
 }
 
-inline void attend_kv_head(const float* q, int64_t group, int64_t D, const float* kbase, const float* vbase,
+template <typename KV>
+inline void attend_kv_head(const float* q, int64_t group, int64_t D, const KV* kbase, const KV* vbase,
                            int64_t slot_stride, const int64_t* slots, int64_t L, float scale, float* scores,
                            float* out) {
 #ifdef CPU_KERNELS_AVX2

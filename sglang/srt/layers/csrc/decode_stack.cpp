@@ -1,5 +1,6 @@
 // The whole decode step of a Llama-family decoder (pre-norm, RoPE, GQA, SwiGLU; optional QKV bias and per-head
-// q/k RMSNorm) in one call, for float32 activations and GGUF Q4_1 / Q8_0 weights on CPU.
+// q/k RMSNorm) in one call, for float32 activations and GGUF Q4_1 / Q8_0 weights on CPU. The paged KV cache may hold
+// float32, bf16 or fp8 (kv_types.h): new K/V rows are converted on store, attention converts as it reads.
 //
 // A decode step of a small model is a few hundred tiny operations: run one by one from Python, dispatch and
 // thread wake-ups cost more than the arithmetic. Here one OpenMP team runs every layer, as five phases per layer:
@@ -156,14 +157,19 @@ class DecodeStack {
     layers_.push_back(std::move(layer));
   }
 
-  // The paged K/V buffers of every layer: [slots, num_kv_heads, head_dim] float32 each.
+  // The paged K/V buffers of every layer: [slots, num_kv_heads, head_dim] each, all of one dtype (float32,
+  // bfloat16, float8_e4m3fn or float8_e5m2).
   void set_kv_cache(const std::vector<torch::Tensor>& k, const std::vector<torch::Tensor>& v) {
     TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size(), "one K and one V buffer per layer");
+    TORCH_CHECK(!k.empty(), "no KV buffers");
+    const auto kv_type = k[0].scalar_type();
+    TORCH_CHECK(kv_type == torch::kFloat || kv_type == torch::kBFloat16 || kv_type == torch::kFloat8_e4m3fn ||
+                    kv_type == torch::kFloat8_e5m2, "KV buffers must be float32, bfloat16, float8_e4m3fn or float8_e5m2");
     for (size_t i = 0; i < layers_.size(); ++i) {
       for (const auto* t : {&k[i], &v[i]}) {
-        TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kFloat && t->is_contiguous() && t->dim() == 3 &&
+        TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == kv_type && t->is_contiguous() && t->dim() == 3 &&
                         t->size(1) == kv_heads_ && t->size(2) == head_dim_,
-                    "KV buffers must be contiguous float32 [slots, num_kv_heads, head_dim]");
+                    "KV buffers must be contiguous [slots, num_kv_heads, head_dim] tensors of one dtype");
       }
       TORCH_CHECK(k[i].size(0) == v[i].size(0), "K and V buffers differ in size");
       layers_[i].k_cache = k[i];
@@ -344,13 +350,24 @@ class DecodeStack {
   }
 
   void attention_phase(const Step& s, Phase& ph, const Layer& layer, Scratch& sc) const {
+    switch (layer.k_cache.scalar_type()) {
+      case torch::kBFloat16: attention_items<kv_types::bf16>(s, ph, layer, sc); break;
+      case torch::kFloat8_e4m3fn: attention_items<kv_types::e4m3>(s, ph, layer, sc); break;
+      case torch::kFloat8_e5m2: attention_items<kv_types::e5m2>(s, ph, layer, sc); break;
+      default: attention_items<float>(s, ph, layer, sc);
+    }
+  }
+
+  // Phase B with the layer's K/V stored as KV.
+  template <typename KV>
+  void attention_items(const Step& s, Phase& ph, const Layer& layer, Scratch& sc) const {
     const int64_t D = head_dim_, group = heads_ / kv_heads_;
     const int64_t q_size = heads_ * D, kv_size = kv_heads_ * D, qkv_n = layer.qkv.n;
     const int64_t slot_stride = kv_heads_ * D;
     float* qkv = s.qkv.data_ptr<float>();
     float* attn = s.attn.data_ptr<float>();
-    float* kc = layer.k_cache.data_ptr<float>();
-    float* vc = layer.v_cache.data_ptr<float>();
+    KV* kc = static_cast<KV*>(layer.k_cache.data_ptr());
+    KV* vc = static_cast<KV*>(layer.v_cache.data_ptr());
     const float* qn = layer.q_norm.defined() ? layer.q_norm.data_ptr<float>() : nullptr;
     const float* kn = layer.k_norm.defined() ? layer.k_norm.data_ptr<float>() : nullptr;
     sc.scores.resize(static_cast<size_t>(group * s.max_len));
@@ -373,8 +390,8 @@ class DecodeStack {
         cpu_kernels::rope_head(k, cs, sn, rotary_dim_, sc.tmp.data());
       }
       const int64_t slot = s.loc[b];
-      std::copy(k, k + D, kc + slot * slot_stride + g * D);
-      std::copy(v, v + D, vc + slot * slot_stride + g * D);
+      kv_types::store_row(k, kc + slot * slot_stride + g * D, D);
+      kv_types::store_row(v, vc + slot * slot_stride + g * D, D);
       cpu_kernels::attend_kv_head(q, group, D, kc + g * D, vc + g * D, slot_stride, s.table + s.rpi[b] * s.table_cols,
                                   s.lens[b], scale_, sc.scores.data(), attn + b * q_size + g * group * D);
       ph.finish();
