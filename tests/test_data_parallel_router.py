@@ -184,30 +184,25 @@ def test_each_replica_gets_its_share_and_its_own_input_socket():
 def test_control_gathers_one_reply_per_replica_even_after_a_caller_gives_up():
     import asyncio
 
-    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+    from sglang.srt.managers.control_channel import ControlChannel
 
-    tm = TokenizerManager.__new__(TokenizerManager)  # only the control path: no sockets, no model
-    tm.server_args = ServerArgs(model_path="m", dp_size=2)
-    tm.control_waiters, tm.control_locks = {}, {}
-    tm._ensure_recv_loop = lambda: None  # type: ignore[method-assign]
-    sent = _Socket()
-    tm.send_to_scheduler = sent  # type: ignore[assignment]
+    sent: list = []
+    channel = ControlChannel(sent.append, replicas=2, ensure_receiving=lambda: None)
 
     async def scenario() -> None:
-        first = asyncio.ensure_future(tm._control(FlushCacheReq(), FlushCacheReqOutput))
+        first = asyncio.ensure_future(channel.request(FlushCacheReq(), FlushCacheReqOutput))
         await asyncio.sleep(0)
-        queue = tm.control_waiters[FlushCacheReqOutput]
-        queue.put_nowait(FlushCacheReqOutput(False))
+        channel.deliver(FlushCacheReqOutput(False))
         first.cancel()  # the caller gives up with one of its two replies still to come
-        second = asyncio.ensure_future(tm._control(FlushCacheReq(), FlushCacheReqOutput))
+        second = asyncio.ensure_future(channel.request(FlushCacheReq(), FlushCacheReqOutput))
         await asyncio.sleep(0)
-        assert len(sent.sent) == 1  # the second exchange waits for the first one's last reply
-        queue.put_nowait(FlushCacheReqOutput(False))
+        assert len(sent) == 1  # the second exchange waits for the first one's last reply
+        channel.deliver(FlushCacheReqOutput(False))
         for _ in range(3):
             await asyncio.sleep(0)
-        assert len(sent.sent) == 2
-        queue.put_nowait(FlushCacheReqOutput(True))
-        queue.put_nowait(FlushCacheReqOutput(True))
+        assert len(sent) == 2
+        channel.deliver(FlushCacheReqOutput(True))
+        channel.deliver(FlushCacheReqOutput(True))
         assert (await second).success  # neither stale failure reached it
 
     asyncio.run(scenario())

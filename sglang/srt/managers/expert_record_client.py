@@ -20,7 +20,7 @@ async def expert_distribution(tokenizer_manager: Any, action: str) -> str:
         raise ValueError(f"Unknown expert distribution action {action!r}; expected one of {EXPERT_RECORD_ACTIONS}")
     if tokenizer_manager.server_args.expert_distribution_recorder_mode is None:
         raise ValueError(NO_MODE_MESSAGE)
-    out: ExpertDistributionReqOutput = await tokenizer_manager._control(
+    out: ExpertDistributionReqOutput = await tokenizer_manager.control.request(
         ExpertDistributionReq(action), ExpertDistributionReqOutput
     )
     if not out.success:

@@ -13,7 +13,7 @@ from typing import Any, Optional
 import zmq
 import zmq.asyncio
 
-from sglang.srt.managers.data_parallel.dispatcher import merge_replies
+from sglang.srt.managers.control_channel import ControlChannel
 from sglang.srt.managers.embedding_manager import NOT_GENERATION_MODEL, handle_embedding_output
 from sglang.srt.managers.finish_reason import ABORT_BEFORE_PREFILL, FinishAbort, FinishReason
 from sglang.srt.managers.generate_input import GenerateItem, GenerateReqInput
@@ -93,8 +93,7 @@ class TokenizerManager:
         self.recv_from_detokenizer = self.ctx.socket(zmq.PULL)
         self.recv_from_detokenizer.bind(port_args.tokenizer_ipc_name)
         self.rid_to_state: dict[str, ReqState] = {}
-        self.control_waiters: dict[type, asyncio.Queue] = {}
-        self.control_locks: dict[type, asyncio.Lock] = {}
+        self.control = ControlChannel(self.send_to_scheduler.send_pyobj, server_args.dp_size, self._ensure_recv_loop)
         # Generation reads, a weight update (managers/weight_update_client.py) writes.
         self.model_update_lock = RWLock()
         self.recv_task: Optional[asyncio.Task] = None
@@ -317,9 +316,7 @@ class TokenizerManager:
             elif isinstance(msg, BatchEmbeddingOutput):
                 handle_embedding_output(self, msg)
             else:
-                queue = self.control_waiters.get(type(msg))
-                if queue is not None:
-                    queue.put_nowait(msg)
+                self.control.deliver(msg)
 
     def _handle_outputs(self, msg: BatchStrOutput) -> None:
         for i, rid in enumerate(msg.rids):
@@ -374,40 +371,15 @@ class TokenizerManager:
             return
         self.send_to_scheduler.send_pyobj(AbortReq(rid=rid, abort_all=abort_all))
 
-    async def _control(self, req: Any, reply_type: type) -> Any:
-        return merge_replies(await self._control_all(req, reply_type))
-
-    async def _control_all(self, req: Any, reply_type: type) -> list[Any]:
-        """Send `req` to every scheduler replica and gather their replies (one per replica, in arrival order)."""
-        self._ensure_recv_loop()
-        queue = self.control_waiters.setdefault(reply_type, asyncio.Queue())
-        # One exchange of a type at a time: replies carry no request id, so two concurrent gathers could
-        # otherwise each take two replies of the same replica. The gathering task, not the caller, releases
-        # the lock once every reply is in, so a caller that gives up leaves no stale reply for the next one.
-        lock = self.control_locks.setdefault(reply_type, asyncio.Lock())
-        await lock.acquire()
-        try:
-            self.send_to_scheduler.send_pyobj(req)
-        except BaseException:
-            lock.release()
-            raise
-        return await asyncio.shield(asyncio.ensure_future(self._gather_replies(queue, lock)))
-
-    async def _gather_replies(self, queue: asyncio.Queue, lock: asyncio.Lock) -> list[Any]:
-        try:
-            return [await queue.get() for _ in range(self.server_args.dp_size)]
-        finally:
-            lock.release()
-
     async def flush_cache(self) -> bool:
-        out: FlushCacheReqOutput = await self._control(FlushCacheReq(), FlushCacheReqOutput)
+        out: FlushCacheReqOutput = await self.control.request(FlushCacheReq(), FlushCacheReqOutput)
         return out.success
 
     async def get_internal_state(self) -> SchedulerState:
-        out: GetInternalStateReqOutput = await self._control(GetInternalStateReq(), GetInternalStateReqOutput)
+        out: GetInternalStateReqOutput = await self.control.request(GetInternalStateReq(), GetInternalStateReqOutput)
         return out.state
 
     async def get_internal_states(self) -> list[SchedulerState]:
         """One state per scheduler replica (the server's internal_states)."""
-        outs = await self._control_all(GetInternalStateReq(), GetInternalStateReqOutput)
+        outs = await self.control.request_all(GetInternalStateReq(), GetInternalStateReqOutput)
         return [out.state for out in outs]

@@ -33,7 +33,7 @@ async def update_weights_from_disk(tm: TokenizerManager, obj: UpdateWeightFromDi
     if obj.abort_all_requests:
         tm.abort_request(abort_all=True)
     async with tm.model_update_lock.writer():
-        out: UpdateWeightFromDiskReqOutput = await tm._control(obj, UpdateWeightFromDiskReqOutput)
+        out: UpdateWeightFromDiskReqOutput = await tm.control.request(obj, UpdateWeightFromDiskReqOutput)
         message = out.message
         if out.success:
             tm.server_args.model_path = obj.model_path
@@ -48,7 +48,7 @@ async def update_weights_from_disk(tm: TokenizerManager, obj: UpdateWeightFromDi
 
 async def get_weights_by_name(tm: TokenizerManager, obj: GetWeightsByNameReqInput) -> list:
     """The first `truncate_size` rows of checkpoint weight `name`; ValueError when the model has no such weight."""
-    out: GetWeightsByNameReqOutput = await tm._control(obj, GetWeightsByNameReqOutput)
+    out: GetWeightsByNameReqOutput = await tm.control.request(obj, GetWeightsByNameReqOutput)
     if out.parameter is None:
         raise ValueError(out.error or f"Parameter {obj.name} not found.")
     return out.parameter
