@@ -12,10 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
+from sglang.srt.entrypoints.tp_launch import start_scheduler_group
 from sglang.srt.managers.detokenizer_manager import run_detokenizer_process
 from sglang.srt.managers.io_struct import SchedulerInfo, SchedulerStartupError
 from sglang.srt.managers.process_utils import load_tokenizer_for
-from sglang.srt.managers.scheduler import run_scheduler_process
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.model_loader.model_info import ModelInfo, load_model_info
 from sglang.srt.server_args import PortArgs, ServerArgs
@@ -64,20 +64,16 @@ def launch_subprocesses(server_args: ServerArgs) -> Subprocesses:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     ctx = mp.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)
-    scheduler = ctx.Process(
-        target=run_scheduler_process, args=(server_args, port_args, model_info, writer),
-        name="sglang-scheduler", daemon=True,
-    )
     detokenizer = ctx.Process(
         target=run_detokenizer_process, args=(server_args, port_args), name="sglang-detokenizer", daemon=True,
     )
-    scheduler.start()
+    procs = start_scheduler_group(ctx, server_args, port_args, model_info, writer)
     detokenizer.start()
-    procs = [scheduler, detokenizer]
+    procs.append(detokenizer)
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while not reader.poll(0.5):
-            if not scheduler.is_alive():
+            if not all(p.is_alive() for p in procs):
                 raise RuntimeError("The scheduler process exited during startup; see its log above.")
             if time.monotonic() > deadline:
                 raise RuntimeError("The scheduler did not start in time.")
