@@ -144,7 +144,8 @@ class TPFollower:
 
     def run_step(self, payload: dict[str, Any]) -> None:
         device = self.runner.device
-        fields = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in payload["fields"].items()}
+        fields: dict[str, Any] = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                                  for k, v in payload["fields"].items()}
         batch = ForwardBatch(**fields, req_to_token_pool=self.mem.req_to_token_pool,
                              token_to_kv_pool=self.mem.kv_pool)
         rows = payload["rows"].to(device)
