@@ -64,15 +64,29 @@ def tp1_texts(tp1_llama) -> dict[str, list[str]]:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_engine_tp2_equals_unsharded_greedy(tiny_models, tp1_llama, family):
+def test_engine_tp2_equals_unsharded_greedy(tiny_models, tp1_llama, family, tmp_path, smollm2_tokenizer):
     """TP=2 token ids equal the unsharded model's greedy ids: transformers' for every family (the TP=1 engine
-    equals transformers on these families: tests/test_models.py), and the TP=1 engine's itself for Llama."""
-    outputs = _engine_outputs(tiny_models[family], 2)
-    for prompt_ids, out in zip(PROMPT_IDS, outputs):
-        expected = _transformers_greedy(tiny_models[family], prompt_ids, GREEDY["max_new_tokens"])
-        assert out["output_ids"] == expected
-    if family == "llama":
+    equals transformers on these families: tests/test_models.py), and the TP=1 engine's itself for Llama.
+    For Llama a weight update then reaches both ranks: the outputs follow the new checkpoint."""
+    engine = Engine(model_path=tiny_models[family], tp_size=2, **FLOAT32)
+    try:
+        outputs = engine.generate(input_ids=PROMPT_IDS, sampling_params=GREEDY)
+        _assert_transformers_greedy(tiny_models[family], outputs)
+        if family != "llama":
+            return
         assert [o["output_ids"] for o in outputs] == [o["output_ids"] for o in tp1_llama]
+        other = tiny_model(tmp_path, smollm2_tokenizer, "llama", seed=1)
+        assert engine.update_weights_from_disk(other) == (True, "Succeeded to update model weights.")
+        updated = engine.generate(input_ids=PROMPT_IDS, sampling_params=GREEDY)
+        assert [o["output_ids"] for o in updated] != [o["output_ids"] for o in outputs]
+        _assert_transformers_greedy(other, updated)
+    finally:
+        engine.shutdown()
+
+
+def _assert_transformers_greedy(model_dir: str, outputs: list[dict]) -> None:
+    for prompt_ids, out in zip(PROMPT_IDS, outputs):
+        assert out["output_ids"] == _transformers_greedy(model_dir, prompt_ids, GREEDY["max_new_tokens"])
 
 
 def test_two_node_server_equals_tp1_and_a_dead_node_1_stops_node_0(tiny_models, tp1_texts):

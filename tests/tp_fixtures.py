@@ -22,7 +22,7 @@ GREEDY = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
 DIST_TIMEOUT_S = 10
 
 
-def tiny_model(path, tokenizer, family: str) -> str:
+def tiny_model(path, tokenizer, family: str, seed: int = 0) -> str:
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[family]
@@ -33,7 +33,7 @@ def tiny_model(path, tokenizer, family: str) -> str:
         rms_norm_eps=1e-6, tie_word_embeddings=family == "llama", eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id, **extra,
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
     if family == "qwen2":
         with torch.no_grad():  # random q/k/v biases prove each rank adds its own slice of them

@@ -66,11 +66,15 @@ class TPLeaderRunner:
     """Rank 0's model runner: broadcasts each step, then runs it (everything else is the wrapped runner's)."""
 
     def __init__(self, runner: ModelRunner, tp: TPGroup) -> None:
-        self._runner = runner
-        self._tp = tp
+        object.__setattr__(self, "_runner", runner)
+        object.__setattr__(self, "_tp", tp)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._runner, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A weight update swaps the model (and its derived state) of the runner that runs the forwards.
+        setattr(self._runner, name, value)
 
     def forward(self, forward_batch: ForwardBatch, sampling: Optional[SamplingBatchInfo]) -> StepOutput:
         broadcast(self._tp, (FORWARD, step_payload(forward_batch)))
