@@ -122,8 +122,8 @@ class Scheduler:
         self.expert_record = ExpertRecordControl.for_server(server_args, model_info.hf_config)
         self.weight_control = WeightControl(self)
         self.watchdog = ForwardWatchdog(server_args.watchdog_timeout)
-        # How an idle scheduler waits for its next message (tensor-parallel rank 0 heartbeats its ranks: tp_worker.py)
-        self.idle_wait: Optional[Callable[[zmq.Socket], None]] = None
+        # Runs before each receive (block or not); tensor-parallel rank 0 heartbeats its other ranks (tp_worker.py)
+        self.idle_wait: Optional[Callable[[zmq.Socket, bool], None]] = None
 
     def info(self) -> SchedulerInfo:
         return SchedulerInfo(
@@ -176,8 +176,8 @@ class Scheduler:
 
     def recv_requests(self, block: bool) -> None:
         flags = 0 if block else zmq.NOBLOCK
-        if block and self.idle_wait is not None:
-            self.idle_wait(self.recv_from_tokenizer)
+        if self.idle_wait is not None:
+            self.idle_wait(self.recv_from_tokenizer, block)
         while True:
             try:
                 msg = self.recv_from_tokenizer.recv_pyobj(flags)

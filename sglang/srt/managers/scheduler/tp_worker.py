@@ -68,6 +68,7 @@ class TPLeaderRunner:
     def __init__(self, runner: ModelRunner, tp: TPGroup) -> None:
         object.__setattr__(self, "_runner", runner)
         object.__setattr__(self, "_tp", tp)
+        object.__setattr__(self, "last_broadcast", time.monotonic())
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._runner, name)
@@ -78,6 +79,7 @@ class TPLeaderRunner:
 
     def forward(self, forward_batch: ForwardBatch, sampling: Optional[SamplingBatchInfo]) -> StepOutput:
         broadcast(self._tp, (FORWARD, step_payload(forward_batch)))
+        object.__setattr__(self, "last_broadcast", time.monotonic())
         try:
             return self._runner.forward(forward_batch, sampling)
         except Exception as e:
@@ -102,16 +104,25 @@ class TPLeader:
         self.heartbeat_interval = heartbeat_interval
         # The other ranks size their pools like rank 0's, so the slot and row indices of a step are valid there.
         broadcast(tp, (scheduler.mem.max_total_num_tokens, scheduler.mem.max_running_requests))
-        scheduler.runner = TPLeaderRunner(scheduler.runner, tp)
+        self.runner = TPLeaderRunner(scheduler.runner, tp)
+        scheduler.runner = self.runner
         scheduler.idle_wait = self.idle_wait
         control = scheduler.weight_control
         self._update_weights = control.update
         control.update = self.update_weights
 
-    def idle_wait(self, socket: zmq.Socket) -> None:
-        """Block until the tokenizer manager sends something, heartbeating the other ranks meanwhile."""
-        while not socket.poll(timeout=int(self.heartbeat_interval * 1000)):
-            broadcast(self.tp, (HEARTBEAT, None))
+    def idle_wait(self, socket: zmq.Socket, block: bool) -> None:
+        """Before a receive: heartbeat the other ranks if no step went out for a while (a scheduler that loops
+        without forwards, e.g. waiting for a grammar compile); when blocking, wait for the tokenizer manager's
+        next message with a heartbeat every interval."""
+        if time.monotonic() - self.runner.last_broadcast >= self.heartbeat_interval:
+            self.heartbeat()
+        while block and not socket.poll(timeout=int(self.heartbeat_interval * 1000)):
+            self.heartbeat()
+
+    def heartbeat(self) -> None:
+        broadcast(self.tp, (HEARTBEAT, None))
+        object.__setattr__(self.runner, "last_broadcast", time.monotonic())
 
     def update_weights(self, msg: Any) -> UpdateWeightFromDiskReqOutput:
         broadcast(self.tp, (UPDATE_WEIGHTS, (msg.model_path, msg.load_format)))
