@@ -16,10 +16,10 @@ logger = logging.getLogger(__name__)
 # Flags that only matter on hardware or topologies this engine does not use. They are accepted so that
 # upstream command lines run unchanged; a non-default value is reported once at startup.
 NOT_APPLICABLE_FLAGS = (
-    "tp_size", "pp_size", "nnodes", "node_rank", "dist_init_addr", "base_gpu_id", "gpu_id_step",
+    "pp_size", "base_gpu_id", "gpu_id_step",
     "cuda_graph_max_bs", "disable_cuda_graph", "disable_overlap_schedule", "enable_mixed_chunk",
     "cpu_offload_gb", "quantization", "lora_paths",
-    "attention_backend", "sampling_backend", "dist_timeout",
+    "attention_backend", "sampling_backend",
 )
 
 
@@ -94,7 +94,8 @@ class ServerArgs:
     graceful_shutdown_timeout: int = 30
     num_threads: Optional[int] = None
 
-    # Parallelism: dp_size scheduler replicas (managers/data_parallel); the others are accepted for compatibility
+    # Parallelism: dp_size scheduler replicas (managers/data_parallel), each of tp_size ranks spread over
+    # nnodes nodes (entrypoints/tp_launch.py)
     tp_size: int = 1
     pp_size: int = 1
     dp_size: int = 1
@@ -192,6 +193,9 @@ class ServerArgs:
             raise ValueError(f"--request-timeout must be a positive number of seconds, got {self.request_timeout}")
         if self.max_request_body_bytes < 1024:
             raise ValueError(f"--max-request-body-bytes must be at least 1024, got {self.max_request_body_bytes}")
+        from sglang.srt.distributed.args import check_parallel_args
+
+        check_parallel_args(self)
         if self.batch_max_inflight < 1:
             raise ValueError(f"--batch-max-inflight must be at least 1, got {self.batch_max_inflight}")
         if self.tool_call_parser is not None:

@@ -24,6 +24,7 @@ from sglang.srt.entrypoints.openai.routes import attach_openai, install_api_key_
 from sglang.srt.entrypoints.openai.score import router as openai_score_router
 from sglang.srt.entrypoints.parser_routes import router as parser_router
 from sglang.srt.entrypoints.server_state import ServerState
+from sglang.srt.entrypoints.tp_launch import run_worker_node
 from sglang.srt.entrypoints.weight_routes import router as weight_router
 from sglang.srt.managers.process_utils import configure_logging
 from sglang.srt.managers.request_errors import WorkerDiedError
@@ -88,6 +89,9 @@ def _exit_on_signal(signum: int, frame: object) -> None:
 def launch_server(server_args: ServerArgs) -> None:
     configure_logging(server_args.log_level)
     logger.info("server_args=%s", server_args)
+    if server_args.node_rank > 0:  # scheduler ranks only: node 0 serves HTTP
+        run_worker_node(server_args)
+        return
     subs = launch_subprocesses(server_args)
     state = ServerState(server_args, subs)
     app = build_app(state)

@@ -2,7 +2,7 @@
 
 One replica is one scheduler group (today one scheduler process) with its own KV pool, prefix cache and input
 socket; all replicas share the one detokenizer, whose input socket takes many pushers. `start_scheduler_group`
-is the single place that starts one replica, so a replica made of several ranks only changes that function.
+is the single place that starts one replica (with --tp-size N, its N ranks: entrypoints/tp_launch.py).
 
 Resources are split evenly between replicas: each KV pool gets 1/N of --max-total-tokens (or of
 --mem-fraction-static when the pool is sized from free memory), and each replica's forward gets 1/N of the
@@ -20,9 +20,9 @@ from multiprocessing.context import SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from sglang.srt.entrypoints.tp_launch import start_scheduler_group as start_tp_ranks
 from sglang.srt.managers.data_parallel import DataParallelDispatcher, make_balancer
 from sglang.srt.managers.io_struct import SchedulerInfo, SchedulerStartupError
-from sglang.srt.managers.scheduler import run_scheduler_process
 from sglang.srt.model_loader.model_info import ModelInfo
 from sglang.srt.server_args import PortArgs, ServerArgs
 
@@ -67,13 +67,12 @@ def replica_port_args(port_args: PortArgs, rank: int, dp_size: int) -> PortArgs:
 
 def start_scheduler_group(ctx: SpawnContext, server_args: ServerArgs, port_args: PortArgs, model_info: ModelInfo,
                           rank: int) -> SchedulerGroup:
-    """Start one replica's scheduler process(es); they report on the returned pipe once ready."""
+    """Start one replica's scheduler process(es) (its --tp-size ranks on this node, entrypoints/tp_launch.py); rank 0
+    reports on the returned pipe once ready."""
     reader, writer = ctx.Pipe(duplex=False)
     name = "sglang-scheduler" if server_args.dp_size == 1 else f"sglang-scheduler-dp{rank}"
-    proc = ctx.Process(target=run_scheduler_process, args=(server_args, port_args, model_info, writer),
-                       name=name, daemon=True)
-    proc.start()
-    return SchedulerGroup(rank, [proc], reader)
+    procs = start_tp_ranks(ctx, server_args, port_args, model_info, writer, name=name)
+    return SchedulerGroup(rank, procs, reader)
 
 
 def wait_started(groups: list[SchedulerGroup], timeout_s: float) -> list[SchedulerInfo]:

@@ -9,11 +9,14 @@ The LM head takes a method the same way (layers/logits_processor.py).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from sglang.srt.distributed.parallel_state import TPGroup, get_tp_group
 
 
 class LinearMethod(ABC):
@@ -87,3 +90,82 @@ def copy_checked(target: torch.Tensor, tensor: torch.Tensor, checkpoint_name: st
             f"the model expects {tuple(target.shape)}"
         )
     target.copy_(tensor)
+
+
+# ---- tensor parallelism ---------------------------------------------------------------------------------------
+# With --tp-size N each scheduler rank holds 1/N of every projection: column-parallel layers (q/k/v, gate/up)
+# keep a slice of the output rows of each shard and need no communication; row-parallel layers (o_proj,
+# down_proj) keep a slice of the input columns and sum their partial outputs over the ranks. The checkpoint is
+# sliced while it is read, so no rank ever holds a full weight.
+
+
+def divide(total: int, tp_size: int, what: str) -> int:
+    """`total / tp_size`, refusing a size that does not divide it with a message naming both."""
+    if total % tp_size:
+        raise ValueError(f"--tp-size {tp_size} does not divide the model's {what} ({total}); "
+                         f"choose a tensor-parallel size that divides it")
+    return total // tp_size
+
+
+class ColumnParallelLinear(MergedLinear):
+    """A MergedLinear holding rows [rank * n / tp, (rank + 1) * n / tp) of each of its shards."""
+
+    def __init__(self, in_features: int, shards: list[tuple[str, int]], bias: bool, dtype: Optional[torch.dtype],
+                 device: Optional[torch.device | str], tp: TPGroup) -> None:
+        local = [(name, divide(size, tp.size, f"{name} output size")) for name, size in shards]
+        super().__init__(in_features, local, bias, dtype, device)
+        self.tp = tp
+
+    def load_shard(self, param_name: str, shard_name: str, tensor: torch.Tensor, checkpoint_name: str) -> None:
+        size = self.shard_rows[shard_name][1]
+        check_full_rows(tensor, size * self.tp.size, checkpoint_name)
+        super().load_shard(param_name, shard_name, tensor.narrow(0, self.tp.rank * size, size), checkpoint_name)
+
+
+class RowParallelLinear(Linear):
+    """A Linear holding input columns [rank * n / tp, (rank + 1) * n / tp); the partial products are summed
+    over the ranks with one all_reduce (the bias is added once, by rank 0)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: Optional[torch.dtype],
+                 device: Optional[torch.device | str], tp: TPGroup) -> None:
+        super().__init__(divide(in_features, tp.size, "projection input size"), out_features, bias, dtype, device)
+        self.tp = tp
+
+    def checkpoint_slicers(self) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+        """Parameter leaf -> this rank's part of the checkpoint tensor (the bias is whole on every rank)."""
+        cols = self.in_features
+
+        def weight(t: torch.Tensor) -> torch.Tensor:
+            if t.dim() != 2 or t.shape[1] != cols * self.tp.size:
+                return t  # the copy reports the shape mismatch
+            return t.narrow(1, self.tp.rank * cols, cols)
+
+        return {"weight": weight}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.tp.rank == 0 else None
+        return self.tp.all_reduce(self.linear_method.apply(self.weight, x, bias))
+
+
+def check_full_rows(tensor: torch.Tensor, rows: int, checkpoint_name: str) -> None:
+    if tensor.shape[0] != rows:
+        raise ValueError(f"Checkpoint weight {checkpoint_name} has shape {tuple(tensor.shape)}, "
+                         f"the model expects {rows} rows")
+
+
+def merged_linear(in_features: int, shards: list[tuple[str, int]], bias: bool, dtype: Optional[torch.dtype],
+                  device: Optional[torch.device | str]) -> MergedLinear:
+    """A MergedLinear, column-parallel over the current tensor-parallel group when it has several ranks."""
+    tp = get_tp_group()
+    if tp.size == 1:
+        return MergedLinear(in_features, shards, bias, dtype, device)
+    return ColumnParallelLinear(in_features, shards, bias, dtype, device, tp)
+
+
+def row_parallel_linear(in_features: int, out_features: int, bias: bool, dtype: Optional[torch.dtype],
+                        device: Optional[torch.device | str]) -> Linear:
+    """A Linear, row-parallel over the current tensor-parallel group when it has several ranks."""
+    tp = get_tp_group()
+    if tp.size == 1:
+        return Linear(in_features, out_features, bias, dtype=dtype, device=device)
+    return RowParallelLinear(in_features, out_features, bias, dtype, device, tp)

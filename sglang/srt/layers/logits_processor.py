@@ -7,6 +7,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from sglang.srt.distributed.parallel_state import get_tp_group
 from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.layers.linear import DENSE, LinearMethod
 
@@ -34,6 +35,8 @@ class LogitsProcessor(nn.Module):
         self.logit_scale = float(getattr(config, "logit_scale", None) or 1.0)
         # How the LM head multiplies: dense unless the loader chose another method (e.g. GGUF blocks).
         self.head_method: LinearMethod = DENSE
+        # With tensor parallelism each rank's head holds a slice of the vocabulary (vocab_parallel_embedding.py).
+        self.tp = get_tp_group()
 
     def set_head_method(self, method: LinearMethod) -> None:
         self.head_method = method
@@ -47,7 +50,7 @@ class LogitsProcessor(nn.Module):
     ) -> torch.Tensor:
         selected = select_logit_rows(hidden_states, forward_batch)
         # Matmul in the weight dtype (as the reference models do), then widen for sampling.
-        logits = self.head_method.apply(lm_head_weight, selected, lm_head_bias).float()
+        logits = self.tp.all_gather(self.head_method.apply(lm_head_weight, selected, lm_head_bias)).float()
         if self.logit_scale != 1.0:
             logits.mul_(self.logit_scale)
         return logits[:, : self.vocab_size] if logits.shape[1] > self.vocab_size else logits

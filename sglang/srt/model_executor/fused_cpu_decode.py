@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from sglang.srt.distributed.parallel_state import get_tp_group
 from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.layers.cpu_extension import CpuExtension
 from sglang.srt.layers.cpu_ops import CSRC
@@ -76,6 +77,8 @@ def why_not_fused(model: Any, k_buffers: list[torch.Tensor], v_buffers: list[tor
         return f"{type(model).__name__} is not a Llama-family decoder"
     if any(not hasattr(layer.mlp, "gate_up_proj") for layer in layers):
         return f"{type(model).__name__} has mixture-of-experts layers (the step runs dense MLPs only)"
+    if get_tp_group().size > 1:
+        return "tensor parallelism splits every layer over the ranks (--tp-size > 1)"
     if max_rows <= 0:
         return "--gguf-kernel-max-rows is 0"
     dtype = backbone.embed_tokens.weight.dtype

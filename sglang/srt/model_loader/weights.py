@@ -91,6 +91,7 @@ def load_checkpoint_weights(
                 shard_targets[checkpoint_name] = (module, shard_name, leaf)
     expected = set(shard_targets) | {name for name in params if name not in fused_param_names}
     piece_targets = _piece_targets(model)
+    slicers = _tp_slicers(model)
 
     loaded: set[str] = set()
     unexpected: list[str] = []
@@ -105,7 +106,7 @@ def load_checkpoint_weights(
             elif name in piece_targets:
                 piece_targets[name][1](tensor, name)
             elif name in params and name not in fused_param_names:
-                copy_checked(params[name].data, tensor, name)
+                copy_checked(params[name].data, slicers.get(name, _whole)(tensor), name)
             elif name in tied_aliases:
                 if tied_aliases[name] not in loaded:
                     alias_tensors[tied_aliases[name]] = (name, tensor)
@@ -117,7 +118,7 @@ def load_checkpoint_weights(
             alias_tensors.pop(name, None)
         for target, (source_name, tensor) in alias_tensors.items():
             if target not in loaded:
-                copy_checked(params[target].data, tensor, source_name)
+                copy_checked(params[target].data, slicers.get(target, _whole)(tensor), source_name)
                 loaded.add(target)
 
     missing = _missing_with_pieces(expected, loaded, piece_targets)
@@ -130,6 +131,21 @@ def load_checkpoint_weights(
 
 
 PieceLoader = Callable[[torch.Tensor, str], None]
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _tp_slicers(model: nn.Module) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Parameter name -> this tensor-parallel rank's part of its checkpoint tensor, from every module with
+    `checkpoint_slicers()` (row-parallel linears, vocabulary-parallel embeddings; layers/linear.py)."""
+    slicers: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {}
+    for prefix, module in model.named_modules():
+        own = getattr(module, "checkpoint_slicers", None)
+        if callable(own):
+            slicers.update({f"{prefix}.{leaf}" if prefix else leaf: fn for leaf, fn in own().items()})
+    return slicers
 
 
 def _piece_targets(model: nn.Module) -> dict[str, tuple[str, PieceLoader]]:

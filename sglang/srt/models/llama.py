@@ -13,13 +13,15 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from sglang.srt.distributed.parallel_state import get_tp_group
 from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.layernorm import RMSNorm
-from sglang.srt.layers.linear import Linear, MergedLinear
+from sglang.srt.layers.linear import divide, merged_linear, row_parallel_linear
 from sglang.srt.layers.logits_processor import LogitsProcessor
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb, get_rope
+from sglang.srt.layers.vocab_parallel_embedding import lm_head, vocab_embedding
 from sglang.srt.model_loader.weights import load_checkpoint_weights
 
 CosSin = tuple[torch.Tensor, torch.Tensor]
@@ -53,10 +55,10 @@ class LlamaMLP(nn.Module):
         super().__init__()
         if hidden_act != "silu":
             raise ValueError(f"Unsupported hidden_act {hidden_act!r}; only 'silu' is supported")
-        self.gate_up_proj = MergedLinear(
+        self.gate_up_proj = merged_linear(
             hidden_size, [("gate_proj", intermediate_size), ("up_proj", intermediate_size)], bias, dtype, device
         )
-        self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype=dtype, device=device)
+        self.down_proj = row_parallel_linear(intermediate_size, hidden_size, bias, dtype, device)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,20 +77,23 @@ class LlamaAttention(nn.Module):
     ) -> None:
         super().__init__()
         hidden_size = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        # This rank's heads: tensor parallelism splits the q and the K/V heads evenly over the ranks.
+        tp_size = get_tp_group().size
+        self.num_heads = divide(config.num_attention_heads, tp_size, "attention heads")
+        self.num_kv_heads = divide(getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                                   tp_size, "key/value heads")
         self.head_dim = head_dim_of(config)
         self.rotary_dim = rotary_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(
+        self.qkv_proj = merged_linear(
             hidden_size,
-            [("q_proj", self.q_size), ("k_proj", self.kv_size), ("v_proj", self.kv_size)],
+            [("q_proj", self.q_size * tp_size), ("k_proj", self.kv_size * tp_size), ("v_proj", self.kv_size * tp_size)],
             options.qkv_bias,
             dtype,
             device,
         )
-        self.o_proj = Linear(self.q_size, hidden_size, options.o_proj_bias, dtype=dtype, device=device)
+        self.o_proj = row_parallel_linear(self.q_size * tp_size, hidden_size, options.o_proj_bias, dtype, device)
         if options.qk_norm:
             eps = config.rms_norm_eps
             self.q_norm: Optional[RMSNorm] = RMSNorm(self.head_dim, eps, dtype=dtype, device=device)
@@ -172,7 +177,7 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, dtype, device)
         # A model with its own position scheme (multimodal M-RoPE) passes its rotary embedding in.
         self.rotary_emb: RotaryEmbedding = rotary_emb or get_rope(config, head_dim_of(config), device=device)
         self.layers = nn.ModuleList(
@@ -214,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head: nn.Module = self.model.embed_tokens
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
+            self.lm_head = lm_head(config.hidden_size, config.vocab_size, dtype, device)
         self.logits_processor = LogitsProcessor(config)
 
     @classmethod

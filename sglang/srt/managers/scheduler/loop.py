@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -121,6 +122,8 @@ class Scheduler:
         self.expert_record = ExpertRecordControl.for_server(server_args, model_info.hf_config)
         self.weight_control = WeightControl(self)
         self.watchdog = ForwardWatchdog(server_args.watchdog_timeout)
+        # Runs before each receive (block or not); tensor-parallel rank 0 heartbeats its other ranks (tp_worker.py)
+        self.idle_wait: Optional[Callable[[zmq.Socket, bool], None]] = None
 
     def info(self) -> SchedulerInfo:
         return SchedulerInfo(
@@ -173,6 +176,8 @@ class Scheduler:
 
     def recv_requests(self, block: bool) -> None:
         flags = 0 if block else zmq.NOBLOCK
+        if self.idle_wait is not None:
+            self.idle_wait(self.recv_from_tokenizer, block)
         while True:
             try:
                 msg = self.recv_from_tokenizer.recv_pyobj(flags)

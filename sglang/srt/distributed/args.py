@@ -1,0 +1,57 @@
+"""Checks of the tensor-parallel and multi-node flags, and of a model's support for tensor parallelism."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def check_parallel_args(args: Any) -> None:
+    """Flag checks that need no model (ServerArgs.validate). Raises ValueError naming the flag."""
+    if args.tp_size < 1:
+        raise ValueError(f"--tp-size must be at least 1, got {args.tp_size}")
+    if args.nnodes < 1:
+        raise ValueError(f"--nnodes must be at least 1, got {args.nnodes}")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ValueError(f"--node-rank must be in [0, {args.nnodes - 1}] for --nnodes {args.nnodes}, "
+                         f"got {args.node_rank}")
+    if args.tp_size % args.nnodes:
+        raise ValueError(f"--tp-size {args.tp_size} must be a multiple of --nnodes {args.nnodes} "
+                         "(each node runs tp-size / nnodes ranks)")
+    if args.nnodes > 1 and not args.dist_init_addr:
+        raise ValueError("--dist-init-addr HOST:PORT (reachable from every node) is required with --nnodes > 1")
+    if args.dist_init_addr is not None:
+        host, sep, port = args.dist_init_addr.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"--dist-init-addr must be HOST:PORT, got {args.dist_init_addr!r}")
+    if args.dist_timeout is not None and args.dist_timeout <= 0:
+        raise ValueError(f"--dist-timeout must be a positive number of seconds, got {args.dist_timeout}")
+    if args.num_threads is not None and args.num_threads < 1:
+        raise ValueError(f"--num-threads must be at least 1, got {args.num_threads}")
+    if getattr(args, "dp_size", 1) > 1 and args.nnodes > 1:
+        raise ValueError("--dp-size > 1 runs on one node; use --nnodes > 1 with --dp-size 1")
+    if getattr(args, "dp_size", 1) > 1 and args.tp_size > 1 and args.dist_init_addr:
+        raise ValueError("--dist-init-addr names one rendezvous, for one replica: leave it unset with --dp-size > 1 "
+                         "(each replica's ranks meet at their own loopback port)")
+    if args.tp_size > 1 and args.is_embedding:
+        raise ValueError("--tp-size > 1 serves generation models only; run embedding models with --tp-size 1")
+
+
+def check_model_supports_tp(hf_config: Any, tp_size: int) -> None:
+    """Refuse, before any process starts, a model that tensor parallelism cannot split evenly (or at all)."""
+    if tp_size == 1:
+        return
+    from sglang.srt.layers.linear import divide
+    from sglang.srt.models.llama import LlamaForCausalLM
+    from sglang.srt.models.registry import architectures_of, get_model_class
+
+    model_class = get_model_class(architectures_of(hf_config))
+    if not issubclass(model_class, LlamaForCausalLM):
+        raise ValueError(f"--tp-size {tp_size}: {model_class.__name__} does not support tensor parallelism "
+                         "(supported: dense Llama, Qwen2 and Qwen3 decoders)")
+    if model_class.mlp_factory() is not None:
+        raise ValueError(f"--tp-size {tp_size}: mixture-of-experts models ({model_class.__name__}) do not support "
+                         "tensor parallelism")
+    config = hf_config.get_text_config()
+    divide(config.num_attention_heads, tp_size, "attention heads")
+    divide(getattr(config, "num_key_value_heads", None) or config.num_attention_heads, tp_size, "key/value heads")
+    divide(config.intermediate_size, tp_size, "MLP intermediate size")

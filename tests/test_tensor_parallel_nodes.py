@@ -1,0 +1,50 @@
+"""Tensor parallelism, the slower checks: SmolLM2 split over 3 ranks equals 1 rank (2 cannot split its 9 heads),
+and a dead node 0 ends node 1 with a non-zero status.
+
+Run every tensor-parallel test with `pytest -m tensor_parallel`.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang import Engine
+from sglang.utils import terminate_process
+from tests.tp_fixtures import (  # noqa: F401 - remove_logs is an autouse fixture
+    DIST_TIMEOUT_S,
+    FLOAT32,
+    GREEDY,
+    PROMPT_IDS,
+    remove_logs,
+    start_two_nodes,
+    tiny_model,
+)
+
+pytestmark = pytest.mark.tensor_parallel
+
+
+def test_a_dead_node_0_stops_node_1(tmp_path, smollm2_tokenizer):
+    node0, node1, _ = start_two_nodes(tiny_model(tmp_path, smollm2_tokenizer, "llama"))
+    try:
+        node0.kill()  # its rank 0 follows it (ranks watch their parent); node 1's rank waits for a step in vain
+        assert node1.wait(timeout=DIST_TIMEOUT_S + 20) != 0
+    finally:
+        terminate_process(node0)
+        terminate_process(node1)
+
+
+def _smollm2_ids(model: str, tp_size: int) -> list[list[int]]:
+    # The dense float32 path at every size (no GGUF blocks), so that the same arithmetic runs sharded or not.
+    engine = Engine(model_path=model, tp_size=tp_size, gguf_kernel_max_rows=0, **FLOAT32)
+    try:
+        outputs = engine.generate(input_ids=PROMPT_IDS[:2], sampling_params={**GREEDY, "max_new_tokens": 8})
+        return [out["output_ids"] for out in outputs]
+    finally:
+        engine.shutdown()
+
+
+def test_smollm2_tp3_equals_tp1_and_tp2_is_refused(smollm2_dir):
+    # SmolLM2-135M has 9 attention heads and 3 K/V heads: 3 ranks split them, 2 cannot.
+    with pytest.raises(ValueError, match=r"--tp-size 2 does not divide the model's attention heads \(9\)"):
+        Engine(model_path=smollm2_dir, tp_size=2, **FLOAT32)
+    assert _smollm2_ids(smollm2_dir, 3) == _smollm2_ids(smollm2_dir, 1)
