@@ -93,7 +93,9 @@ class TokenizerManager:
         self.recv_from_detokenizer = self.ctx.socket(zmq.PULL)
         self.recv_from_detokenizer.bind(port_args.tokenizer_ipc_name)
         self.rid_to_state: dict[str, ReqState] = {}
-        self.control = ControlChannel(self.send_to_scheduler.send_pyobj, server_args.dp_size, self._ensure_recv_loop)
+        # Looked up at each send: data parallelism replaces the socket by its dispatcher after construction.
+        self.control = ControlChannel(lambda msg: self.send_to_scheduler.send_pyobj(msg), server_args.dp_size,
+                                      self._ensure_recv_loop)
         # Generation reads, a weight update (managers/weight_update_client.py) writes.
         self.model_update_lock = RWLock()
         self.recv_task: Optional[asyncio.Task] = None
