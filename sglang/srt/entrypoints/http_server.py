@@ -26,7 +26,7 @@ from sglang.srt.entrypoints.parser_routes import router as parser_router
 from sglang.srt.entrypoints.server_state import ServerState
 from sglang.srt.entrypoints.tp_launch import run_worker_node
 from sglang.srt.entrypoints.weight_routes import router as weight_router
-from sglang.srt.managers.process_utils import configure_logging
+from sglang.srt.managers.process_utils import configure_logging, exit_on_signal
 from sglang.srt.managers.request_errors import WorkerDiedError
 from sglang.srt.server_args import ServerArgs
 
@@ -82,10 +82,6 @@ def _warmup(args: ServerArgs, ready: threading.Event) -> None:
     logger.info("The server is fired up and ready to roll!")
 
 
-def _exit_on_signal(signum: int, frame: object) -> None:
-    raise SystemExit(0)
-
-
 def launch_server(server_args: ServerArgs) -> None:
     configure_logging(server_args.log_level)
     logger.info("server_args=%s", server_args)
@@ -121,7 +117,7 @@ def launch_server(server_args: ServerArgs) -> None:
     threading.Thread(target=_warmup, args=(server_args, state.ready), daemon=True).start()
     # uvicorn re-raises the signal that stopped it once it is done; as SystemExit it unwinds through the
     # `finally` below, so the children are stopped and the socket folder removed instead of the process dying.
-    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGTERM, exit_on_signal)
     try:
         server.run()
     finally:

@@ -12,7 +12,6 @@ CPU cores unless --num-threads says how many.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -23,6 +22,7 @@ from typing import Any
 from sglang.srt.entrypoints.tp_launch import start_scheduler_group as start_tp_ranks
 from sglang.srt.managers.data_parallel import DataParallelDispatcher, make_balancer
 from sglang.srt.managers.io_struct import SchedulerInfo, SchedulerStartupError
+from sglang.srt.managers.process_utils import usable_cpu_count
 from sglang.srt.model_loader.model_info import ModelInfo
 from sglang.srt.server_args import PortArgs, ServerArgs
 
@@ -36,13 +36,6 @@ class SchedulerGroup:
     info_reader: Connection
 
 
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def replica_server_args(server_args: ServerArgs) -> ServerArgs:
     """The settings one replica runs with: its share of the KV budget and of the CPU cores."""
     n = server_args.dp_size
@@ -54,7 +47,7 @@ def replica_server_args(server_args: ServerArgs) -> ServerArgs:
     if server_args.mem_fraction_static is not None:
         changes["mem_fraction_static"] = server_args.mem_fraction_static / n
     if not server_args.num_threads and server_args.device == "cpu":
-        changes["num_threads"] = max(1, _cpu_count() // n)
+        changes["num_threads"] = max(1, usable_cpu_count() // n)
     return dataclasses.replace(server_args, **changes)
 
 

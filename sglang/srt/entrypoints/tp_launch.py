@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from sglang.srt.distributed.args import check_model_supports_tp
 from sglang.srt.distributed.parallel_state import free_local_init_addr
+from sglang.srt.managers.process_utils import exit_on_signal, usable_cpu_count
 from sglang.srt.managers.scheduler import run_scheduler_process
 from sglang.srt.managers.scheduler.tp_worker import run_tp_scheduler_process
 from sglang.srt.model_loader.model_info import ModelInfo, load_model_info
@@ -29,8 +30,7 @@ def threads_per_rank(server_args: ServerArgs, local_ranks: int) -> int:
     """--num-threads, else this node's cores shared evenly by its ranks."""
     if server_args.num_threads:
         return server_args.num_threads
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // local_ranks)
+    return max(1, usable_cpu_count() // local_ranks)
 
 
 def start_scheduler_group(ctx: Any, server_args: ServerArgs, port_args: Optional[PortArgs], model_info: ModelInfo,
@@ -65,17 +65,13 @@ def start_scheduler_group(ctx: Any, server_args: ServerArgs, port_args: Optional
     return procs
 
 
-def _exit_on_signal(signum: int, frame: object) -> None:
-    raise SystemExit(0)
-
-
 def run_worker_node(server_args: ServerArgs) -> None:
     """A node other than node 0: run its scheduler ranks until one ends; exit non-zero if one failed."""
     server_args.validate()
     model_info = load_model_info(server_args)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     procs = start_scheduler_group(mp.get_context("spawn"), server_args, None, model_info, None)
-    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGTERM, exit_on_signal)
     logger.info("Node %d of %d: %d scheduler rank(s) started", server_args.node_rank, server_args.nnodes,
                 len(procs))
     try:

@@ -13,6 +13,18 @@ from sglang.srt.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 
+def usable_cpu_count() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def exit_on_signal(signum: int, frame: object) -> None:
+    """A signal handler that unwinds as SystemExit(0), so `finally` blocks stop children and remove files."""
+    raise SystemExit(0)
+
+
 def configure_logging(level: str, prefix: str = "") -> None:
     fmt = f"[%(asctime)s{(' ' + prefix) if prefix else ''}] %(message)s"
     logging.basicConfig(level=getattr(logging, level.upper()), format=fmt, datefmt="%Y-%m-%d %H:%M:%S", force=True)
