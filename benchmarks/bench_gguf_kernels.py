@@ -153,8 +153,8 @@ def full_step_table(layers, head, batches, min_reps, min_seconds) -> list[tuple[
     print("\n## Full decode step of matmuls (30 layers x 4 + lm_head, distinct weights; median (min) in ms)\n")
     dense_layers = [{name: w.dequantize() for name, w in layer.items()} for layer in layers]
     dense_head = head.dequantize()
-    print("| M | float32 step | quantized step | of which lm_head (quantized) | speed-up |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| M | float32 step | quantized step | of which lm_head (quantized) | speed-up | int8-activation step |")
+    print("|---:|---:|---:|---:|---:|---:|")
     results = []
     gen = torch.Generator().manual_seed(0)
     for m in batches:
@@ -177,6 +177,14 @@ def full_step_table(layers, head, batches, min_reps, min_seconds) -> list[tuple[
                 layer["down"].linear(x_i)
             head.linear(x_h)
 
+        def int8_step() -> None:
+            for layer in layers:
+                layer["qkv"].linear(x_h, int8=True)
+                layer["o"].linear(x_h, int8=True)
+                layer["gate_up"].linear(x_h, int8=True)
+                layer["down"].linear(x_i, int8=True)
+            head.linear(x_h, int8=True)
+
         reps = max(3, min_reps // 4)
         t_dense = timed(dense_step, reps, min_seconds)
         t_quant = timed(quant_step, reps, min_seconds)
@@ -189,7 +197,9 @@ def full_step_table(layers, head, batches, min_reps, min_seconds) -> list[tuple[
             head.linear(x_h)
             head_times.append(time.perf_counter() - t0)
         t_head = (statistics.median(head_times), min(head_times))
-        print(f"| {m} | {fmt_ms(t_dense)} | {fmt_ms(t_quant)} | {fmt_ms(t_head)} | {t_dense[0] / t_quant[0]:.2f}x |")
+        t_int8 = timed(int8_step, reps, min_seconds)
+        print(f"| {m} | {fmt_ms(t_dense)} | {fmt_ms(t_quant)} | {fmt_ms(t_head)} | {t_dense[0] / t_quant[0]:.2f}x "
+              f"| {fmt_ms(t_int8)} |")
         results.append((m, t_dense[0], t_quant[0]))
     return results
 
@@ -215,7 +225,7 @@ def main() -> None:
     print(
         f"# GGUF kernels vs float32: torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, AVX2 path {ext.has_avx2_path()}, "
-        f"OpenMP {ext.has_openmp()}, load average {os.getloadavg()[0]:.2f}"
+        f"OpenMP {ext.has_openmp()}, int8 on VNNI {ext.has_int8_vnni_path()}, load average {os.getloadavg()[0]:.2f}"
     )
     print(f"# {source}: layers {q_bytes / 1e6:.1f} MB Q4_1, lm_head {head.nbytes / 1e6:.1f} MB Q8_0")
     if not args.skip_per_call:

@@ -93,17 +93,22 @@ def main() -> None:
                         help="matmuls of at most this many rows use the GGUF blocks (0: float weights only)")
     parser.add_argument("--cpu-gemm", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
                         help="GEMM for prefill and larger batches with float32 weights (see --cpu-gemm of the server)")
+    parser.add_argument("--gguf-activations", default="auto", choices=["auto", "float32", "int8"],
+                        help="activations of the GGUF block kernels (see --gguf-activations of the server)")
     args = parser.parse_args()
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    server_args = ServerArgs(model_path=args.model_path, dtype=args.dtype, cpu_gemm=args.cpu_gemm)
+    server_args = ServerArgs(model_path=args.model_path, dtype=args.dtype, cpu_gemm=args.cpu_gemm,
+                             gguf_activations=args.gguf_activations)
     info = load_model_info(server_args)
     need = max(args.batch_size) * (args.input_len + args.output_len) + 16
     runner, mem = build_runner(info, server_args.device, need, max(args.batch_size), args.gguf_kernel_max_rows)
     run_once(runner, mem, 1, 16, 4)  # warm-up
     for bs in args.batch_size:
         gemm = info.arithmetic.large_batch_gemm if info.arithmetic is not None else ""
-        result = {"dtype": str(info.dtype), "large_batch_gemm": gemm, "threads": torch.get_num_threads(),
+        act = info.arithmetic.gguf_activations if info.arithmetic is not None else ""
+        result = {"dtype": str(info.dtype), "large_batch_gemm": gemm, "gguf_activations": act,
+                  "threads": torch.get_num_threads(),
                   **run_once(runner, mem, bs, args.input_len, args.output_len)}
         print(json.dumps(result))
         if args.result_file:

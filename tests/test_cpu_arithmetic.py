@@ -105,6 +105,34 @@ def test_unclassified_cpu_uses_measurements():
                              measurements={"float32": 1, "bfloat16": 99}).large_batch_gemm == "float32"
 
 
+def test_gguf_activations_per_cpu_class():
+    """int8 activations for the GGUF kernels only where the CPU has AVX512-VNNI and nothing asked for float32."""
+    assert choose_arithmetic("cpu", "auto", "auto", BF16_VNNI_FLAGS).gguf_activations == "int8"
+    assert choose_arithmetic("cpu", "auto", "auto", AMX_FLAGS).gguf_activations == "int8"
+    assert choose_arithmetic("cpu", "auto", "bfloat16", BF16_VNNI_FLAGS).gguf_activations == "int8"
+    no_vnni = [f for f in BF16_VNNI_FLAGS if f != "avx512_vnni"]
+    for flags in (AVX2_FLAGS, no_vnni, ["fpu"]):
+        plan = choose_arithmetic("cpu", "auto", "auto", flags)
+        assert plan.gguf_activations == "float32" and "VNNI" in plan.gguf_activations_reason
+    arm = choose_arithmetic("cpu", "auto", "auto", ["fp", "asimd", "bf16", *BF16_VNNI_FLAGS], machine="aarch64")
+    assert arm.gguf_activations == "float32"
+    # float32 asked for explicitly: float32 throughout
+    assert choose_arithmetic("cpu", "float32", "auto", BF16_VNNI_FLAGS).gguf_activations == "float32"
+    pinned = choose_arithmetic("cpu", "auto", "float32", BF16_VNNI_FLAGS)
+    assert pinned.gguf_activations == "float32" and "--cpu-gemm float32" in pinned.gguf_activations_reason
+    # the override wins on any CPU (the portable loop runs where VNNI is missing)
+    forced = choose_arithmetic("cpu", "auto", "float32", AVX2_FLAGS, gguf_activations="int8")
+    assert (forced.gguf_activations, forced.gguf_activations_reason) == ("int8", "--gguf-activations int8")
+    assert choose_arithmetic("cpu", "auto", "auto", AMX_FLAGS, gguf_activations="float32").gguf_activations == \
+        "float32"
+    assert choose_arithmetic("cuda", "auto", "auto", AMX_FLAGS).gguf_activations == "float32"
+    plan = choose_arithmetic("cpu", "auto", "auto", BF16_VNNI_FLAGS)
+    assert plan.to_dict()["gguf_activations"] == "int8"
+    assert "GGUF blocks with int8 activations" in plan.describe()
+    with pytest.raises(ValueError, match="--gguf-activations"):
+        choose_arithmetic("cpu", "auto", "auto", AVX2_FLAGS, gguf_activations="int4")
+
+
 # ---- linear methods --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("rows", [1, 7, 40])
 def test_bf16_and_int8_methods_match_dense(rows):

@@ -135,6 +135,9 @@ class ServerArgs:
     # CPU GEMM for prefill and batches above --gguf-kernel-max-rows rows with float32 weights: auto picks per CPU
     # class (bf16 where the CPU has native bf16, float32 otherwise); see sglang/srt/layers/arithmetic.py.
     cpu_gemm: str = "auto"
+    # Activations of the GGUF block kernels: auto = int8 per 32-value block where the CPU has AVX512-VNNI (unless
+    # --dtype or --cpu-gemm asks for float32), float32 otherwise; see sglang/srt/layers/arithmetic.py.
+    gguf_activations: str = "auto"
     enable_tokenizer_batch_encode: bool = False
     enable_custom_logit_processor: bool = False
     enable_return_hidden_states: bool = False
@@ -251,6 +254,7 @@ _ALIASES = {
 _CHOICES = {
     "dtype": ["auto", "half", "float16", "bfloat16", "bf16", "float", "float32"],
     "cpu_gemm": ["auto", "float32", "bfloat16", "int8"],
+    "gguf_activations": ["auto", "float32", "int8"],
     "tokenizer_mode": ["auto", "slow"],
     "schedule_policy": list(SCHEDULE_POLICIES),
     "grammar_backend": ["xgrammar", "outlines", "llguidance", "none"],

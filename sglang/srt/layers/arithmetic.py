@@ -8,13 +8,22 @@ arithmetic, and run best on the GGUF blocks and the fused decode step, which com
 So on CPU `--dtype auto` keeps float32 weights and a float32 KV cache (one layout every path reads and writes)
 and picks, per CPU class, the GEMM for prefill, extend and decode batches above `--gguf-kernel-max-rows` rows:
 bf16 where the CPU has native bf16, float32 otherwise. `--cpu-gemm` overrides that choice; `--dtype bfloat16` /
-`float32` still load the model in that dtype. `choose_arithmetic` is a pure function of its inputs so every CPU
-class can be tested on any machine; `read_cpu_flags` (model_loader/dtype.py) is the one place that reads
-/proc/cpuinfo.
+`float32` still load the model in that dtype.
+
+The GGUF block kernels of small batches (and the fused decode step) multiply float32 activations by default. On a
+CPU with AVX512-VNNI, `--gguf-activations auto` quantizes the activations to int8 per 32-value block instead
+(layers/quantization/csrc/gguf_int8.h, llama.cpp's method): the dot products run as VNNI integer instructions, 1.5x
+faster at batch 1 and ~3x at 16-64 rows (benchmarks/RESULTS.md), at a relative error of ~0.5% per dot product.
+An explicit `--dtype float32` or `--cpu-gemm float32` keeps float32 activations too (float32 arithmetic
+throughout, as the transformers reference computes).
+
+`choose_arithmetic` is a pure function of its inputs so every CPU class can be tested on any machine;
+`read_cpu_flags` (model_loader/dtype.py) is the one place that reads /proc/cpuinfo.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -25,6 +34,9 @@ import torch
 from sglang.srt.model_loader.dtype import read_cpu_flags, resolve_dtype
 
 CPU_GEMMS = ("auto", "float32", "bfloat16", "int8")
+GGUF_ACTIVATIONS = ("auto", "float32", "int8")
+# What the int8-activation kernels need (names as in /proc/cpuinfo).
+VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
 
 # CPU classes, from the flags that decide which GEMM is fastest.
 AMX = "amx"
@@ -59,6 +71,9 @@ class ArithmeticPlan:
     reason: str
     # --kv-cache-dtype resolved (mem_cache/kv_dtype.py); None: the KV cache uses the weight dtype
     kv_cache_dtype: Optional[torch.dtype] = None
+    # activations of the GGUF block kernels (small batches, fused decode step): float32 | int8
+    gguf_activations: str = "float32"
+    gguf_activations_reason: str = ""
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -70,7 +85,8 @@ class ArithmeticPlan:
         stored = f"weights and KV cache {dtype}" if kv == dtype else f"weights {dtype}, KV cache {kv}"
         where = f"CPU class {self.cpu_class}" if self.cpu_class else self.device
         return (f"Arithmetic: {where}; {stored}; prefill and large batches "
-                f"{self.large_batch_gemm} GEMM ({self.reason})")
+                f"{self.large_batch_gemm} GEMM ({self.reason}); GGUF blocks with {self.gguf_activations} "
+                f"activations ({self.gguf_activations_reason})")
 
     def to_dict(self) -> dict[str, str]:
         return {
@@ -79,6 +95,8 @@ class ArithmeticPlan:
             "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
             "large_batch_gemm": self.large_batch_gemm,
             "reason": self.reason,
+            "gguf_activations": self.gguf_activations,
+            "gguf_activations_reason": self.gguf_activations_reason,
         }
 
 
@@ -95,12 +113,41 @@ def choose_arithmetic(
     machine: str = "x86_64",
     measurements: Optional[Mapping[str, float]] = None,
     config_dtype: Union[str, torch.dtype, None] = None,
+    gguf_activations: str = "auto",
 ) -> ArithmeticPlan:
-    """The arithmetic for a server: model dtype and the large-batch GEMM.
+    """The arithmetic for a server: model dtype, the large-batch GEMM and the GGUF kernels' activations.
 
     `measurements` maps GEMM names to measured throughput (any unit); it decides only where the CPU flags do not
     (a CPU this function does not classify), between float32 and bfloat16.
     """
+    if gguf_activations not in GGUF_ACTIVATIONS:
+        raise ValueError(f"--gguf-activations must be one of {GGUF_ACTIVATIONS}, got {gguf_activations!r}")
+    flags = frozenset(cpu_flags)
+    plan = _choose_gemm(device, dtype, cpu_gemm, flags, machine, measurements, config_dtype)
+    if gguf_activations != "auto":
+        act, why = gguf_activations, f"--gguf-activations {gguf_activations}"
+    elif plan.cpu_class == "":
+        act, why = "float32", f"the GGUF kernels run on CPU only, not {device}"
+    elif dtype.strip().lower() != "auto":
+        act, why = "float32", f"--dtype {dtype}"
+    elif cpu_gemm == "float32":
+        act, why = "float32", "--cpu-gemm float32 asks for float32 arithmetic"
+    elif machine.lower() in ("x86_64", "amd64") and VNNI_FLAGS <= flags:
+        act, why = "int8", "the CPU has AVX512-VNNI integer dot products"
+    else:
+        act, why = "float32", "no AVX512-VNNI on this CPU: float32 FMAs are the faster kernels"
+    return dataclasses.replace(plan, gguf_activations=act, gguf_activations_reason=why)
+
+
+def _choose_gemm(
+    device: str,
+    dtype: str,
+    cpu_gemm: str,
+    cpu_flags: frozenset[str],
+    machine: str,
+    measurements: Optional[Mapping[str, float]],
+    config_dtype: Union[str, torch.dtype, None],
+) -> ArithmeticPlan:
     if cpu_gemm not in CPU_GEMMS:
         raise ValueError(f"--cpu-gemm must be one of {CPU_GEMMS}, got {cpu_gemm!r}")
     if torch.device(device).type != "cpu":
@@ -150,7 +197,8 @@ def measure_cpu_gemms(rows: int = 256, k: int = 576, n: int = 1536, repeats: int
 
 
 def plan_for_this_machine(device: str, dtype: str, cpu_gemm: str,
-                          config_dtype: Union[str, torch.dtype, None] = None) -> ArithmeticPlan:
+                          config_dtype: Union[str, torch.dtype, None] = None,
+                          gguf_activations: str = "auto") -> ArithmeticPlan:
     """`choose_arithmetic` with this machine's CPU flags, measuring only where the flags do not settle it."""
     flags = read_cpu_flags()
     machine = platform.machine()
@@ -158,4 +206,4 @@ def plan_for_this_machine(device: str, dtype: str, cpu_gemm: str,
     if (torch.device(device).type == "cpu" and dtype.strip().lower() == "auto" and cpu_gemm == "auto"
             and cpu_class(flags, machine) == OTHER):
         measurements = measure_cpu_gemms()
-    return choose_arithmetic(device, dtype, cpu_gemm, flags, machine, measurements, config_dtype)
+    return choose_arithmetic(device, dtype, cpu_gemm, flags, machine, measurements, config_dtype, gguf_activations)

@@ -21,13 +21,13 @@ from sglang.srt.distributed.parallel_state import get_tp_group
 from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.layers.cpu_extension import CpuExtension
 from sglang.srt.layers.cpu_ops import CSRC
-from sglang.srt.layers.quantization.gguf_blocks import KERNELS_HEADER
+from sglang.srt.layers.quantization.gguf_blocks import INT8_HEADER, KERNELS_HEADER
 from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
 from sglang.srt.mem_cache.kv_dtype import KERNEL_KV_DTYPES
 
 DISABLE_ENV = "SGLANG_DISABLE_FUSED_DECODE"
 _EXTENSION = CpuExtension("sglang_decode_stack", CSRC / "decode_stack.cpp", "fused CPU decode step", DISABLE_ENV,
-                          headers=[CSRC / "cpu_kernels.h", CSRC / "kv_types.h", KERNELS_HEADER])
+                          headers=[CSRC / "cpu_kernels.h", CSRC / "kv_types.h", KERNELS_HEADER, INT8_HEADER])
 
 
 def available() -> bool:
@@ -43,9 +43,11 @@ class FusedCpuDecode:
 
     name = "fused CPU decode step"
 
-    def __init__(self, stack: Any, max_rows: int) -> None:
+    def __init__(self, stack: Any, max_rows: int, int8_activations: bool = False) -> None:
         self.stack = stack
         self.max_rows = max_rows
+        if int8_activations:
+            self.name = f"{FusedCpuDecode.name} with int8 activations"
 
     def accepts(self, forward_batch: ForwardBatch) -> bool:
         return forward_batch.forward_mode.is_decode() and 0 < forward_batch.batch_size <= self.max_rows
@@ -120,4 +122,7 @@ def build_fused_decode(model: Any, k_buffers: list[torch.Tensor], v_buffers: lis
         stack.add_layer(*linears[0], *linears[1], *linears[2], *linears[3],
                         *(None if n is None else n.weight.detach() for n in norms))
     stack.set_kv_cache(k_buffers, v_buffers)
-    return FusedCpuDecode(stack, max_rows)
+    # The step quantizes activations to int8 when the layers' GGUF methods do (the arithmetic plan sets them all).
+    int8 = bool(layers[0].self_attn.qkv_proj.linear_method.int8_activations)
+    stack.set_int8_activations(int8)
+    return FusedCpuDecode(stack, max_rows, int8)

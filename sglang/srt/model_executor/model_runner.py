@@ -17,6 +17,7 @@ from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.layers.arithmetic import ArithmeticPlan
 from sglang.srt.layers.attention.torch_sdpa_backend import TorchSDPABackend
 from sglang.srt.layers.pooler import Pooler
+from sglang.srt.layers.quantization.gguf_linear import set_gguf_activations
 from sglang.srt.layers.sampler import SampleOutput, Sampler, compute_logprobs
 from sglang.srt.mem_cache.kv_pool import KVPool
 from sglang.srt.mem_cache.memory_pools import KVCacheSpec
@@ -50,6 +51,8 @@ def attach_fast_paths(model: Any, gguf_path: Optional[str], hf_config: Any, gguf
         quant_bytes = attach_gguf_quant_weights(model, gguf_path, hf_config, gguf_kernel_max_rows)
     if arithmetic is not None and param.device.type == "cpu" and param.dtype == torch.float32:
         quant_bytes += attach_large_batch_gemm(model, arithmetic.large_batch_gemm)
+    if arithmetic is not None:
+        set_gguf_activations(model, arithmetic.gguf_activations)
     return quant_bytes
 
 

@@ -47,7 +47,8 @@ def load_model_info(server_args: ServerArgs) -> ModelInfo:
     # Vision-language configs keep the decoder's settings in text_config.
     context_len = server_args.context_length or _config_context_len(hf_config.get_text_config())
     config_dtype = getattr(hf_config, "dtype", None)
-    arithmetic = plan_for_this_machine(server_args.device, server_args.dtype, server_args.cpu_gemm, config_dtype)
+    arithmetic = plan_for_this_machine(server_args.device, server_args.dtype, server_args.cpu_gemm, config_dtype,
+                                       server_args.gguf_activations)
     dtype = arithmetic.weight_dtype
     kv_dtype = resolve_kv_cache_dtype(server_args.kv_cache_dtype, dtype)
     arithmetic = dataclasses.replace(arithmetic, kv_cache_dtype=kv_dtype)

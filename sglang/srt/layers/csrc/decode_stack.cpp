@@ -179,6 +179,10 @@ class DecodeStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // Whether the matmuls quantize their input to int8 per 32-value block (gguf_int8.h) instead of float32.
+  void set_int8_activations(bool on) { int8_ = on; }
+  bool int8_activations() const { return int8_; }
+
   // x [B, hidden]: the embeddings of the new tokens; cos/sin [B, rotary_dim] (RotaryEmbedding.lookup rows);
   // out_loc [B]: the KV slot of each new token; req_to_token [R, C] with the slots of each sequence in row
   // req_pool_indices[b]; seq_lens [B] including the new token. Returns the final normed hidden states [B, hidden].
@@ -299,7 +303,7 @@ class DecodeStack {
         input = make_input();
         sc.panels.resize(static_cast<size_t>(gguf_kernels::panel_floats(M, lin.k)));
         sc.sums.resize(static_cast<size_t>(gguf_kernels::sum_floats(M, lin.k)));
-        in = gguf_kernels::prepare_input(lin.q4, input, M, lin.k, sc.panels.data(), sc.sums.data());
+        in = gguf_kernels::prepare_input(lin.q4, input, M, lin.k, sc.panels.data(), sc.sums.data(), int8_);
       }
       const int64_t g0 = (item - first) * chunk, g1 = std::min(groups, g0 + chunk);
       gguf_kernels::matmul_groups(lin.q4, w, lin.n, lin.k, M, input, in, y, lin.n, g0, g1);
@@ -455,6 +459,7 @@ class DecodeStack {
 
   int64_t hidden_, heads_, kv_heads_, head_dim_, rotary_dim_, inter_;
   float eps_, scale_;
+  bool int8_ = false;
   torch::Tensor final_norm_;
   std::vector<Layer> layers_;
 };
@@ -473,6 +478,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("input_norm"), py::arg("post_norm"), py::arg("q_norm"), py::arg("k_norm"))
       .def("set_kv_cache", &DecodeStack::set_kv_cache, py::arg("k"), py::arg("v"))
       .def("num_layers", &DecodeStack::num_layers)
+      .def("set_int8_activations", &DecodeStack::set_int8_activations, py::arg("on"))
+      .def("int8_activations", &DecodeStack::int8_activations)
       .def("forward", &DecodeStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("out_loc"),
            py::arg("req_to_token"), py::arg("req_pool_indices"), py::arg("seq_lens"),
            py::call_guard<py::gil_scoped_release>());

@@ -52,6 +52,7 @@ SUPPORTED_QTYPES = tuple(BLOCK_BYTES)
 DISABLE_ENV = "SGLANG_DISABLE_GGUF_KERNELS"
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "gguf_linear.cpp"
 KERNELS_HEADER = _SOURCE.parent / "gguf_kernels.h"
+INT8_HEADER = _SOURCE.parent / "gguf_int8.h"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -59,7 +60,7 @@ KERNELS_HEADER = _SOURCE.parent / "gguf_kernels.h"
 
 
 _EXTENSION = CpuExtension("sglang_gguf_linear", _SOURCE, "GGUF quantized CPU kernels", DISABLE_ENV,
-                          headers=[KERNELS_HEADER])
+                          headers=[KERNELS_HEADER, INT8_HEADER])
 
 
 def kernels_available() -> bool:
@@ -317,20 +318,22 @@ class GGUFQuantWeight:
             kernel = ext.q4_1_linear if self.qtype == "Q4_1" else ext.q8_0_linear
         else:
 
-            def kernel(x2: torch.Tensor, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-                return x2 @ self.dequantize().T
+            def kernel(x2: torch.Tensor, packed: torch.Tensor, n: int, k: int, int8: bool = False) -> torch.Tensor:
+                return x2 @ self.dequantize().T  # without the extension x stays float32
 
         self._kernel = kernel
         return kernel
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, int8: bool = False) -> torch.Tensor:
         """x [..., k] -> [..., n] = x @ W.T (+ bias), computed in float32 and returned in x's dtype.
 
-        Whether the compiled kernel or the dense fallback is used is decided on the first call.
+        With `int8` the kernel quantizes x to int8 per 32-value block first (csrc/gguf_int8.h: integer dot
+        products, AVX512-VNNI where the CPU has it). Whether the compiled kernel or the dense fallback is used is
+        decided on the first call.
         """
         kernel = self._kernel or self._resolve_kernel()
         if bias is None and x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
-            return kernel(x, self.packed, self.n, self.k)  # fast path: the kernel checks the shape
+            return kernel(x, self.packed, self.n, self.k, int8)  # fast path: the kernel checks the shape
         if x.shape[-1] != self.k:
             raise ValueError(f"expected input with last dim {self.k}, got {tuple(x.shape)}")
         out_dtype = x.dtype
@@ -338,7 +341,7 @@ class GGUFQuantWeight:
         x2 = x.reshape(-1, self.k)
         if x2.dtype != torch.float32:
             x2 = x2.to(torch.float32)
-        y = kernel(x2.contiguous(), self.packed, self.n, self.k)
+        y = kernel(x2.contiguous(), self.packed, self.n, self.k, int8)
         if bias is not None:
             y = y + bias.to(torch.float32)
         if out_dtype != torch.float32:

@@ -11,22 +11,41 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch import nn
 
 from sglang.srt.layers.linear import DENSE, LinearMethod
 from sglang.srt.layers.quantization.gguf_blocks import GGUFQuantWeight
 
 
 class GGUFLinearMethod(LinearMethod):
-    def __init__(self, quant_weight: GGUFQuantWeight, max_rows: int, large: LinearMethod = DENSE) -> None:
+    def __init__(self, quant_weight: GGUFQuantWeight, max_rows: int, large: LinearMethod = DENSE,
+                 int8_activations: bool = False) -> None:
         self.quant_weight = quant_weight
         self.max_rows = max_rows
         # The method for more than `max_rows` rows (dense float, or a bf16 copy: layers/arithmetic.py).
         self.large = large
+        # Quantize x to int8 per 32-value block for the kernel (the plan's gguf_activations).
+        self.int8_activations = int8_activations
 
     def apply(self, weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.max_rows:
-            return self.quant_weight.linear(x, bias)
+            return self.quant_weight.linear(x, bias, self.int8_activations)
         return self.large.apply(weight, x, bias)
 
     def describe(self) -> str:
-        return f"GGUF {self.quant_weight.qtype} blocks up to {self.max_rows} rows, {self.large.describe()} beyond"
+        act = ", int8 activations" if self.int8_activations else ""
+        return (f"GGUF {self.quant_weight.qtype} blocks{act} up to {self.max_rows} rows, "
+                f"{self.large.describe()} beyond")
+
+
+def set_gguf_activations(model: nn.Module, activations: str) -> int:
+    """Give every GGUF-blocks method of `model` (linear layers and the LM head) `activations` (float32 | int8);
+    returns how many methods it set."""
+    methods: list[object] = [getattr(m, "linear_method", None) for m in model.modules()]
+    methods.append(getattr(getattr(model, "logits_processor", None), "head_method", None))
+    count = 0
+    for method in methods:
+        if isinstance(method, GGUFLinearMethod):
+            method.int8_activations = activations == "int8"
+            count += 1
+    return count

@@ -44,6 +44,8 @@
 #include <immintrin.h>
 #endif
 
+#include "gguf_int8.h"
+
 namespace gguf_kernels {
 
 constexpr int64_t kQK = 32;    // weights per GGUF block
@@ -472,20 +474,35 @@ constexpr int64_t group_block_bytes(bool q4) {
 
 // Scratch floats prepare_input needs for M rows of K inputs: panels, then block sums.
 inline int64_t panel_floats(int64_t M, int64_t K) {
-  return M * K;
+  return M * K;  // also covers the int8 layout (int8::scratch_floats: 19/32 of it)
 }
 inline int64_t sum_floats(int64_t M, int64_t K) {
   return M * (K / kQK);
+}
+
+// Whether int8 activations run on the AVX512-VNNI kernels here (otherwise on the portable loop).
+inline bool int8_vnni_available() {
+  return int8::vnni_supported();
 }
 
 // x as the kernels read it.
 struct PreparedInput {
   const float* xt;   // panels (AVX2) or x itself
   const float* sxt;  // per-block sums of x (Q4_1 with AVX2), else null
+  bool quantized = false;  // x quantized to int8 per 32-value block (gguf_int8.h), held in q
+  int8::QuantizedInput q{nullptr, nullptr, nullptr};
 };
 
 // Lays out rows x[M, K] for matmul_groups, using `panels` (panel_floats) and `sums` (sum_floats) as scratch.
-inline PreparedInput prepare_input(bool q4, const float* x, int64_t M, int64_t K, float* panels, float* sums) {
+// With int8_activations x is quantized to int8 per 32-value block instead (into `panels`).
+inline PreparedInput prepare_input(bool q4, const float* x, int64_t M, int64_t K, float* panels, float* sums,
+                                   bool int8_activations = false) {
+  if (int8_activations) {
+    PreparedInput in{panels, nullptr};
+    in.quantized = true;
+    in.q = int8::quantize_rows(q4, x, M, K, panels);
+    return in;
+  }
 #ifdef GGUF_LINEAR_AVX2
   if (!q4 && M == 1) return {x, nullptr};  // a single row of Q8_0 needs no copy
   float scale[8];
@@ -507,6 +524,12 @@ inline void matmul_groups(bool q4, const uint8_t* packed, int64_t N, int64_t K, 
                           PreparedInput in, float* y, int64_t ldy, int64_t g0, int64_t g1) {
   const int64_t nb = K / kQK;
   const int64_t group_bytes = nb * group_block_bytes(q4);
+  if (in.quantized) {
+    for (int64_t g = g0; g < g1; ++g) {
+      int8::group(q4, packed + g * group_bytes, nb, M, in.q, y + g * kRows, ldy, std::min(kRows, N - g * kRows));
+    }
+    return;
+  }
 #ifdef GGUF_LINEAR_AVX2
   (void)x;
   for (int64_t g = g0; g < g1; ++g) {

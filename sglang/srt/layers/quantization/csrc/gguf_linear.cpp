@@ -57,7 +57,8 @@ void check_args(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, 
               ": packed weights have the wrong size for N = ", N, ", K = ", K);
 }
 
-torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, int64_t K, bool q4) {
+torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, int64_t K, bool q4,
+                           bool int8_activations) {
   check_args(x, packed, N, K, group_block_bytes(q4), q4 ? "q4_1_linear" : "q8_0_linear");
   const int64_t M = x.size(0);
   auto y = torch::empty({M, N}, x.options());
@@ -67,7 +68,7 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& packed, 
   float* yp = y.data_ptr<float>();
   std::vector<float> panels(static_cast<size_t>(panel_floats(M, K)));
   std::vector<float> sums(static_cast<size_t>(sum_floats(M, K)));
-  const PreparedInput in = prepare_input(q4, xp, M, K, panels.data(), sums.data());
+  const PreparedInput in = prepare_input(q4, xp, M, K, panels.data(), sums.data(), int8_activations);
   const int64_t group_bytes = K / kQK * group_block_bytes(q4);
   for_each_group_range(row_groups(N), group_bytes, M, [&](int64_t g0, int64_t g1) {
     matmul_groups(q4, wp, N, K, M, xp, in, yp, N, g0, g1);
@@ -77,12 +78,12 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& packed, 
 
 }  // namespace
 
-torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, int64_t K) {
-  return quant_linear(x, packed, N, K, /*q4=*/true);
+torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, int64_t K, bool int8) {
+  return quant_linear(x, packed, N, K, /*q4=*/true, int8);
 }
 
-torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, int64_t K) {
-  return quant_linear(x, packed, N, K, /*q4=*/false);
+torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, int64_t K, bool int8) {
+  return quant_linear(x, packed, N, K, /*q4=*/false, int8);
 }
 
 // Minimum weight bytes per thread before a call is split between threads (see for_each_group_range); returns the
@@ -104,6 +105,10 @@ bool has_avx2_path() {
 #endif
 }
 
+bool has_int8_vnni_path() {
+  return int8_vnni_available();
+}
+
 bool has_openmp() {
 #ifdef _OPENMP
   return true;
@@ -113,14 +118,20 @@ bool has_openmp() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q4_1_linear", &q4_1_linear, "y[M, N] = x[M, K] @ W.T for Q4_1 weights packed in row groups", py::arg("x"),
-        py::arg("packed"), py::arg("N"), py::arg("K"), py::call_guard<py::gil_scoped_release>());
-  m.def("q8_0_linear", &q8_0_linear, "y[M, N] = x[M, K] @ W.T for Q8_0 weights packed in row groups", py::arg("x"),
-        py::arg("packed"), py::arg("N"), py::arg("K"), py::call_guard<py::gil_scoped_release>());
+  m.def("q4_1_linear", &q4_1_linear,
+        "y[M, N] = x[M, K] @ W.T for Q4_1 weights packed in row groups; int8: x quantized to int8 per 32 values",
+        py::arg("x"), py::arg("packed"), py::arg("N"), py::arg("K"), py::arg("int8") = false,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("q8_0_linear", &q8_0_linear,
+        "y[M, N] = x[M, K] @ W.T for Q8_0 weights packed in row groups; int8: x quantized to int8 per 32 values",
+        py::arg("x"), py::arg("packed"), py::arg("N"), py::arg("K"), py::arg("int8") = false,
+        py::call_guard<py::gil_scoped_release>());
   m.def("set_min_thread_bytes", &set_min_thread_bytes,
         "minimum weight bytes per thread before a call is split between threads; returns the previous value",
         py::arg("bytes"));
   m.def("get_min_thread_bytes", &get_min_thread_bytes, "current minimum weight bytes per thread");
   m.def("has_avx2_path", &has_avx2_path, "whether the AVX2/FMA/F16C kernels were compiled in");
+  m.def("has_int8_vnni_path", &has_int8_vnni_path,
+        "whether int8 activations run on the AVX512-VNNI kernels (otherwise on a portable loop)");
   m.def("has_openmp", &has_openmp, "whether the kernels were compiled with OpenMP (multi-threaded)");
 }

@@ -1,0 +1,312 @@
+// Int8-activation variants of the GGUF Q4_1 / Q8_0 kernels, over the same packed layout as gguf_kernels.h (included
+// from there). The fast path needs AVX512-VNNI; it is compiled into the same build with function-level target
+// attributes and chosen at run time, so one binary still runs on any CPU, where a portable loop computes the same
+// integer sums (slowly: on CPUs without VNNI the float32 kernels are the fast choice).
+//
+// Each 32-value block of a row of x is written as two int8 terms, x ~ dx1 * q1 + dx2 * q2: q1 = round(x / dx1)
+// with dx1 = max|x| / 127 (llama.cpp's Q8 activations), and q2 the same rounding of the remainder x - dx1 * q1
+// with its own scale. One int8 term alone leaves ~1% relative error in a layer's output on SmolLM2 (blocks that
+// hold one of its large activations quantize the rest coarsely), enough to move greedy tokens; with the second
+// term the error is ~3e-5, below that of a bf16 GEMM (~4e-3). The dot products of both terms with the 16 rows of a
+// row group are formed by VPDPBUSD, which multiplies 4 unsigned by 4 signed bytes and adds them into a 32-bit lane:
+// one instruction does 64 multiply-adds, where the float32 kernels do 8 per FMA and need an integer-to-float
+// conversion per weight vector. One 512-bit register holds a whole row group (both halves of 8 rows are adjacent in
+// the packed stream).
+//   Q4_1: the nibbles are the unsigned operand: lane bytes & 0x0F hold q[8j + 2t], (lane >> 4) & 0x0F hold
+//         q[8j + 2t + 1], so each term of x is packed into matching "low" and "high" words. A block is
+//         d * (dx1 * sum(q * q1) + dx2 * sum(q * q2)) + m * (dx1 * sum(q1) + dx2 * sum(q2)): every sum over the
+//         same rounded x, so the result is the exact dot product of the dequantized weights with that x (with sum(x)
+//         from the float x instead, the rounding error of x would meet d * q, whose mean is far from zero).
+//   Q8_0: the weights are signed, so each term is shifted to unsigned (q + 128) and 128 * sum(weights) is
+//         subtracted, with that sum formed by one more VPDPBUSD against a vector of ones (shared by every row of x).
+// Integer sums are exact (|sum| < 2^20); the only error against the float kernels is the rounding of x.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define GGUF_INT8_VNNI 1
+#include <immintrin.h>
+#endif
+
+namespace gguf_kernels {
+namespace int8 {
+
+// Whether the AVX512-VNNI kernels can run on this CPU.
+// SGLANG_GGUF_INT8_PORTABLE=1 forces the portable loop (to test it on a VNNI machine).
+inline bool vnni_supported() {
+#ifdef GGUF_INT8_VNNI
+  static const bool ok = std::getenv("SGLANG_GGUF_INT8_PORTABLE") == nullptr && __builtin_cpu_supports("avx512f") &&
+                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                         __builtin_cpu_supports("avx512vnni");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+constexpr int64_t kTermWords = 8;                    // 32 int8 values of one term, as 8 words of 4 bytes
+constexpr int64_t kWordsPerBlock = 2 * kTermWords;  // both terms
+constexpr int64_t kTile = 8;                        // rows of x per pass over a row group
+
+// Scratch floats quantize_rows needs for M rows of K inputs (words, then scales, then sums).
+inline int64_t scratch_floats(int64_t M, int64_t K) {
+  const int64_t nb = K / 32;
+  return M * nb * kWordsPerBlock + 3 * M * nb;
+}
+
+// x as the int8 kernels read it. Per tile of up to kTile rows starting at row m0 (mt rows), for block b, term s
+// (0 or 1), word w and row m of the tile:
+//   words[m0 * nb * 16 + (b * 16 + s * 8 + w) * mt + m], dx[m0 * nb * 2 + (b * 2 + s) * mt + m],
+//   sx[m0 * nb + b * mt + m] (the block's sum of the rounded x, for the Q4_1 minimum).
+struct QuantizedInput {
+  const int32_t* words;
+  const float* dx;
+  const float* sx;
+};
+
+// Rounds 32 values to int8 with scale max|v| / 127; returns the scale (0 for an all-zero block).
+inline float round_block(const float* v, int8_t* q) {
+  float amax = 0.0f;
+  for (int64_t k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(v[k]));
+  const float d = amax / 127.0f;
+  const float id = d > 0.0f ? 1.0f / d : 0.0f;
+  for (int64_t k = 0; k < 32; ++k) q[k] = static_cast<int8_t>(std::nearbyint(v[k] * id));
+  return d;
+}
+
+// Quantizes rows x[M, K] (see QuantizedInput) into `scratch` (scratch_floats). For Q4_1 (q4) word 2j of a term
+// holds q[8j + 2t] in byte t and word 2j + 1 holds q[8j + 2t + 1]; for Q8_0 word j holds q[4j + t] + 128.
+inline QuantizedInput quantize_rows(bool q4, const float* x, int64_t M, int64_t K, float* scratch) {
+  const int64_t nb = K / 32;
+  int32_t* words = reinterpret_cast<int32_t*>(scratch);
+  float* dx = scratch + M * nb * kWordsPerBlock;
+  float* sx = dx + 2 * M * nb;
+  for (int64_t m0 = 0; m0 < M; m0 += kTile) {
+    const int64_t mt = std::min(kTile, M - m0);
+    int32_t* tw = words + m0 * nb * kWordsPerBlock;
+    float* tdx = dx + 2 * m0 * nb;
+    float* tsx = sx + m0 * nb;
+    for (int64_t m = 0; m < mt; ++m) {
+      const float* row = x + (m0 + m) * K;
+      for (int64_t b = 0; b < nb; ++b) {
+        int8_t q[2][32];
+        float rest[32];
+        const float d1 = round_block(row + b * 32, q[0]);
+        for (int64_t k = 0; k < 32; ++k) rest[k] = row[b * 32 + k] - d1 * static_cast<float>(q[0][k]);
+        const float d2 = round_block(rest, q[1]);
+        int32_t sum1 = 0, sum2 = 0;
+        for (int64_t k = 0; k < 32; ++k) {
+          sum1 += q[0][k];
+          sum2 += q[1][k];
+        }
+        tdx[(b * 2) * mt + m] = d1;
+        tdx[(b * 2 + 1) * mt + m] = d2;
+        tsx[b * mt + m] = d1 * static_cast<float>(sum1) + d2 * static_cast<float>(sum2);
+        for (int64_t s = 0; s < 2; ++s) {
+          for (int64_t w = 0; w < kTermWords; ++w) {
+            uint32_t word = 0;
+            for (int64_t t = 0; t < 4; ++t) {
+              const uint8_t byte = q4 ? static_cast<uint8_t>(q[s][8 * (w / 2) + 2 * t + (w % 2)])
+                                      : static_cast<uint8_t>(q[s][4 * w + t] + 128);
+              word |= static_cast<uint32_t>(byte) << (8 * t);
+            }
+            tw[(b * kWordsPerBlock + s * kTermWords + w) * mt + m] = static_cast<int32_t>(word);
+          }
+        }
+      }
+    }
+  }
+  return {words, dx, sx};
+}
+
+// ---- portable path: the same integer sums, one row at a time ----
+
+inline float half_to_float(const uint8_t* p) {
+  const uint16_t h = static_cast<uint16_t>(p[0] | (p[1] << 8));
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu, bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal half: normalise
+      exp = 113;
+      while ((mant & 0x400u) == 0) {
+        mant <<= 1;
+        --exp;
+      }
+      bits = sign | (exp << 23) | ((mant & 0x3FFu) << 13);
+    }
+  } else {
+    bits = sign | (exp == 0x1F ? 0x7F800000u | (mant << 13) : ((exp + 112) << 23) | (mant << 13));
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// One row group against mt rows of quantized x (words of one tile), any CPU.
+inline void group_portable(bool q4, const uint8_t* gp, int64_t nb, int64_t mt, const int32_t* words,
+                           const float* dx, const float* sx, float* y, int64_t ldy, int64_t nvalid) {
+  const int64_t block_bytes = q4 ? 320 : 544;
+  for (int64_t m = 0; m < mt; ++m) {
+    float acc[16] = {0.0f};
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* bp = gp + b * block_bytes;
+      for (int64_t row = 0; row < nvalid; ++row) {
+        const int64_t h = row / 8, r = row % 8;
+        int32_t dot[2] = {0, 0};
+        for (int64_t s = 0; s < 2; ++s) {
+          const int32_t* wb = words + (b * kWordsPerBlock + s * kTermWords) * mt;
+          for (int64_t w = 0; w < kTermWords; ++w) {
+            const uint32_t xw = static_cast<uint32_t>(wb[w * mt + m]);
+            // Q4_1: word 2j (low nibbles) / 2j + 1 (high nibbles) against vector j; Q8_0: word j against vector j.
+            const uint8_t* lane = bp + (q4 ? 64 + 64 * (w / 2) : 32 + 64 * w) + 32 * h + 4 * r;
+            for (int64_t t = 0; t < 4; ++t) {
+              const int32_t xb = static_cast<int32_t>((xw >> (8 * t)) & 0xFFu);
+              if (q4) {
+                const int32_t q = (w % 2 == 0) ? (lane[t] & 0x0F) : (lane[t] >> 4);
+                dot[s] += q * static_cast<int32_t>(static_cast<int8_t>(xb));
+              } else {
+                dot[s] += static_cast<int32_t>(static_cast<int8_t>(lane[t])) * (xb - 128);
+              }
+            }
+          }
+        }
+        const float d = half_to_float(bp + 16 * h + 2 * r);
+        const float* bdx = dx + b * 2 * mt;
+        acc[row] += static_cast<float>(dot[0]) * (d * bdx[m]);
+        acc[row] += static_cast<float>(dot[1]) * (d * bdx[mt + m]);
+        if (q4) acc[row] += half_to_float(bp + 32 + 16 * h + 2 * r) * sx[b * mt + m];
+      }
+    }
+    for (int64_t row = 0; row < nvalid; ++row) y[m * ldy + row] = acc[row];
+  }
+}
+
+#ifdef GGUF_INT8_VNNI
+
+#define GGUF_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+
+GGUF_VNNI_TARGET inline __m512 load_half16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+GGUF_VNNI_TARGET inline void store_rows16(const __m512* acc, int mt, float* y, int64_t ldy, int64_t nvalid) {
+  const __mmask16 mask = nvalid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << nvalid) - 1);
+  for (int m = 0; m < mt; ++m) _mm512_mask_storeu_ps(y + m * ldy, mask, acc[m]);
+}
+
+GGUF_VNNI_TARGET inline __m512i bcast_word(const int32_t* p) {
+  return _mm512_set1_epi32(*p);
+}
+
+// acc[m] += (i1[m] * dx1[m] + i2[m] * dx2[m]) * d for the block's two terms (bdx: the block's scales).
+template <int MT>
+GGUF_VNNI_TARGET inline void add_terms(__m512* acc, const __m512i* i1, const __m512i* i2, __m512 d,
+                                       const float* bdx) {
+  for (int m = 0; m < MT; ++m) {
+    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[m]), _mm512_mul_ps(d, _mm512_set1_ps(bdx[m])), acc[m]);
+    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i2[m]), _mm512_mul_ps(d, _mm512_set1_ps(bdx[MT + m])), acc[m]);
+  }
+}
+
+// One Q4_1 row group (Q41Layout, 320 bytes per block) against MT rows of quantized x.
+template <int MT>
+GGUF_VNNI_TARGET void q4_1_group(const uint8_t* gp, int64_t nb, const int32_t* words, const float* dx,
+                                 const float* sx, float* y, int64_t ldy, int64_t nvalid) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* bp = gp + b * 320;
+    for (int64_t off = 0; off < 320; off += 64) _mm_prefetch(reinterpret_cast<const char*>(bp + 2048 + off), _MM_HINT_T0);
+    const int32_t* w1 = words + b * kWordsPerBlock * MT;
+    const int32_t* w2 = w1 + kTermWords * MT;
+    __m512i i1[MT], i2[MT];
+    for (int m = 0; m < MT; ++m) i1[m] = i2[m] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      const __m512i v = _mm512_loadu_si512(bp + 64 + 64 * j);
+      const __m512i lo = _mm512_and_si512(v, low);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), low);
+      for (int m = 0; m < MT; ++m) {
+        i1[m] = _mm512_dpbusd_epi32(i1[m], lo, bcast_word(w1 + (2 * j) * MT + m));
+        i2[m] = _mm512_dpbusd_epi32(i2[m], lo, bcast_word(w2 + (2 * j) * MT + m));
+        i1[m] = _mm512_dpbusd_epi32(i1[m], hi, bcast_word(w1 + (2 * j + 1) * MT + m));
+        i2[m] = _mm512_dpbusd_epi32(i2[m], hi, bcast_word(w2 + (2 * j + 1) * MT + m));
+      }
+    }
+    add_terms<MT>(acc, i1, i2, load_half16(bp), dx + b * 2 * MT);
+    const __m512 mn = load_half16(bp + 32);
+    for (int m = 0; m < MT; ++m) acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sx[b * MT + m]), acc[m]);
+  }
+  store_rows16(acc, MT, y, ldy, nvalid);
+}
+
+// One Q8_0 row group (Q80Layout, 544 bytes per block) against MT rows of quantized x (shifted to unsigned).
+template <int MT>
+GGUF_VNNI_TARGET void q8_0_group(const uint8_t* gp, int64_t nb, const int32_t* words, const float* dx,
+                                 const float* /*unused*/, float* y, int64_t ldy, int64_t nvalid) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* bp = gp + b * 544;
+    for (int64_t off = 0; off < 544; off += 64) _mm_prefetch(reinterpret_cast<const char*>(bp + 2048 + off), _MM_HINT_T0);
+    const int32_t* w1 = words + b * kWordsPerBlock * MT;
+    const int32_t* w2 = w1 + kTermWords * MT;
+    __m512i qsum = _mm512_setzero_si512();
+    __m512i i1[MT], i2[MT];
+    for (int m = 0; m < MT; ++m) i1[m] = i2[m] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      const __m512i v = _mm512_loadu_si512(bp + 32 + 64 * j);
+      qsum = _mm512_dpbusd_epi32(qsum, ones, v);
+      for (int m = 0; m < MT; ++m) {
+        i1[m] = _mm512_dpbusd_epi32(i1[m], bcast_word(w1 + j * MT + m), v);
+        i2[m] = _mm512_dpbusd_epi32(i2[m], bcast_word(w2 + j * MT + m), v);
+      }
+    }
+    const __m512i shift = _mm512_slli_epi32(qsum, 7);  // each term was shifted by +128
+    for (int m = 0; m < MT; ++m) {
+      i1[m] = _mm512_sub_epi32(i1[m], shift);
+      i2[m] = _mm512_sub_epi32(i2[m], shift);
+    }
+    add_terms<MT>(acc, i1, i2, load_half16(bp), dx + b * 2 * MT);
+  }
+  store_rows16(acc, MT, y, ldy, nvalid);
+}
+
+using GroupFn = void (*)(const uint8_t*, int64_t, const int32_t*, const float*, const float*, float*, int64_t,
+                         int64_t);
+constexpr GroupFn kQ41[kTile + 1] = {nullptr,       q4_1_group<1>, q4_1_group<2>, q4_1_group<3>, q4_1_group<4>,
+                                     q4_1_group<5>, q4_1_group<6>, q4_1_group<7>, q4_1_group<8>};
+constexpr GroupFn kQ80[kTile + 1] = {nullptr,       q8_0_group<1>, q8_0_group<2>, q8_0_group<3>, q8_0_group<4>,
+                                     q8_0_group<5>, q8_0_group<6>, q8_0_group<7>, q8_0_group<8>};
+
+#undef GGUF_VNNI_TARGET
+#endif  // GGUF_INT8_VNNI
+
+// One row group (16 rows, nvalid of them real) against all M rows of quantized x.
+inline void group(bool q4, const uint8_t* gp, int64_t nb, int64_t M, QuantizedInput in, float* y, int64_t ldy,
+                  int64_t nvalid) {
+  for (int64_t m0 = 0; m0 < M; m0 += kTile) {
+    const int64_t mt = std::min(kTile, M - m0);
+    const int32_t* words = in.words + m0 * nb * kWordsPerBlock;
+    const float* dx = in.dx + 2 * m0 * nb;
+    const float* sx = in.sx + m0 * nb;
+#ifdef GGUF_INT8_VNNI
+    if (vnni_supported()) {
+      (q4 ? kQ41 : kQ80)[mt](gp, nb, words, dx, sx, y + m0 * ldy, ldy, nvalid);
+      continue;
+    }
+#endif
+    group_portable(q4, gp, nb, mt, words, dx, sx, y + m0 * ldy, ldy, nvalid);
+  }
+}
+
+}  // namespace int8
+}  // namespace gguf_kernels

@@ -1,0 +1,145 @@
+"""Int8 activations for the GGUF block kernels (csrc/gguf_int8.h).
+
+Each 32-value block of x is written as two int8 terms (x ~ dx1 * q1 + dx2 * q2), and the kernels form exact integer
+dot products of those terms with the weight blocks. So the result must equal, up to float32 rounding, the float64
+product of the dequantized weights with x rounded that way (an emulation in torch below), and stay within ~1e-4 of
+the product with the float x. Both the AVX512-VNNI kernels and the portable loop are checked on any machine: the
+VNNI ones where the CPU has the instructions, the portable one in a subprocess that turns VNNI off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from sglang.srt.layers.cpu_extension import cpu_flags  # noqa: E402
+from sglang.srt.layers.quantization import gguf_blocks as gb  # noqa: E402
+from tests.test_engine_greedy import reference  # noqa: E402,F401
+from tests.test_gguf_kernels import random_raw, reference_dequantize  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not gb.kernels_available(),
+                                reason=f"GGUF kernels unavailable: {gb.kernels_unavailable_reason()}")
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = [(40, 96), (1536, 576)]  # N not a multiple of 16; a SmolLM2 shape
+BATCHES = [1, 2, 5, 8, 13]  # one tile, a partial tile, two tiles
+
+
+def round_terms(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels see it: per 32-value block, int8 rounding plus the int8 rounding of the remainder."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+
+    def rnd(v: torch.Tensor) -> torch.Tensor:
+        d = v.abs().amax(-1, keepdim=True) / 127
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        return torch.round(v * inv) * d
+
+    first = rnd(blocks)
+    second = rnd(blocks - first)
+    return (first.double() + second.double()).reshape(x.shape)
+
+
+def inputs(m: int, k: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen)
+    x[:, 3] = 60.0  # a large activation in one channel, as real hidden states have
+    if m > 1:
+        x[1, :32] = 0.0  # an all-zero block
+    return x
+
+
+def check_case(qtype: str, n: int, k: int, m: int) -> tuple[float, float]:
+    """(error against the emulated rounding, error against float x), each relative to the output's norm."""
+    raw = random_raw(qtype, n, k, seed=n + k)
+    weight = gb.GGUFQuantWeight(qtype, raw, n, k)
+    w = torch.from_numpy(reference_dequantize(qtype, raw, n, k)).double()
+    x = inputs(m, k, seed=m)
+    y = weight.linear(x, int8=True).double()
+    exact = x.double() @ w.T
+    emulated = round_terms(x) @ w.T
+    return float((y - emulated).norm() / exact.norm()), float((y - exact).norm() / exact.norm())
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_int8_kernels_equal_the_emulated_rounding(qtype, n, k):
+    for m in BATCHES:
+        vs_emulated, vs_float = check_case(qtype, n, k, m)
+        assert vs_emulated < 2e-6, (m, vs_emulated)
+        assert vs_float < 2e-4, (m, vs_float)
+
+
+def test_portable_int8_loop_equals_the_emulated_rounding():
+    """The loop CPUs without AVX512-VNNI run (forced with SGLANG_GGUF_INT8_PORTABLE=1 in a fresh process)."""
+    code = (
+        "import json\n"
+        "from sglang.srt.layers.quantization import gguf_blocks as gb\n"
+        "from tests.test_gguf_int8 import check_case\n"
+        "errors = [check_case(q, n, k, m) for q in ('Q4_1', 'Q8_0') for n, k in [(40, 96)] for m in (1, 5, 13)]\n"
+        "print(json.dumps({'vnni': gb.kernel_module().has_int8_vnni_path(), 'errors': errors}))\n"
+    )
+    env = {**os.environ, "SGLANG_GGUF_INT8_PORTABLE": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["vnni"] is False
+    for vs_emulated, vs_float in result["errors"]:
+        assert vs_emulated < 2e-6 and vs_float < 2e-4
+
+
+def test_int8_flag_defaults_off_and_float_path_is_unchanged():
+    raw = random_raw("Q8_0", 40, 96)
+    weight = gb.GGUFQuantWeight("Q8_0", raw, 40, 96)
+    x = inputs(3, 96, seed=0)
+    w = torch.from_numpy(reference_dequantize("Q8_0", raw, 40, 96)).double()
+    exact = x.double() @ w.T
+    assert float((weight.linear(x).double() - exact).norm() / exact.norm()) < 1e-6
+    int8 = weight.linear(x, int8=True).double()
+    assert 0 < float((int8 - exact).norm() / exact.norm()) < 2e-4  # rounded, so not bit-equal to float
+
+
+def test_vnni_path_reported():
+    flags = cpu_flags()
+    has_vnni = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags
+    assert gb.kernel_module().has_int8_vnni_path() == (has_vnni and "SGLANG_GGUF_INT8_PORTABLE" not in os.environ)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# SmolLM2 end to end: int8 activations in every small-batch matmul and the fused decode step keep transformers'
+# float32 greedy tokens (teacher-forced, the largest log-probability change on the prompts below was 0.002).
+
+
+@pytest.fixture(scope="module")
+def int8_engine():
+    from sglang import Engine
+    from tests.conftest import SMOLLM2
+
+    # Forced, so that the portable loop runs where the CPU has no VNNI (slowly: fewer tokens there).
+    eng = Engine(model_path=SMOLLM2, gguf_activations="int8", cpu_gemm="float32")
+    yield eng
+    eng.shutdown()
+
+
+def test_int8_activations_keep_smollm2_greedy_tokens(int8_engine, reference):  # noqa: F811
+    from tests.test_engine_greedy import PROMPTS
+
+    info = int8_engine.get_server_info()
+    assert info["arithmetic"]["gguf_activations"] == "int8"
+    assert info["arithmetic"]["gguf_activations_reason"] == "--gguf-activations int8"
+    fast = gb.kernel_module().has_int8_vnni_path()
+    prompts = PROMPTS[:3] if fast else PROMPTS[:1]
+    tokens = 32 if fast else 6
+    params = {"temperature": 0, "max_new_tokens": tokens, "ignore_eos": True}
+    got = [o["output_ids"] for o in int8_engine.generate(prompt=prompts, sampling_params=params)]
+    assert got == [ids[:tokens] for ids in reference(prompts)]
+    # One at a time too: batch-1 decode steps run the fused step with int8 activations.
+    single = int8_engine.generate(prompt=prompts[0], sampling_params=params)["output_ids"]
+    assert single == reference(prompts[:1])[0][:tokens]
