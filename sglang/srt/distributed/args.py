@@ -25,6 +25,10 @@ def check_parallel_args(args: Any) -> None:
             raise ValueError(f"--dist-init-addr must be HOST:PORT, got {args.dist_init_addr!r}")
     if args.dist_timeout is not None and args.dist_timeout <= 0:
         raise ValueError(f"--dist-timeout must be a positive number of seconds, got {args.dist_timeout}")
+    if getattr(args, "base_gpu_id", 0) < 0:
+        raise ValueError(f"--base-gpu-id must be at least 0, got {args.base_gpu_id}")
+    if getattr(args, "gpu_id_step", 1) < 1:
+        raise ValueError(f"--gpu-id-step must be at least 1, got {args.gpu_id_step}")
     if args.num_threads is not None and args.num_threads < 1:
         raise ValueError(f"--num-threads must be at least 1, got {args.num_threads}")
     if getattr(args, "dp_size", 1) > 1 and args.nnodes > 1:
