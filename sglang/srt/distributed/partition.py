@@ -37,6 +37,8 @@ class HeadPartition:
 
 def head_partition(num_heads: int, num_kv_heads: int, tp_size: int, rank: int) -> HeadPartition:
     """Rank `rank`'s attention heads; ValueError naming --tp-size for a split that cannot work."""
+    if tp_size == 1:  # every head, whatever the model's grouping
+        return HeadPartition(0, num_heads, 0, num_kv_heads)
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ValueError(f"The model's {num_heads} attention heads are not groups of its {num_kv_heads} "
                          "key/value heads")
