@@ -1,4 +1,4 @@
-"""Tensor parallelism, the slower checks: SmolLM2 split over 3 ranks equals 1 rank (2 cannot split its 9 heads),
+"""Tensor parallelism, the slower checks: SmolLM2 split over 3 ranks equals 1 rank (4 cannot split its heads),
 and a dead node 0 ends node 1 with a non-zero status.
 
 Run every tensor-parallel test with `pytest -m tensor_parallel`.
@@ -43,8 +43,9 @@ def _smollm2_ids(model: str, tp_size: int) -> list[list[int]]:
         engine.shutdown()
 
 
-def test_smollm2_tp3_equals_tp1_and_tp2_is_refused(smollm2_dir):
-    # SmolLM2-135M has 9 attention heads and 3 K/V heads: 3 ranks split them, 2 cannot.
-    with pytest.raises(ValueError, match=r"--tp-size 2 does not divide the model's attention heads \(9\)"):
-        Engine(model_path=smollm2_dir, tp_size=2, **FLOAT32)
+def test_smollm2_tp3_equals_tp1_and_tp4_is_refused(smollm2_dir):
+    # SmolLM2-135M has 9 attention heads and 3 K/V heads: 3 ranks split them (2 too, unevenly:
+    # test_tensor_parallel_smollm2.py); 4 ranks can neither split nor replicate 3 K/V heads.
+    with pytest.raises(ValueError, match=r"--tp-size 4 is larger than the model's 3 key/value heads"):
+        Engine(model_path=smollm2_dir, tp_size=4, **FLOAT32)
     assert _smollm2_ids(smollm2_dir, 3) == _smollm2_ids(smollm2_dir, 1)

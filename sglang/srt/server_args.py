@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 # Flags that only matter on hardware or topologies this engine does not use. They are accepted so that
 # upstream command lines run unchanged; a non-default value is reported once at startup.
 NOT_APPLICABLE_FLAGS = (
-    "pp_size", "base_gpu_id", "gpu_id_step",
+    "pp_size",
     "cuda_graph_max_bs", "disable_cuda_graph", "disable_overlap_schedule", "enable_mixed_chunk",
     "cpu_offload_gb", "quantization", "lora_paths",
     "attention_backend", "sampling_backend",

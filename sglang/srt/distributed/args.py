@@ -25,6 +25,10 @@ def check_parallel_args(args: Any) -> None:
             raise ValueError(f"--dist-init-addr must be HOST:PORT, got {args.dist_init_addr!r}")
     if args.dist_timeout is not None and args.dist_timeout <= 0:
         raise ValueError(f"--dist-timeout must be a positive number of seconds, got {args.dist_timeout}")
+    if getattr(args, "base_gpu_id", 0) < 0:
+        raise ValueError(f"--base-gpu-id must be at least 0, got {args.base_gpu_id}")
+    if getattr(args, "gpu_id_step", 1) < 1:
+        raise ValueError(f"--gpu-id-step must be at least 1, got {args.gpu_id_step}")
     if args.num_threads is not None and args.num_threads < 1:
         raise ValueError(f"--num-threads must be at least 1, got {args.num_threads}")
     if getattr(args, "dp_size", 1) > 1 and args.nnodes > 1:
@@ -37,10 +41,10 @@ def check_parallel_args(args: Any) -> None:
 
 
 def check_model_supports_tp(hf_config: Any, tp_size: int) -> None:
-    """Refuse, before any process starts, a model that tensor parallelism cannot split evenly (or at all)."""
+    """Refuse, before any process starts, a model that tensor parallelism cannot split (or not at all)."""
     if tp_size == 1:
         return
-    from sglang.srt.layers.linear import divide
+    from sglang.srt.distributed.partition import check_partition_fits, head_partition
     from sglang.srt.models.llama import LlamaForCausalLM
     from sglang.srt.models.registry import architectures_of, get_model_class
 
@@ -52,6 +56,8 @@ def check_model_supports_tp(hf_config: Any, tp_size: int) -> None:
         raise ValueError(f"--tp-size {tp_size}: mixture-of-experts models ({model_class.__name__}) do not support "
                          "tensor parallelism")
     config = hf_config.get_text_config()
-    divide(config.num_attention_heads, tp_size, "attention heads")
-    divide(getattr(config, "num_key_value_heads", None) or config.num_attention_heads, tp_size, "key/value heads")
-    divide(config.intermediate_size, tp_size, "MLP intermediate size")
+    # Every rank's heads, so the first error is raised here rather than in a rank while it builds the model.
+    for rank in range(tp_size):
+        head_partition(config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+                       or config.num_attention_heads, tp_size, rank)
+    check_partition_fits(config.intermediate_size, tp_size, "MLP intermediate size")

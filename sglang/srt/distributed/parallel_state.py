@@ -81,11 +81,12 @@ def free_local_init_addr() -> str:
 
 
 def init_tp_group(rank: int, size: int, init_addr: Optional[str], device: str,
-                  timeout_s: Optional[float] = None, local_rank: int = 0) -> TPGroup:
+                  timeout_s: Optional[float] = None, gpu_id: int = 0) -> TPGroup:
     """Join the tensor-parallel group (`size` ranks rendezvous at `init_addr`, HOST:PORT) and make it current.
 
-    gloo on CPU, NCCL on CUDA (each rank on GPU `local_rank` of its node). A collective that waits longer than
-    `timeout_s` for another rank raises, so a dead rank ends every other rank instead of hanging it."""
+    gloo on CPU, NCCL on CUDA (each rank on GPU `gpu_id` of its node: distributed/placement.py). A collective
+    that waits longer than `timeout_s` for another rank raises, so a dead rank ends every other rank instead of
+    hanging it."""
     global _TP_GROUP
     dev = torch.device(device)
     if size == 1:
@@ -94,8 +95,8 @@ def init_tp_group(rank: int, size: int, init_addr: Optional[str], device: str,
     if not init_addr:
         raise ValueError("--dist-init-addr is required when the tensor-parallel ranks span several processes")
     if dev.type == "cuda":
-        torch.cuda.set_device(local_rank)
-        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(gpu_id)
+        dev = torch.device("cuda", gpu_id)
     backend = "nccl" if dev.type == "cuda" else "gloo"
     timeout = datetime.timedelta(seconds=timeout_s or DEFAULT_DIST_TIMEOUT_S)
     host, _, port = init_addr.rpartition(":")

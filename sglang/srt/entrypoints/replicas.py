@@ -6,7 +6,8 @@ is the single place that starts one replica (with --tp-size N, its N ranks: entr
 
 Resources are split evenly between replicas: each KV pool gets 1/N of --max-total-tokens (or of
 --mem-fraction-static when the pool is sized from free memory), and each replica's forward gets 1/N of the
-CPU cores unless --num-threads says how many.
+CPU cores unless --num-threads says how many, and its ranks the GPUs after the previous replica's
+(distributed/placement.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from multiprocessing.context import SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from sglang.srt.distributed.placement import replica_base_gpu_id, threads_per_rank
 from sglang.srt.entrypoints.tp_launch import start_scheduler_group as start_tp_ranks
 from sglang.srt.managers.data_parallel import DataParallelDispatcher, make_balancer
 from sglang.srt.managers.io_struct import SchedulerInfo, SchedulerStartupError
@@ -47,7 +49,8 @@ def replica_server_args(server_args: ServerArgs) -> ServerArgs:
     if server_args.mem_fraction_static is not None:
         changes["mem_fraction_static"] = server_args.mem_fraction_static / n
     if not server_args.num_threads and server_args.device == "cpu":
-        changes["num_threads"] = max(1, usable_cpu_count() // n)
+        # per rank: the cores over every rank of every replica (each replica has tp_size ranks on this node)
+        changes["num_threads"] = threads_per_rank(usable_cpu_count(), n, server_args.tp_size // server_args.nnodes)
     return dataclasses.replace(server_args, **changes)
 
 
@@ -64,6 +67,9 @@ def start_scheduler_group(ctx: SpawnContext, server_args: ServerArgs, port_args:
     reports on the returned pipe once ready."""
     reader, writer = ctx.Pipe(duplex=False)
     name = "sglang-scheduler" if server_args.dp_size == 1 else f"sglang-scheduler-dp{rank}"
+    if server_args.dp_size > 1:  # this replica's GPUs follow those of the replicas before it
+        server_args = dataclasses.replace(server_args, base_gpu_id=replica_base_gpu_id(
+            server_args.base_gpu_id, server_args.gpu_id_step, rank, server_args.tp_size // server_args.nnodes))
     procs = start_tp_ranks(ctx, server_args, port_args, model_info, writer, name=name)
     return SchedulerGroup(rank, procs, reader)
 

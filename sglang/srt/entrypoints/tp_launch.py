@@ -2,7 +2,8 @@
 
 With --tp-size 1 a replica is the single scheduler process. With --tp-size N its N ranks are spread over the
 --nnodes nodes (N / nnodes each, node r holding ranks r*N/nnodes ...); they rendezvous at --dist-init-addr
-(or a free loopback port when every rank is on this node). Node 0 runs rank 0 with the HTTP server and the
+(or a free loopback port when every rank is on this node); on CUDA the node's i-th rank uses GPU
+--base-gpu-id + i * --gpu-id-step (distributed/placement.py). Node 0 runs rank 0 with the HTTP server and the
 tokenizer manager; the other nodes run `run_worker_node`, which blocks until one of its ranks ends.
 """
 
@@ -15,6 +16,7 @@ import signal
 import time
 from typing import Any, Optional
 
+from sglang.srt.distributed import placement
 from sglang.srt.distributed.args import check_model_supports_tp
 from sglang.srt.distributed.parallel_state import free_local_init_addr
 from sglang.srt.managers.process_utils import exit_on_signal, usable_cpu_count
@@ -27,10 +29,19 @@ logger = logging.getLogger(__name__)
 
 
 def threads_per_rank(server_args: ServerArgs, local_ranks: int) -> int:
-    """--num-threads, else this node's cores shared evenly by its ranks."""
-    if server_args.num_threads:
-        return server_args.num_threads
-    return max(1, usable_cpu_count() // local_ranks)
+    """--num-threads (a replica's share when --dp-size > 1: entrypoints/replicas.py), else this node's cores
+    shared evenly by its ranks."""
+    return placement.threads_per_rank(usable_cpu_count(), 1, local_ranks, server_args.num_threads)
+
+
+def run_single_scheduler(gpu: int, *args: Any) -> None:
+    """The scheduler process of --tp-size 1, on GPU `gpu` (--base-gpu-id) when the device is CUDA."""
+    import torch
+
+    device = torch.device(args[0].device)
+    if device.type == "cuda" and device.index is None:  # an explicit cuda:N keeps its N
+        torch.cuda.set_device(gpu)
+    run_scheduler_process(*args)
 
 
 def start_scheduler_group(ctx: Any, server_args: ServerArgs, port_args: Optional[PortArgs], model_info: ModelInfo,
@@ -40,7 +51,8 @@ def start_scheduler_group(ctx: Any, server_args: ServerArgs, port_args: Optional
     `pipe_writer` and talks to the tokenizer manager and detokenizer over `port_args`."""
     tp_size, nnodes = server_args.tp_size, server_args.nnodes
     if tp_size == 1:
-        proc = ctx.Process(target=run_scheduler_process, args=(server_args, port_args, model_info, pipe_writer),
+        proc = ctx.Process(target=run_single_scheduler,
+                           args=(server_args.base_gpu_id, server_args, port_args, model_info, pipe_writer),
                            name=name, daemon=True)
         proc.start()
         return [proc]
@@ -56,8 +68,8 @@ def start_scheduler_group(ctx: Any, server_args: ServerArgs, port_args: Optional
         rank = first + local_rank
         proc = ctx.Process(
             target=run_tp_scheduler_process,
-            args=(server_args, port_args, model_info, pipe_writer if rank == 0 else None, rank, local_rank,
-                  init_addr, threads),
+            args=(server_args, port_args, model_info, pipe_writer if rank == 0 else None, rank,
+                  placement.gpu_id(server_args.base_gpu_id, server_args.gpu_id_step, local_rank), init_addr, threads),
             name=f"{name}-tp{rank}", daemon=True,
         )
         proc.start()

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.distributed.parallel_state import TPGroup, get_tp_group
+from sglang.srt.distributed.partition import check_partition_fits, partition
 
 
 class LinearMethod(ABC):
@@ -96,7 +97,8 @@ def copy_checked(target: torch.Tensor, tensor: torch.Tensor, checkpoint_name: st
 # With --tp-size N each scheduler rank holds 1/N of every projection: column-parallel layers (q/k/v, gate/up)
 # keep a slice of the output rows of each shard and need no communication; row-parallel layers (o_proj,
 # down_proj) keep a slice of the input columns and sum their partial outputs over the ranks. The checkpoint is
-# sliced while it is read, so no rank ever holds a full weight.
+# sliced while it is read, so no rank ever holds a full weight. Slices are as even as possible
+# (distributed/partition.py): sizes that do not divide by the number of ranks differ by one item between ranks.
 
 
 def divide(total: int, tp_size: int, what: str) -> int:
@@ -108,37 +110,51 @@ def divide(total: int, tp_size: int, what: str) -> int:
 
 
 class ColumnParallelLinear(MergedLinear):
-    """A MergedLinear holding rows [rank * n / tp, (rank + 1) * n / tp) of each of its shards."""
+    """A MergedLinear holding a slice of the output rows of each of its shards: by default rank r's
+    `partition(rows, tp, r)`, or the (first row, rows) given per shard (the attention heads of a rank)."""
 
     def __init__(self, in_features: int, shards: list[tuple[str, int]], bias: bool, dtype: Optional[torch.dtype],
-                 device: Optional[torch.device | str], tp: TPGroup) -> None:
-        local = [(name, divide(size, tp.size, f"{name} output size")) for name, size in shards]
-        super().__init__(in_features, local, bias, dtype, device)
+                 device: Optional[torch.device | str], tp: TPGroup,
+                 slices: Optional[list[tuple[int, int]]] = None) -> None:
+        if slices is None:
+            for name, size in shards:
+                check_partition_fits(size, tp.size, f"{name} output size")
+            slices = [partition(size, tp.size, tp.rank) for _, size in shards]
+        super().__init__(in_features, [(name, size) for (name, _), (_, size) in zip(shards, slices)], bias, dtype,
+                         device)
         self.tp = tp
+        # checkpoint shard name -> (its full number of rows, this rank's first row in it)
+        self.checkpoint_rows = {name: (full, start) for (name, full), (start, _) in zip(shards, slices)}
 
     def load_shard(self, param_name: str, shard_name: str, tensor: torch.Tensor, checkpoint_name: str) -> None:
         size = self.shard_rows[shard_name][1]
-        check_full_rows(tensor, size * self.tp.size, checkpoint_name)
-        super().load_shard(param_name, shard_name, tensor.narrow(0, self.tp.rank * size, size), checkpoint_name)
+        full, start = self.checkpoint_rows[shard_name]
+        check_full_rows(tensor, full, checkpoint_name)
+        super().load_shard(param_name, shard_name, tensor.narrow(0, start, size), checkpoint_name)
 
 
 class RowParallelLinear(Linear):
-    """A Linear holding input columns [rank * n / tp, (rank + 1) * n / tp); the partial products are summed
-    over the ranks with one all_reduce (the bias is added once, by rank 0)."""
+    """A Linear holding a slice of the input columns (rank r's `partition(n, tp, r)` unless `cols` gives its
+    (first column, columns)); the partial products are summed over the ranks with one all_reduce (the bias is
+    added once, by rank 0)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: Optional[torch.dtype],
-                 device: Optional[torch.device | str], tp: TPGroup) -> None:
-        super().__init__(divide(in_features, tp.size, "projection input size"), out_features, bias, dtype, device)
+                 device: Optional[torch.device | str], tp: TPGroup, cols: Optional[tuple[int, int]] = None) -> None:
+        if cols is None:
+            check_partition_fits(in_features, tp.size, "projection input size")
+            cols = partition(in_features, tp.size, tp.rank)
+        super().__init__(cols[1], out_features, bias, dtype, device)
         self.tp = tp
+        self.full_in_features, self.col_start = in_features, cols[0]
 
     def checkpoint_slicers(self) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
         """Parameter leaf -> this rank's part of the checkpoint tensor (the bias is whole on every rank)."""
         cols = self.in_features
 
         def weight(t: torch.Tensor) -> torch.Tensor:
-            if t.dim() != 2 or t.shape[1] != cols * self.tp.size:
+            if t.dim() != 2 or t.shape[1] != self.full_in_features:
                 return t  # the copy reports the shape mismatch
-            return t.narrow(1, self.tp.rank * cols, cols)
+            return t.narrow(1, self.col_start, cols)
 
         return {"weight": weight}
 
@@ -154,18 +170,21 @@ def check_full_rows(tensor: torch.Tensor, rows: int, checkpoint_name: str) -> No
 
 
 def merged_linear(in_features: int, shards: list[tuple[str, int]], bias: bool, dtype: Optional[torch.dtype],
-                  device: Optional[torch.device | str]) -> MergedLinear:
-    """A MergedLinear, column-parallel over the current tensor-parallel group when it has several ranks."""
+                  device: Optional[torch.device | str],
+                  slices: Optional[list[tuple[int, int]]] = None) -> MergedLinear:
+    """A MergedLinear, column-parallel over the current tensor-parallel group when it has several ranks
+    (`slices`: this rank's (first row, rows) of each shard, when not the even partition)."""
     tp = get_tp_group()
     if tp.size == 1:
         return MergedLinear(in_features, shards, bias, dtype, device)
-    return ColumnParallelLinear(in_features, shards, bias, dtype, device, tp)
+    return ColumnParallelLinear(in_features, shards, bias, dtype, device, tp, slices)
 
 
 def row_parallel_linear(in_features: int, out_features: int, bias: bool, dtype: Optional[torch.dtype],
-                        device: Optional[torch.device | str]) -> Linear:
-    """A Linear, row-parallel over the current tensor-parallel group when it has several ranks."""
+                        device: Optional[torch.device | str], cols: Optional[tuple[int, int]] = None) -> Linear:
+    """A Linear, row-parallel over the current tensor-parallel group when it has several ranks
+    (`cols`: this rank's (first column, columns) of the input, when not the even partition)."""
     tp = get_tp_group()
     if tp.size == 1:
         return Linear(in_features, out_features, bias, dtype=dtype, device=device)
-    return RowParallelLinear(in_features, out_features, bias, dtype, device, tp)
+    return RowParallelLinear(in_features, out_features, bias, dtype, device, tp, cols)

@@ -10,6 +10,7 @@ from torch import nn
 from sglang.srt.distributed.parallel_state import get_tp_group
 from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.layers.linear import DENSE, LinearMethod
+from sglang.srt.layers.vocab_parallel_embedding import unpad_gathered_logits
 
 
 def select_logit_rows(hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
@@ -53,4 +54,4 @@ class LogitsProcessor(nn.Module):
         logits = self.tp.all_gather(self.head_method.apply(lm_head_weight, selected, lm_head_bias)).float()
         if self.logit_scale != 1.0:
             logits.mul_(self.logit_scale)
-        return logits[:, : self.vocab_size] if logits.shape[1] > self.vocab_size else logits
+        return unpad_gathered_logits(logits, self.vocab_size, self.tp.size)

@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 
 from sglang.srt.distributed.parallel_state import get_tp_group
+from sglang.srt.distributed.partition import head_partition
 from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.layers.arithmetic import ArithmeticPlan
 from sglang.srt.layers.attention.torch_sdpa_backend import TorchSDPABackend
@@ -89,8 +90,10 @@ class ModelRunner:
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_dtype = self.arithmetic.kv_dtype if self.arithmetic is not None else self.dtype
-        # Each tensor-parallel rank caches its own K/V heads (the model refuses sizes that do not divide them).
-        return KVCacheSpec(config.num_hidden_layers, num_kv_heads // get_tp_group().size, head_dim, kv_dtype)
+        # Each tensor-parallel rank caches its own K/V heads (distributed/partition.py, as the model splits them).
+        tp = get_tp_group()
+        local_kv_heads = head_partition(config.num_attention_heads, num_kv_heads, tp.size, tp.rank).num_kv_heads
+        return KVCacheSpec(config.num_hidden_layers, local_kv_heads, head_dim, kv_dtype)
 
     def bind_kv_pool(self, kv_pool: KVPool) -> None:
         """Choose the decode path for the K/V buffers every forward will use, and log the choice."""

@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 from sglang.srt.distributed.parallel_state import get_tp_group
+from sglang.srt.distributed.partition import head_partition
 from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.layernorm import RMSNorm
-from sglang.srt.layers.linear import divide, merged_linear, row_parallel_linear
+from sglang.srt.layers.linear import merged_linear, row_parallel_linear
 from sglang.srt.layers.logits_processor import LogitsProcessor
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb, get_rope
@@ -77,23 +78,29 @@ class LlamaAttention(nn.Module):
     ) -> None:
         super().__init__()
         hidden_size = config.hidden_size
-        # This rank's heads: tensor parallelism splits the q and the K/V heads evenly over the ranks.
-        tp_size = get_tp_group().size
-        self.num_heads = divide(config.num_attention_heads, tp_size, "attention heads")
-        self.num_kv_heads = divide(getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-                                   tp_size, "key/value heads")
+        # This rank's heads: tensor parallelism splits the K/V heads as evenly as possible over the ranks, each
+        # with its group of query heads (distributed/partition.py); q/k/v rows and o_proj columns follow them.
+        tp = get_tp_group()
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        heads = head_partition(total_heads, total_kv_heads, tp.size, tp.rank)
+        self.num_heads = heads.num_heads
+        self.num_kv_heads = heads.num_kv_heads
         self.head_dim = head_dim_of(config)
         self.rotary_dim = rotary_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = merged_linear(
             hidden_size,
-            [("q_proj", self.q_size * tp_size), ("k_proj", self.kv_size * tp_size), ("v_proj", self.kv_size * tp_size)],
+            [("q_proj", total_heads * self.head_dim), ("k_proj", total_kv_heads * self.head_dim),
+             ("v_proj", total_kv_heads * self.head_dim)],
             options.qkv_bias,
             dtype,
             device,
+            slices=heads.row_slices(self.head_dim),
         )
-        self.o_proj = row_parallel_linear(self.q_size * tp_size, hidden_size, options.o_proj_bias, dtype, device)
+        self.o_proj = row_parallel_linear(total_heads * self.head_dim, hidden_size, options.o_proj_bias, dtype,
+                                          device, cols=(heads.q_start * self.head_dim, self.q_size))
         if options.qk_norm:
             eps = config.rms_norm_eps
             self.q_norm: Optional[RMSNorm] = RMSNorm(self.head_dim, eps, dtype=dtype, device=device)

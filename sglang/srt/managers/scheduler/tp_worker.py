@@ -183,7 +183,7 @@ class TPFollower:
 
 
 def run_tp_scheduler_process(server_args: ServerArgs, port_args: PortArgs, model_info: ModelInfo, pipe_writer,
-                             tp_rank: int, local_rank: int, init_addr: str, num_threads: int) -> None:
+                             tp_rank: int, gpu_id: int, init_addr: str, num_threads: int) -> None:
     """Entry point of one tensor-parallel scheduler rank (rank 0 reports its startup on `pipe_writer`)."""
     from sglang.srt.managers.process_utils import configure_child_process, load_tokenizer_for
     from sglang.srt.managers.scheduler.loop import Scheduler
@@ -196,7 +196,7 @@ def run_tp_scheduler_process(server_args: ServerArgs, port_args: PortArgs, model
     model_info = dataclasses.replace(model_info, gguf_path=None)
     timeout = server_args.dist_timeout
     try:
-        tp = init_tp_group(tp_rank, server_args.tp_size, init_addr, server_args.device, timeout, local_rank)
+        tp = init_tp_group(tp_rank, server_args.tp_size, init_addr, server_args.device, timeout, gpu_id)
         if tp_rank == 0:
             scheduler = Scheduler(server_args, port_args, model_info, load_tokenizer_for(server_args))
             TPLeader(scheduler, tp, heartbeat_interval=min(1.0, (timeout or 60) / 4))
