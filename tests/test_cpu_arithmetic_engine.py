@@ -50,6 +50,7 @@ def test_bf16_prefill_then_quantized_decode_keeps_greedy_tokens(bf16_engine, ref
     assert info["arithmetic"]["kv_cache_dtype"] == "float32"
     assert info["arithmetic"]["large_batch_gemm"] == "bfloat16"
     assert info["cpu_gemm"] == "bfloat16"
+    assert [s["dp_rank"] for s in info["internal_states"]] == [0]
     # Decode batches quantize their activations to int8 where the CPU has AVX512-VNNI (float32 elsewhere).
     vnni = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= read_cpu_flags()
     assert info["arithmetic"]["gguf_activations"] == ("int8" if vnni else "float32")

@@ -315,6 +315,8 @@ class PortArgs:
     detokenizer_ipc_name: str
     # The private folder holding the sockets; removed when the server stops (Subprocesses.shutdown).
     ipc_dir: str = ""
+    # Which data-parallel replica the scheduler on scheduler_input_ipc_name is (entrypoints/replicas.py).
+    dp_rank: int = 0
 
     @staticmethod
     def init_new() -> PortArgs:

@@ -90,8 +90,8 @@ class EngineBackend(NativeBackend):
         from sglang.srt.entrypoints.engine import engine_server_info
 
         # The engine's coroutines run on this backend's loop thread, so its own get_server_info cannot be used.
-        state = self._run(self.engine.tokenizer_manager.get_internal_state()).to_dict()
-        return engine_server_info(self.engine.server_args, state)
+        states = self._run(self.engine.tokenizer_manager.get_internal_states())
+        return engine_server_info(self.engine.server_args, states)
 
     def shutdown(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -9,9 +9,10 @@ from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any, Optional, Union
 
 from sglang.srt.entrypoints.launch import launch_subprocesses, watch_children
+from sglang.srt.managers.data_parallel.dispatcher import merge_states
 from sglang.srt.managers.expert_record_client import expert_distribution
 from sglang.srt.managers.generate_input import GenerateReqInput
-from sglang.srt.managers.io_struct import AbortReq
+from sglang.srt.managers.io_struct import AbortReq, SchedulerState
 from sglang.srt.managers.process_utils import configure_logging
 from sglang.srt.server_args import ServerArgs
 
@@ -167,7 +168,8 @@ class Engine:
         return self.loop.run_until_complete(self.tokenizer_manager.get_internal_state()).to_dict()
 
     def get_server_info(self) -> dict:
-        return engine_server_info(self.server_args, self.get_internal_state())
+        states = self.loop.run_until_complete(self.tokenizer_manager.get_internal_states())
+        return engine_server_info(self.server_args, states)
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         self.tokenizer_manager.send_to_scheduler.send_pyobj(AbortReq(rid=rid, abort_all=abort_all))
@@ -194,15 +196,17 @@ class Engine:
             pass
 
 
-def engine_server_info(server_args: ServerArgs, state: dict) -> dict:
-    """get_server_info of an in-process engine: its args and the scheduler's state (`SchedulerState.to_dict()`)."""
+def engine_server_info(server_args: ServerArgs, states: list[SchedulerState]) -> dict:
+    """get_server_info of an in-process engine: its args, the server-wide scheduler state and one state per
+    data-parallel replica (`SchedulerState.to_dict()`, in replica order)."""
+    state = merge_states(states).to_dict()
     info = dataclasses.asdict(server_args)
     info.update(
         status="ready",
         max_total_num_tokens=state["max_total_num_tokens"],
         max_req_input_len=state["max_req_input_len"],
         arithmetic=state["arithmetic"],
-        internal_states=[state],
+        internal_states=[s.to_dict() for s in states],
         version=_version(),
     )
     return info

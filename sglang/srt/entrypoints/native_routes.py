@@ -133,6 +133,7 @@ async def server_info(request: Request):
         max_req_input_len=internal.info.max_req_input_len,
         arithmetic=internal.info.arithmetic,
         internal_states=[{
+            "dp_rank": s.info.dp_rank,
             "last_gen_throughput": s.last_gen_throughput,
             "memory_usage": {
                 "weight": s.info.weight_bytes / 2**30,

@@ -58,7 +58,8 @@ def replica_port_args(port_args: PortArgs, rank: int, dp_size: int) -> PortArgs:
     """Replica `rank`'s sockets: its own scheduler input, the shared detokenizer and tokenizer sockets."""
     if dp_size == 1:
         return port_args
-    return dataclasses.replace(port_args, scheduler_input_ipc_name=f"{port_args.scheduler_input_ipc_name}-{rank}")
+    return dataclasses.replace(port_args, scheduler_input_ipc_name=f"{port_args.scheduler_input_ipc_name}-{rank}",
+                               dp_rank=rank)
 
 
 def start_scheduler_group(ctx: SpawnContext, server_args: ServerArgs, port_args: PortArgs, model_info: ModelInfo,

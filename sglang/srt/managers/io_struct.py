@@ -69,6 +69,8 @@ class SchedulerInfo:
     kv_bytes: int
     # The arithmetic plan (layers/arithmetic.py ArithmeticPlan.to_dict), empty when none was made.
     arithmetic: dict[str, str] = field(default_factory=dict)
+    # The data-parallel replica this scheduler is (0 without --dp-size).
+    dp_rank: int = 0
 
 
 @dataclass(frozen=True)

@@ -382,6 +382,6 @@ class TokenizerManager:
         return out.state
 
     async def get_internal_states(self) -> list[SchedulerState]:
-        """One state per scheduler replica (the server's internal_states)."""
+        """One state per scheduler replica (the server's internal_states), in replica order."""
         outs = await self.control.request_all(GetInternalStateReq(), GetInternalStateReqOutput)
-        return [out.state for out in outs]
+        return sorted((out.state for out in outs), key=lambda s: s.info.dp_rank)

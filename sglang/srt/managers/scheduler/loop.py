@@ -61,6 +61,7 @@ class Scheduler:
         ctx = zmq.Context(2)
         self.recv_from_tokenizer = ctx.socket(zmq.PULL)
         self.recv_from_tokenizer.bind(port_args.scheduler_input_ipc_name)
+        self.dp_rank = port_args.dp_rank
         self.send_to_detokenizer = ctx.socket(zmq.PUSH)
         self.send_to_detokenizer.connect(port_args.detokenizer_ipc_name)
 
@@ -134,6 +135,7 @@ class Scheduler:
             weight_bytes=self.runner.weight_bytes,
             kv_bytes=self.mem.kv_bytes,
             arithmetic=self.runner.arithmetic.to_dict() if self.runner.arithmetic is not None else {},
+            dp_rank=self.dp_rank,
         )
 
     # ---- main loop ------------------------------------------------------------------------------------
