@@ -102,6 +102,22 @@ def test_flush_cache_empties_both_replicas(dp_server):
     assert [s["evictable_size"] for s in _states(url)] == [0, 0]
 
 
+def test_data_parallel_rank_routes_to_that_replica(dp_server):
+    url = dp_server[0]
+    assert requests.post(f"{url}/flush_cache", timeout=30).status_code == 200
+    body = {"text": "Routed by hand: the second replica serves this.", "data_parallel_rank": 1,
+            "sampling_params": {"temperature": 0, "max_new_tokens": 2}}
+    for _ in range(2):
+        r = requests.post(f"{url}/generate", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+    sizes = [s["evictable_size"] for s in _states(url)]
+    assert sizes[0] == 0 and sizes[1] > 0, sizes
+    assert r.json()["meta_info"]["cached_tokens"] > 0  # the repeat found its prompt on the same replica
+    for bad in (2, -1, "0", True):
+        r = requests.post(f"{url}/generate", json={**body, "data_parallel_rank": bad}, timeout=30)
+        assert r.status_code == 400 and "data_parallel_rank" in r.text, (bad, r.text)
+
+
 def test_abort_all_reaches_both_replicas(dp_server):
     url = dp_server[0]
     long = {"text": "Count forever:", "sampling_params": {"temperature": 0, "max_new_tokens": 4000,

@@ -47,6 +47,7 @@ class GenerateBody(_Body):
     custom_logit_processor: Optional[Union[StrictStr, list[Optional[StrictStr]]]] = None
     return_hidden_states: Union[StrictBool, list[StrictBool]] = False
     priority: Optional[Int64] = None
+    data_parallel_rank: Optional[Int64] = None
 
 
 class EmbeddingBody(_Body):

@@ -48,6 +48,8 @@ class GenerateReqInput:
     return_hidden_states: Any = False
     # Scheduling priority: larger values are admitted first (batch-file lines run below online requests).
     priority: Optional[int] = None
+    # Send the request to this data-parallel replica (0 .. --dp-size - 1) instead of the load balancer's choice.
+    data_parallel_rank: Optional[int] = None
 
     @classmethod
     def from_json(cls, body: dict) -> GenerateReqInput:

@@ -23,6 +23,8 @@ class TokenizedGenerateReqInput:
     priority: int = 0
     # Images of a vision-language prompt (multimodal/processor.py MultimodalInputs): pixels, spans, M-RoPE.
     mm_inputs: Optional[Any] = None
+    # The data-parallel replica the client asked for (None: the load balancer chooses).
+    data_parallel_rank: Optional[int] = None
 
 
 @dataclass

@@ -14,6 +14,7 @@ import zmq
 import zmq.asyncio
 
 from sglang.srt.managers.control_channel import ControlChannel
+from sglang.srt.managers.data_parallel.dispatcher import check_data_parallel_rank
 from sglang.srt.managers.embedding_manager import NOT_GENERATION_MODEL, handle_embedding_output
 from sglang.srt.managers.finish_reason import ABORT_BEFORE_PREFILL, FinishAbort, FinishReason
 from sglang.srt.managers.generate_input import GenerateItem, GenerateReqInput
@@ -189,6 +190,7 @@ class TokenizerManager:
         tokenized = [self.tokenize_item(it) for it in items]
         if obj.priority is not None and (not isinstance(obj.priority, int) or isinstance(obj.priority, bool)):
             raise ValueError(f"priority must be an integer, got {obj.priority!r}.")
+        check_data_parallel_rank(obj.data_parallel_rank, self.server_args.dp_size)
         single = obj.is_single() and len(items) == 1
         for t in tokenized:
             if t.rid in self.rid_to_state:
@@ -198,6 +200,7 @@ class TokenizerManager:
         for t in tokenized:
             t.stream = obj.stream
             t.priority = obj.priority or 0
+            t.data_parallel_rank = obj.data_parallel_rank
             state = self.new_state(t.rid)
             if t.return_logprob:
                 state.logprobs = LogprobFormatter(

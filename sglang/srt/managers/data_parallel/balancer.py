@@ -37,6 +37,9 @@ class LoadBalancer(ABC):
     def choose(self, input_ids: Sequence[int], loads: Sequence[int]) -> int:
         """The replica for a request with prompt `input_ids`; `loads[i]`: requests in flight on replica i."""
 
+    def record(self, replica: int, input_ids: Sequence[int]) -> None:  # noqa: B027 (cache-aware only)
+        """A request was sent to `replica` without asking (a data_parallel_rank hint)."""
+
     def reset(self) -> None:  # noqa: B027 (only the cache-aware method remembers anything)
         """Forget what the replicas cache (their prefix caches were flushed)."""
 
@@ -139,6 +142,9 @@ class CacheAwareBalancer(LoadBalancer):
         if best > 0 and best >= needed:
             return self._least_loaded(loads, [i for i, m in enumerate(matches) if m == best])
         return self._least_loaded(loads)
+
+    def record(self, replica: int, input_ids: Sequence[int]) -> None:
+        self.indexes[replica].insert(input_ids)
 
     def reset(self) -> None:
         for index in self.indexes:

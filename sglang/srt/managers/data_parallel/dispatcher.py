@@ -31,6 +31,15 @@ from sglang.srt.managers.io_struct import (
 logger = logging.getLogger(__name__)
 
 
+def check_data_parallel_rank(rank: Any, dp_size: int) -> None:
+    """ValueError (a 400 naming the field) unless `rank` is None or a replica index of this server."""
+    if rank is None:
+        return
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < dp_size:
+        raise ValueError(f"data_parallel_rank must be an integer in [0, {dp_size - 1}] (the server runs "
+                         f"--dp-size {dp_size}), got {rank!r}.")
+
+
 class DataParallelDispatcher:
     def __init__(self, sockets: Sequence[Any], balancer: LoadBalancer, is_live: Callable[[str], bool]) -> None:
         """`sockets[i]` pushes to replica i; `is_live(rid)` tells whether a routed request is still in flight
@@ -52,7 +61,12 @@ class DataParallelDispatcher:
 
     def send_pyobj(self, obj: Any) -> None:
         if isinstance(obj, (TokenizedGenerateReqInput, TokenizedEmbeddingReqInput)):
-            replica = self.balancer.choose(obj.input_ids, self.loads())
+            hint = getattr(obj, "data_parallel_rank", None)
+            if hint is not None:  # the client chose the replica (validated by the tokenizer manager)
+                replica = hint
+                self.balancer.record(replica, obj.input_ids)
+            else:
+                replica = self.balancer.choose(obj.input_ids, self.loads())
             self.in_flight[obj.rid] = replica
             self.routed[replica] += 1
             self.sockets[replica].send_pyobj(obj)
