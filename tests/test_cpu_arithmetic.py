@@ -133,6 +133,26 @@ def test_gguf_activations_per_cpu_class():
         choose_arithmetic("cpu", "auto", "auto", AVX2_FLAGS, gguf_activations="int4")
 
 
+def test_small_batch_quantization_per_plan():
+    """Q8_0 blocks for checkpoints without GGUF blocks where large batches already run a reduced-precision GEMM."""
+    assert choose_arithmetic("cpu", "auto", "auto", BF16_VNNI_FLAGS).small_batch_quantization == "q8_0"
+    assert choose_arithmetic("cpu", "auto", "auto", AMX_FLAGS).small_batch_quantization == "q8_0"
+    assert choose_arithmetic("cpu", "auto", "bfloat16", AVX2_FLAGS).small_batch_quantization == "q8_0"
+    for args in (("cpu", "auto", "auto", AVX2_FLAGS), ("cpu", "float32", "auto", BF16_VNNI_FLAGS),
+                 ("cpu", "auto", "float32", BF16_VNNI_FLAGS), ("cpu", "bfloat16", "auto", BF16_VNNI_FLAGS),
+                 ("cuda", "auto", "auto", AMX_FLAGS)):
+        assert choose_arithmetic(*args).small_batch_quantization == "none", args
+    forced = choose_arithmetic("cpu", "auto", "float32", AVX2_FLAGS, small_batch_quantization="q8_0")
+    assert forced.small_batch_quantization == "q8_0" and forced.to_dict()["small_batch_quantization"] == "q8_0"
+    assert "q8_0 blocks for small batches" in forced.describe()
+    assert choose_arithmetic("cpu", "auto", "auto", AMX_FLAGS,
+                             small_batch_quantization="none").small_batch_quantization == "none"
+    with pytest.raises(ValueError, match="--small-batch-quantization"):
+        choose_arithmetic("cpu", "auto", "auto", AVX2_FLAGS, small_batch_quantization="q4_0")
+    with pytest.raises(ValueError, match="float32 weights on CPU"):
+        choose_arithmetic("cpu", "bfloat16", "auto", AVX2_FLAGS, small_batch_quantization="q8_0")
+
+
 # ---- linear methods --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("rows", [1, 7, 40])
 def test_bf16_and_int8_methods_match_dense(rows):

@@ -6,9 +6,16 @@ from __future__ import annotations
 
 import pytest
 import requests
-import torch
 from server_fixtures import running_server
-from test_engine_greedy import GREEDY, PROMPTS, generate_ids, many_prompts, reference  # noqa: F401
+from test_engine_greedy import (  # noqa: F401
+    BF16_MARGIN,
+    GREEDY,
+    PROMPTS,
+    assert_same_or_near_tie,
+    generate_ids,
+    many_prompts,
+    reference,
+)
 
 from sglang import Engine
 from sglang.srt.model_loader.dtype import read_cpu_flags
@@ -21,26 +28,6 @@ def bf16_engine():
     eng = Engine(model_path=SMOLLM2, cpu_gemm="bfloat16")
     yield eng
     eng.shutdown()
-
-
-# bf16 GEMMs move SmolLM2's logits by up to ~0.2 (tests/test_cpu_arithmetic.py); a greedy token may differ from
-# float32 transformers' only where transformers' top two logits are closer than this.
-BF16_MARGIN = 0.3
-
-
-def assert_same_or_near_tie(hf_model, tokenizer, prompt: str, ours: list[int], expected: list[int],
-                            margin: float) -> None:
-    """ours == expected, or they agree up to a position where transformers (teacher-forced on the common prefix)
-    rates our token within `margin` of its own choice."""
-    if ours == expected:
-        return
-    first = next(i for i, (a, b) in enumerate(zip(ours, expected)) if a != b)
-    ids = tokenizer.encode(prompt) + expected[:first]
-    with torch.no_grad():
-        logits = hf_model(torch.tensor([ids])).logits[0, -1]
-    gap = float(logits.max() - logits[ours[first]])
-    assert gap <= margin, f"{prompt!r}: token {first} is {ours[first]}, transformers prefers " \
-                          f"{expected[first]} by {gap:.3f} logits"
 
 
 def test_bf16_prefill_then_quantized_decode_keeps_greedy_tokens(bf16_engine, reference, smollm2_hf,  # noqa: F811

@@ -138,6 +138,9 @@ class ServerArgs:
     # Activations of the GGUF block kernels: auto = int8 per 32-value block where the CPU has AVX512-VNNI (unless
     # --dtype or --cpu-gemm asks for float32), float32 otherwise; see sglang/srt/layers/arithmetic.py.
     gguf_activations: str = "auto"
+    # Q8_0 blocks quantized at load for the small batches of a checkpoint without GGUF blocks (plain safetensors),
+    # which gives it the fused CPU decode step: auto = where large batches run a bf16 GEMM; see layers/arithmetic.py.
+    small_batch_quantization: str = "auto"
     enable_tokenizer_batch_encode: bool = False
     enable_custom_logit_processor: bool = False
     enable_return_hidden_states: bool = False
@@ -255,6 +258,7 @@ _CHOICES = {
     "dtype": ["auto", "half", "float16", "bfloat16", "bf16", "float", "float32"],
     "cpu_gemm": ["auto", "float32", "bfloat16", "int8"],
     "gguf_activations": ["auto", "float32", "int8"],
+    "small_batch_quantization": ["auto", "none", "q8_0"],
     "tokenizer_mode": ["auto", "slow"],
     "schedule_policy": list(SCHEDULE_POLICIES),
     "grammar_backend": ["xgrammar", "outlines", "llguidance", "none"],

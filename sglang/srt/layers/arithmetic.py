@@ -17,6 +17,11 @@ faster at batch 1 and ~3x at 16-64 rows (benchmarks/RESULTS.md), at a relative e
 An explicit `--dtype float32` or `--cpu-gemm float32` keeps float32 activations too (float32 arithmetic
 throughout, as the transformers reference computes).
 
+A checkpoint without GGUF blocks (plain safetensors) gets Q8_0 blocks quantized at load for its small batches
+(`--small-batch-quantization auto|none|q8_0`, model_loader/q8_blocks.py), which brings it the fused decode step:
+by default where large batches already run a reduced-precision GEMM (bf16 on CPUs with native bf16), so a
+float32 plan stays float32 everywhere; `q8_0` asks for it on any CPU.
+
 `choose_arithmetic` is a pure function of its inputs so every CPU class can be tested on any machine;
 `read_cpu_flags` (model_loader/dtype.py) is the one place that reads /proc/cpuinfo.
 """
@@ -35,6 +40,7 @@ from sglang.srt.model_loader.dtype import read_cpu_flags, resolve_dtype
 
 CPU_GEMMS = ("auto", "float32", "bfloat16", "int8")
 GGUF_ACTIVATIONS = ("auto", "float32", "int8")
+SMALL_BATCH_QUANTIZATIONS = ("auto", "none", "q8_0")
 # What the int8-activation kernels need (names as in /proc/cpuinfo).
 VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
 
@@ -74,6 +80,8 @@ class ArithmeticPlan:
     # activations of the GGUF block kernels (small batches, fused decode step): float32 | int8
     gguf_activations: str = "float32"
     gguf_activations_reason: str = ""
+    # blocks made at load for the small batches of a model without GGUF blocks: none | q8_0
+    small_batch_quantization: str = "none"
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -86,7 +94,8 @@ class ArithmeticPlan:
         where = f"CPU class {self.cpu_class}" if self.cpu_class else self.device
         return (f"Arithmetic: {where}; {stored}; prefill and large batches "
                 f"{self.large_batch_gemm} GEMM ({self.reason}); GGUF blocks with {self.gguf_activations} "
-                f"activations ({self.gguf_activations_reason})")
+                f"activations ({self.gguf_activations_reason}); checkpoints without GGUF blocks: "
+                f"{self.small_batch_quantization} blocks for small batches")
 
     def to_dict(self) -> dict[str, str]:
         return {
@@ -97,6 +106,7 @@ class ArithmeticPlan:
             "reason": self.reason,
             "gguf_activations": self.gguf_activations,
             "gguf_activations_reason": self.gguf_activations_reason,
+            "small_batch_quantization": self.small_batch_quantization,
         }
 
 
@@ -114,14 +124,19 @@ def choose_arithmetic(
     measurements: Optional[Mapping[str, float]] = None,
     config_dtype: Union[str, torch.dtype, None] = None,
     gguf_activations: str = "auto",
+    small_batch_quantization: str = "auto",
 ) -> ArithmeticPlan:
-    """The arithmetic for a server: model dtype, the large-batch GEMM and the GGUF kernels' activations.
+    """The arithmetic for a server: model dtype, the large-batch GEMM, the GGUF kernels' activations and the
+    blocks made for a checkpoint without GGUF blocks.
 
     `measurements` maps GEMM names to measured throughput (any unit); it decides only where the CPU flags do not
     (a CPU this function does not classify), between float32 and bfloat16.
     """
     if gguf_activations not in GGUF_ACTIVATIONS:
         raise ValueError(f"--gguf-activations must be one of {GGUF_ACTIVATIONS}, got {gguf_activations!r}")
+    if small_batch_quantization not in SMALL_BATCH_QUANTIZATIONS:
+        raise ValueError(f"--small-batch-quantization must be one of {SMALL_BATCH_QUANTIZATIONS}, "
+                         f"got {small_batch_quantization!r}")
     flags = frozenset(cpu_flags)
     plan = _choose_gemm(device, dtype, cpu_gemm, flags, machine, measurements, config_dtype)
     if gguf_activations != "auto":
@@ -136,7 +151,14 @@ def choose_arithmetic(
         act, why = "int8", "the CPU has AVX512-VNNI integer dot products"
     else:
         act, why = "float32", "no AVX512-VNNI on this CPU: float32 FMAs are the faster kernels"
-    return dataclasses.replace(plan, gguf_activations=act, gguf_activations_reason=why)
+    if small_batch_quantization == "auto":
+        # where a reduced-precision GEMM already serves large batches (a float32 plan stays float32)
+        on = plan.cpu_class != "" and plan.weight_dtype == torch.float32 and plan.large_batch_gemm != "float32"
+        small_batch_quantization = "q8_0" if on else "none"
+    elif small_batch_quantization == "q8_0" and (plan.cpu_class == "" or plan.weight_dtype != torch.float32):
+        raise ValueError("--small-batch-quantization q8_0 needs float32 weights on CPU (--dtype auto or float32)")
+    return dataclasses.replace(plan, gguf_activations=act, gguf_activations_reason=why,
+                               small_batch_quantization=small_batch_quantization)
 
 
 def _choose_gemm(
@@ -198,7 +220,7 @@ def measure_cpu_gemms(rows: int = 256, k: int = 576, n: int = 1536, repeats: int
 
 def plan_for_this_machine(device: str, dtype: str, cpu_gemm: str,
                           config_dtype: Union[str, torch.dtype, None] = None,
-                          gguf_activations: str = "auto") -> ArithmeticPlan:
+                          gguf_activations: str = "auto", small_batch_quantization: str = "auto") -> ArithmeticPlan:
     """`choose_arithmetic` with this machine's CPU flags, measuring only where the flags do not settle it."""
     flags = read_cpu_flags()
     machine = platform.machine()
@@ -206,4 +228,5 @@ def plan_for_this_machine(device: str, dtype: str, cpu_gemm: str,
     if (torch.device(device).type == "cpu" and dtype.strip().lower() == "auto" and cpu_gemm == "auto"
             and cpu_class(flags, machine) == OTHER):
         measurements = measure_cpu_gemms()
-    return choose_arithmetic(device, dtype, cpu_gemm, flags, machine, measurements, config_dtype, gguf_activations)
+    return choose_arithmetic(device, dtype, cpu_gemm, flags, machine, measurements, config_dtype, gguf_activations,
+                             small_batch_quantization)

@@ -27,6 +27,7 @@ from sglang.srt.model_loader.gemm_methods import attach_large_batch_gemm
 from sglang.srt.model_loader.gguf_quant import attach_gguf_quant_weights
 from sglang.srt.model_loader.loader import load_model
 from sglang.srt.model_loader.pooling_config import read_pooling_config
+from sglang.srt.model_loader.q8_blocks import attach_q8_0_blocks
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,8 @@ def attach_fast_paths(model: Any, gguf_path: Optional[str], hf_config: Any, gguf
     quant_bytes = 0
     if gguf_path and gguf_kernel_max_rows > 0 and param.device.type == "cpu":
         quant_bytes = attach_gguf_quant_weights(model, gguf_path, hf_config, gguf_kernel_max_rows)
+    if quant_bytes == 0 and arithmetic is not None and arithmetic.small_batch_quantization == "q8_0":
+        quant_bytes = attach_q8_0_blocks(model, gguf_kernel_max_rows)
     if arithmetic is not None and param.device.type == "cpu" and param.dtype == torch.float32:
         quant_bytes += attach_large_batch_gemm(model, arithmetic.large_batch_gemm)
     if arithmetic is not None:

@@ -48,7 +48,7 @@ def load_model_info(server_args: ServerArgs) -> ModelInfo:
     context_len = server_args.context_length or _config_context_len(hf_config.get_text_config())
     config_dtype = getattr(hf_config, "dtype", None)
     arithmetic = plan_for_this_machine(server_args.device, server_args.dtype, server_args.cpu_gemm, config_dtype,
-                                       server_args.gguf_activations)
+                                       server_args.gguf_activations, server_args.small_batch_quantization)
     dtype = arithmetic.weight_dtype
     kv_dtype = resolve_kv_cache_dtype(server_args.kv_cache_dtype, dtype)
     arithmetic = dataclasses.replace(arithmetic, kv_cache_dtype=kv_dtype)
