@@ -142,13 +142,14 @@ inline __m256 sum_each8(const __m256* a) {
 // The slots of a long-running server are scattered, so the hardware prefetcher cannot guess the next row.
 constexpr int64_t kTokenBlock = 64;
 
-// Asks for the cache lines of one stored K or V row of D elements.
+// Asks for the cache lines of one stored K or V row of D elements, into L2: a block of float32 rows prefetched
+// into L1 would evict the block that the other query heads of the group are still reading.
 template <typename KV>
 inline void prefetch_row(const KV* row, int64_t D) {
-  const char* p = reinterpret_cast<const char*>(row);
-  const int64_t bytes = D * static_cast<int64_t>(sizeof(KV));
-  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
-  _mm_prefetch(p + bytes - 1, _MM_HINT_T0);  // the row need not start on a cache line
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(row);
+  const uintptr_t end = begin + static_cast<uintptr_t>(D) * sizeof(KV);
+  for (uintptr_t line = begin & ~uintptr_t{63}; line < end; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
 }
 
 // out[c] += sum_t p[t] * v_t[c] for NC vectors of 8 columns starting at column col, tokens [t0, t1); with
