@@ -86,6 +86,21 @@ def test_decode_kernel_decodes_every_fp8_code(dtype, dim):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dim", [8, 16, 4])
+def test_decode_kernel_keeps_e4m3_nan(dim):
+    """A NaN code (0x7F / 0xFF) in a stored value row stays NaN in the output, in its column only."""
+    codes = torch.zeros(2, 1, dim, dtype=torch.uint8)
+    codes[0, 0, 1] = 0x7F
+    codes[1, 0, dim - 1] = 0xFF
+    rows = codes.view(torch.float8_e4m3fn)
+    keys = torch.zeros_like(rows)
+    out = cpu_ops.paged_decode_attention(torch.randn(2, 1, dim), keys, rows, torch.arange(2)[:, None],
+                                         torch.ones(2, dtype=torch.int64), 1.0)
+    assert torch.equal(torch.isnan(out), torch.isnan(rows.float()))
+    assert torch.isnan(out).sum() == 2
+
+
+@needs_kernels
 def test_decode_kernel_rejects_mixed_dtypes():
     k = torch.zeros(10, 1, 8, dtype=torch.bfloat16)
     q = torch.zeros(1, 1, 8)

@@ -53,31 +53,60 @@ inline void rope_head(float* x, const float* cos, const float* sin, int64_t rd, 
   for (int64_t i = half; i < rd; ++i) x[i] = tmp[i] * cos[i] + tmp[i - half] * sin[i];
 }
 
-// Attention of `group` query heads q [group, D] against one KV head of one sequence: its L keys/values are the rows
-// kbase + slots[t] * slot_stride (likewise vbase). scores is scratch of group * L floats; out [group, D].
+// Attention of `group` query heads q [group, D] against one KV head over L tokens of a sequence: the keys/values
+// are the rows kbase + slots[t] * slot_stride (likewise vbase). The result is left unnormalized so that the
+// results of several token ranges of one sequence can be merged (merge_partials): per query head h, mx[h] is the
+// largest score, sum[h] = sum_t exp(score_t - mx[h]) and out[h] = sum_t exp(score_t - mx[h]) * v_t.
+// scores is scratch of group * L floats; out [group, D].
 template <typename KV>
-inline void attend_kv_head_scalar(const float* q, int64_t group, int64_t D, const KV* kbase, const KV* vbase,
+inline void attend_partial_scalar(const float* q, int64_t group, int64_t D, const KV* kbase, const KV* vbase,
                                   int64_t slot_stride, const int64_t* slots, int64_t L, float scale, float* scores,
-                                  float* out) {
+                                  float* out, float* mx, float* sum) {
   for (int64_t t = 0; t < L; ++t) {
     const KV* kr = kbase + slots[t] * slot_stride;
     for (int64_t h = 0; h < group; ++h) scores[h * L + t] = dot(q + h * D, kr, D) * scale;
   }
   for (int64_t h = 0; h < group; ++h) {
     float* s = scores + h * L;
-    const float mx = *std::max_element(s, s + L);
-    float sum = 0.f;
+    mx[h] = *std::max_element(s, s + L);
+    float total = 0.f;
     for (int64_t t = 0; t < L; ++t) {
-      s[t] = std::exp(s[t] - mx);
-      sum += s[t];
+      s[t] = std::exp(s[t] - mx[h]);
+      total += s[t];
     }
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < L; ++t) s[t] *= inv;
+    sum[h] = total;
   }
   std::fill(out, out + group * D, 0.f);
   for (int64_t t = 0; t < L; ++t) {
     const KV* vr = vbase + slots[t] * slot_stride;
     for (int64_t h = 0; h < group; ++h) axpy(out + h * D, vr, scores[h * L + t], D);
+  }
+}
+
+// Merges n partial results of one (sequence, KV head), each laid out as partial_floats(group, D) floats
+// ([group, D] unnormalized output, then mx [group], then sum [group]), into the normalized out [group, D]:
+// the log-sum-exp combination, in chunk order (so the result does not depend on which thread merges).
+inline int64_t partial_floats(int64_t group, int64_t D) { return group * (D + 2); }
+
+inline void merge_partials(const float* parts, int64_t n, int64_t group, int64_t D, float* out) {
+  const int64_t stride = partial_floats(group, D);
+  for (int64_t h = 0; h < group; ++h) {
+    float m = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) m = std::max(m, parts[i * stride + group * D + h]);
+    float* oh = out + h * D;
+    std::fill(oh, oh + D, 0.f);
+    float total = 0.f;
+    for (int64_t i = 0; i < n; ++i) {
+      const float* part = parts + i * stride;
+      const float w = std::exp(part[group * D + h] - m);
+      total += w * part[group * D + group + h];
+      const float* ph = part + h * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) oh[d] += w * ph[d];
+    }
+    const float inv = 1.f / total;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) oh[d] *= inv;
   }
 }
 
@@ -108,13 +137,30 @@ inline __m256 sum_each8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
-// out[c] += sum_t p[t] * v_t[c] for NC vectors of 8 columns starting at column col, tokens [t0, t1).
+// Tokens of attention go in blocks of kTokenBlock: a block's K (then V) rows stay in L1 while every query head of
+// the group uses them, and the rows of the next block are prefetched during the first head's pass over this one.
+// The slots of a long-running server are scattered, so the hardware prefetcher cannot guess the next row.
+constexpr int64_t kTokenBlock = 64;
+
+// Asks for the cache lines of one stored K or V row of D elements, into L2: a block of float32 rows prefetched
+// into L1 would evict the block that the other query heads of the group are still reading.
+template <typename KV>
+inline void prefetch_row(const KV* row, int64_t D) {
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(row);
+  const uintptr_t end = begin + static_cast<uintptr_t>(D) * sizeof(KV);
+  for (uintptr_t line = begin & ~uintptr_t{63}; line < end; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
+}
+
+// out[c] += sum_t p[t] * v_t[c] for NC vectors of 8 columns starting at column col, tokens [t0, t1); with
+// prefetch_end > 0 also prefetches the V rows kTokenBlock tokens ahead (below prefetch_end).
 template <int NC, typename KV>
 inline void accumulate_values(const float* p, const KV* vbase, int64_t slot_stride, const int64_t* slots,
-                              int64_t t0, int64_t t1, int64_t col, float* out) {
+                              int64_t t0, int64_t t1, int64_t col, float* out, int64_t prefetch_end, int64_t D) {
   __m256 acc[NC];
   for (int c = 0; c < NC; ++c) acc[c] = _mm256_loadu_ps(out + col + 8 * c);
   for (int64_t t = t0; t < t1; ++t) {
+    if (t + kTokenBlock < prefetch_end) prefetch_row(vbase + slots[t + kTokenBlock] * slot_stride, D);
     const __m256 w = _mm256_broadcast_ss(p + t);
     const KV* vr = vbase + slots[t] * slot_stride + col;
     for (int c = 0; c < NC; ++c) acc[c] = _mm256_fmadd_ps(w, kv_types::load8(vr + 8 * c), acc[c]);
@@ -122,25 +168,34 @@ inline void accumulate_values(const float* p, const KV* vbase, int64_t slot_stri
   for (int c = 0; c < NC; ++c) _mm256_storeu_ps(out + col + 8 * c, acc[c]);
 }
 
-// attend_kv_head for D % 8 == 0. Tokens go in blocks of kTokenBlock so that a block's K (then V) rows stay in L1
-// while every query head of the group uses them; scores of 8 tokens are formed at once (8 independent FMA chains,
-// one horizontal reduction).
+inline float max8(__m256 v) {
+  const __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  return _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps(m2, m2, 1)));
+}
+
+// attend_partial for D % 8 == 0. Scores of 8 tokens are formed at once (8 independent FMA chains, one horizontal
+// reduction).
 template <typename KV>
-inline void attend_kv_head_avx2(const float* q, int64_t group, int64_t D, const KV* kbase, const KV* vbase,
+inline void attend_partial_avx2(const float* q, int64_t group, int64_t D, const KV* kbase, const KV* vbase,
                                 int64_t slot_stride, const int64_t* slots, int64_t L, float scale, float* scores,
-                                float* out) {
-  constexpr int64_t kTokenBlock = 64;
+                                float* out, float* mx_out, float* sum_out) {
   const int64_t nv = D / 8;
   const __m256 vscale = _mm256_set1_ps(scale);
+  for (int64_t t = 0; t < std::min(L, kTokenBlock); ++t) prefetch_row(kbase + slots[t] * slot_stride, D);
   for (int64_t b0 = 0; b0 < L; b0 += kTokenBlock) {
     const int64_t b1 = std::min(L, b0 + kTokenBlock);
     for (int64_t h = 0; h < group; ++h) {
       const float* qh = q + h * D;
       float* sh = scores + h * L;
+      const int64_t prefetch_end = h == 0 ? L : 0;
       int64_t t = b0;
       for (; t + 8 <= b1; t += 8) {
         const KV* kr[8];
-        for (int j = 0; j < 8; ++j) kr[j] = kbase + slots[t + j] * slot_stride;
+        for (int j = 0; j < 8; ++j) {
+          kr[j] = kbase + slots[t + j] * slot_stride;
+          if (t + j + kTokenBlock < prefetch_end) prefetch_row(kbase + slots[t + j + kTokenBlock] * slot_stride, D);
+        }
         __m256 acc[8];
         for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
         for (int64_t c = 0; c < nv; ++c) {
@@ -149,16 +204,23 @@ inline void attend_kv_head_avx2(const float* q, int64_t group, int64_t D, const 
         }
         _mm256_storeu_ps(sh + t, _mm256_mul_ps(sum_each8(acc), vscale));
       }
-      for (; t < b1; ++t) sh[t] = dot(qh, kbase + slots[t] * slot_stride, D) * scale;
+      for (; t < b1; ++t) {
+        if (t + kTokenBlock < prefetch_end) prefetch_row(kbase + slots[t + kTokenBlock] * slot_stride, D);
+        sh[t] = dot(qh, kbase + slots[t] * slot_stride, D) * scale;
+      }
     }
   }
+  for (int64_t t = 0; t < std::min(L, kTokenBlock); ++t) prefetch_row(vbase + slots[t] * slot_stride, D);
   for (int64_t h = 0; h < group; ++h) {
     float* s = scores + h * L;
-    const float mx = *std::max_element(s, s + L);
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 8 <= L; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + t));
+    float mx = max8(vmax);
+    for (; t < L; ++t) mx = std::max(mx, s[t]);
     const __m256 vmx = _mm256_set1_ps(mx);
     __m256 vsum = _mm256_setzero_ps();
-    int64_t t = 0;
-    for (; t + 8 <= L; t += 8) {
+    for (t = 0; t + 8 <= L; t += 8) {
       const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), vmx));
       _mm256_storeu_ps(s + t, e);
       vsum = _mm256_add_ps(vsum, e);
@@ -170,10 +232,8 @@ inline void attend_kv_head_avx2(const float* q, int64_t group, int64_t D, const 
       s[t] = std::exp(s[t] - mx);
       sum += s[t];
     }
-    const float inv = 1.f / sum;
-    const __m256 vinv = _mm256_set1_ps(inv);
-    for (t = 0; t + 8 <= L; t += 8) _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), vinv));
-    for (; t < L; ++t) s[t] *= inv;
+    mx_out[h] = mx;
+    sum_out[h] = sum;
   }
   std::fill(out, out + group * D, 0.f);
   for (int64_t b0 = 0; b0 < L; b0 += kTokenBlock) {
@@ -182,15 +242,16 @@ inline void attend_kv_head_avx2(const float* q, int64_t group, int64_t D, const 
       for (int64_t c0 = 0; c0 < nv; c0 += 8) {
         const float* p = scores + h * L;
         float* oh = out + h * D;
+        const int64_t pe = h == 0 && c0 == 0 ? L : 0;
         switch (std::min<int64_t>(8, nv - c0)) {
-          case 8: accumulate_values<8, KV>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh); break;
-          case 7: accumulate_values<7, KV>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh); break;
-          case 6: accumulate_values<6, KV>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh); break;
-          case 5: accumulate_values<5, KV>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh); break;
-          case 4: accumulate_values<4, KV>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh); break;
-          case 3: accumulate_values<3, KV>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh); break;
-          case 2: accumulate_values<2, KV>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh); break;
-          default: accumulate_values<1, KV>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh); break;
+          case 8: accumulate_values<8, KV>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh, pe, D); break;
+          case 7: accumulate_values<7, KV>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh, pe, D); break;
+          case 6: accumulate_values<6, KV>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh, pe, D); break;
+          case 5: accumulate_values<5, KV>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh, pe, D); break;
+          case 4: accumulate_values<4, KV>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh, pe, D); break;
+          case 3: accumulate_values<3, KV>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh, pe, D); break;
+          case 2: accumulate_values<2, KV>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh, pe, D); break;
+          default: accumulate_values<1, KV>(p, vbase, slot_stride, slots, b0, b1, 8 * c0, oh, pe, D); break;
         }
       }
     }
@@ -214,16 +275,33 @@ inline void silu_mul(const float* gate, const float* up, float* out, int64_t n) 
 }
 
 template <typename KV>
-inline void attend_kv_head(const float* q, int64_t group, int64_t D, const KV* kbase, const KV* vbase,
+inline void attend_partial(const float* q, int64_t group, int64_t D, const KV* kbase, const KV* vbase,
                            int64_t slot_stride, const int64_t* slots, int64_t L, float scale, float* scores,
-                           float* out) {
+                           float* out, float* mx, float* sum) {
 #ifdef CPU_KERNELS_AVX2
   if (D % 8 == 0) {
-    attend_kv_head_avx2(q, group, D, kbase, vbase, slot_stride, slots, L, scale, scores, out);
+    attend_partial_avx2(q, group, D, kbase, vbase, slot_stride, slots, L, scale, scores, out, mx, sum);
     return;
   }
 #endif
-  attend_kv_head_scalar(q, group, D, kbase, vbase, slot_stride, slots, L, scale, scores, out);
+  attend_partial_scalar(q, group, D, kbase, vbase, slot_stride, slots, L, scale, scores, out, mx, sum);
+}
+
+// Attention of `group` query heads q [group, D] against one KV head of one sequence (all of its L tokens), as
+// attend_partial but normalized: out [group, D]. scores is scratch of group * (L + 2) floats.
+template <typename KV>
+inline void attend_kv_head(const float* q, int64_t group, int64_t D, const KV* kbase, const KV* vbase,
+                           int64_t slot_stride, const int64_t* slots, int64_t L, float scale, float* scores,
+                           float* out) {
+  float* mx = scores + group * L;
+  float* sum = mx + group;
+  attend_partial(q, group, D, kbase, vbase, slot_stride, slots, L, scale, scores, out, mx, sum);
+  for (int64_t h = 0; h < group; ++h) {
+    const float inv = 1.f / sum[h];
+    float* oh = out + h * D;
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) oh[d] *= inv;
+  }
 }
 
 }  // namespace cpu_kernels

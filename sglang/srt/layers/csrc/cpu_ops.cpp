@@ -30,7 +30,7 @@ void decode_attention_tasks(const float* qp, const torch::Tensor& k_cache, const
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, g = task % Hkv;
       const int64_t L = lens[b];
-      scores.resize(static_cast<size_t>(group * L));
+      scores.resize(static_cast<size_t>(group * (L + 2)));  // + the per-head max and sum
       const int64_t head = b * H + g * group;
       cpu_kernels::attend_kv_head(qp + head * D, group, D, kp + g * D, vp + g * D, slot_stride, ip + b * stride_idx, L,
                                   fscale, scores.data(), op + head * D);

@@ -5,7 +5,9 @@
 // A decode step of a small model is a few hundred tiny operations: run one by one from Python, dispatch and
 // thread wake-ups cost more than the arithmetic. Here one OpenMP team runs every layer, as five phases per layer:
 //   A  h = residual (+ previous MLP output); x = RMSNorm(h);  qkv = x @ Wqkv (+ bias)
-//   B  per (sequence, KV head): q/k norm, RoPE, store k/v in the paged cache, attention over the sequence
+//   B  per (sequence, KV head): q/k norm, RoPE, store k/v in the paged cache, attention over the sequence (a long
+//      sequence as several chunks of its token range, merged by the thread that finishes the last one:
+//      attention_split.h)
 //   C  o = attn @ Wo
 //   D  h = residual + o; x = RMSNorm(h);  gate_up = x @ Wgu
 //   E  down = (silu(gate) * up) @ Wdown
@@ -31,6 +33,7 @@
 #endif
 
 #include "../quantization/csrc/gguf_kernels.h"
+#include "attention_split.h"
 #include "cpu_kernels.h"
 
 namespace {
@@ -108,7 +111,7 @@ struct Layer {
 
 // Per-thread scratch for building the input of a matmul and for attention.
 struct Scratch {
-  std::vector<float> x, panels, sums, scores, tmp;
+  std::vector<float> x, panels, sums, scores, tmp, q, k;
 };
 
 class DecodeStack {
@@ -243,6 +246,7 @@ class DecodeStack {
     s.down = torch::empty({B, hidden_}, x.options());
     s.out = out.data_ptr<float>();
     s.phases = std::make_unique<Phase[]>(kPhasesPerLayer * layers_.size() + 1);
+    s.split = std::make_unique<attention_split::Plan>(lens, B, kv_heads_, heads_ / kv_heads_, head_dim_, num_layers());
 
 #ifdef _OPENMP
     if (!omp_in_parallel()) s.threads = std::max(1, at::get_num_threads());
@@ -274,6 +278,7 @@ class DecodeStack {
     float* out = nullptr;
     int threads = 1;  // the team size asked for: sizes the matmul chunks identically in every thread
     std::unique_ptr<Phase[]> phases;
+    std::unique_ptr<attention_split::Plan> split;
   };
 
   static int64_t matmul_chunk(const Step& s, const QuantLinear& lin) {
@@ -362,42 +367,58 @@ class DecodeStack {
     }
   }
 
-  // Phase B with the layer's K/V stored as KV.
+  // Phase B with the layer's K/V stored as KV. The query and new key are normed and rotated in thread scratch:
+  // the chunks of a split sequence read the same qkv row at the same time.
   template <typename KV>
   void attention_items(const Step& s, Phase& ph, const Layer& layer, Scratch& sc) const {
     const int64_t D = head_dim_, group = heads_ / kv_heads_;
     const int64_t q_size = heads_ * D, kv_size = kv_heads_ * D, qkv_n = layer.qkv.n;
     const int64_t slot_stride = kv_heads_ * D;
-    float* qkv = s.qkv.data_ptr<float>();
+    const int64_t layer_index = &layer - layers_.data();
+    const float* qkv = s.qkv.data_ptr<float>();
     float* attn = s.attn.data_ptr<float>();
     KV* kc = static_cast<KV*>(layer.k_cache.data_ptr());
     KV* vc = static_cast<KV*>(layer.v_cache.data_ptr());
     const float* qn = layer.q_norm.defined() ? layer.q_norm.data_ptr<float>() : nullptr;
     const float* kn = layer.k_norm.defined() ? layer.k_norm.data_ptr<float>() : nullptr;
-    sc.scores.resize(static_cast<size_t>(group * s.max_len));
+    attention_split::Plan& plan = *s.split;
+    sc.scores.resize(static_cast<size_t>(group * (s.max_len + 2)));
     sc.tmp.resize(static_cast<size_t>(std::max<int64_t>(rotary_dim_, 1)));
-    const int64_t tasks = s.B * kv_heads_;
+    sc.q.resize(static_cast<size_t>(group * D));
+    sc.k.resize(static_cast<size_t>(D));
+    float* q = sc.q.data();
+    const int64_t tasks = plan.items();
     for (int64_t task = ph.claim(tasks); task >= 0; task = ph.claim(tasks)) {
-      const int64_t b = task / kv_heads_, g = task % kv_heads_;
-      float* row = qkv + b * qkv_n;
-      float* q = row + g * group * D;
-      float* k = row + q_size + g * D;
-      const float* v = row + q_size + kv_size + g * D;
+      const attention_split::Item it = plan.item(task);
+      const int64_t b = it.b, g = it.g;
+      const float* row = qkv + b * qkv_n;
       const float* cs = s.cos + b * rotary_dim_;
       const float* sn = s.sin + b * rotary_dim_;
-      if (qn != nullptr) {
-        cpu_kernels::rms_norm_rows(q, qn, q, group, D, eps_);
-        cpu_kernels::rms_norm_rows(k, kn, k, 1, D, eps_);
+      std::copy(row + g * group * D, row + (g + 1) * group * D, q);
+      if (qn != nullptr) cpu_kernels::rms_norm_rows(q, qn, q, group, D, eps_);
+      for (int64_t h = 0; h < group && rotary_dim_ > 0; ++h)
+        cpu_kernels::rope_head(q + h * D, cs, sn, rotary_dim_, sc.tmp.data());
+      if (it.chunk == it.chunks - 1) {
+        // The new token is the last of its sequence: only the item over the last tokens reads its K/V row.
+        float* k = sc.k.data();
+        std::copy(row + q_size + g * D, row + q_size + (g + 1) * D, k);
+        if (kn != nullptr) cpu_kernels::rms_norm_rows(k, kn, k, 1, D, eps_);
+        if (rotary_dim_ > 0) cpu_kernels::rope_head(k, cs, sn, rotary_dim_, sc.tmp.data());
+        const int64_t slot = s.loc[b];
+        kv_types::store_row(k, kc + slot * slot_stride + g * D, D);
+        kv_types::store_row(row + q_size + kv_size + g * D, vc + slot * slot_stride + g * D, D);
       }
-      if (rotary_dim_ > 0) {
-        for (int64_t h = 0; h < group; ++h) cpu_kernels::rope_head(q + h * D, cs, sn, rotary_dim_, sc.tmp.data());
-        cpu_kernels::rope_head(k, cs, sn, rotary_dim_, sc.tmp.data());
+      const int64_t* slots = s.table + s.rpi[b] * s.table_cols + it.t0;
+      float* out = attn + b * q_size + g * group * D;
+      if (it.chunks == 1) {
+        cpu_kernels::attend_kv_head(q, group, D, kc + g * D, vc + g * D, slot_stride, slots, it.t1 - it.t0, scale_,
+                                    sc.scores.data(), out);
+      } else {
+        float* part = plan.partial(it);
+        cpu_kernels::attend_partial(q, group, D, kc + g * D, vc + g * D, slot_stride, slots, it.t1 - it.t0, scale_,
+                                    sc.scores.data(), part, part + group * D, part + group * D + group);
+        if (plan.finish_chunk(it, layer_index)) plan.merge(it, group, D, out);
       }
-      const int64_t slot = s.loc[b];
-      kv_types::store_row(k, kc + slot * slot_stride + g * D, D);
-      kv_types::store_row(v, vc + slot * slot_stride + g * D, D);
-      cpu_kernels::attend_kv_head(q, group, D, kc + g * D, vc + g * D, slot_stride, s.table + s.rpi[b] * s.table_cols,
-                                  s.lens[b], scale_, sc.scores.data(), attn + b * q_size + g * group * D);
       ph.finish();
     }
     ph.wait(tasks);

@@ -77,13 +77,15 @@ inline __m256 load8(const e5m2* p) {
   return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), bytes));
 }
 // e4m3 (bias 7) read as a half (bias 15) with its exponent and mantissa bits in place, times 2^8: exact for
-// every finite value, subnormals included; the NaN codes 0x7F / 0xFF are patched in.
+// every finite value, subnormals included; the NaN codes 0x7F / 0xFF are patched in, on a branch that a cache
+// without NaNs never takes (the blend on every vector cost about a tenth of the attention time).
 inline __m256 load8(const e4m3* p) {
-  const __m128i h = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m128i mag = _mm_and_si128(h, _mm_set1_epi16(0x7F));
-  const __m128i half = _mm_or_si128(_mm_slli_epi16(mag, 7), _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x80)), 8));
+  const __m128i x = _mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i mag = _mm_and_si128(_mm_srli_epi16(x, 1), _mm_set1_epi16(0x3F80));
+  const __m128i half = _mm_or_si128(mag, _mm_and_si128(x, _mm_set1_epi16(static_cast<short>(0x8000))));
   const __m256 value = _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.f));
-  const __m128i nan = _mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7F));
+  const __m128i nan = _mm_cmpeq_epi16(mag, _mm_set1_epi16(0x3F80));
+  if (_mm_testz_si128(nan, nan)) return value;
   return _mm256_blendv_ps(value, _mm256_set1_ps(kE4M3[0x7F]), _mm256_castsi256_ps(_mm256_cvtepi16_epi32(nan)));
 }
 #else
