@@ -28,6 +28,7 @@ for label in before after; do
             --output-file "$out/$label.jsonl" "$@"); }
   run "${random[@]}" --num-prompts 4 --max-concurrency 1 --seed 31
   run "${random[@]}" --num-prompts 32 --max-concurrency 16 --seed 32
+  run "${random[@]}" --num-prompts 128 --max-concurrency 64 --seed 34
   run --dataset-name generated-shared-prefix --gsp-num-groups 4 --gsp-prompts-per-group 16 \
       --gsp-system-prompt-len 400 --gsp-question-len 20 --gsp-output-len 32 --max-concurrency 16 --seed 33
   uptime >> "$out/$label.uptime"
