@@ -12,37 +12,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
-from sglang.bench_one_batch import build_runner, make_reqs, run_step
-from sglang.srt.managers.schedule_batch import ScheduleBatch
+from sglang.bench_one_batch import build_runner, prefill_and_decode
 from sglang.srt.model_loader.model_info import load_model_info
 from sglang.srt.server_args import ServerArgs
 
 
 def time_steps(runner, mem, batch_size: int, context: int, steps: int) -> list[float]:
-    reqs = make_reqs(batch_size, context, steps + 1, runner.vocab_size)
-    batch = ScheduleBatch(reqs, is_decode=False)
-    batch.prepare_for_extend(mem)
-    out = run_step(runner, mem, batch)
-    for req, tok in zip(reqs, out.sample.next_token_ids.tolist()):
-        req.output_ids.append(tok)
-        req.kv_committed_len = len(req.fill_ids)
-    times = []
-    for _ in range(steps):
-        batch = ScheduleBatch(reqs, is_decode=True)
-        batch.prepare_for_decode(mem)
-        start = time.perf_counter()
-        out = run_step(runner, mem, batch)
-        times.append(time.perf_counter() - start)
-        for req, tok in zip(reqs, out.sample.next_token_ids.tolist()):
-            req.output_ids.append(tok)
-    for req in reqs:
-        mem.tree_cache.cache_finished_req(req)
-    mem.clear()
-    return times
+    return prefill_and_decode(runner, mem, batch_size, context, steps)[1]
 
 
 def main() -> None:

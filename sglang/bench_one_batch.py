@@ -50,8 +50,11 @@ def run_step(runner: ModelRunner, mem: MemoryPools, batch: ScheduleBatch) -> Ste
     return runner.forward(forward_batch, sampling)
 
 
-def run_once(runner: ModelRunner, mem: MemoryPools, batch_size: int, input_len: int, output_len: int) -> dict:
-    reqs = make_reqs(batch_size, input_len, output_len, runner.vocab_size)
+def prefill_and_decode(runner: ModelRunner, mem: MemoryPools, batch_size: int, input_len: int,
+                       decode_steps: int) -> tuple[float, list[float]]:
+    """Prefill `batch_size` random prompts, then run `decode_steps` greedy decode steps; (prefill seconds, seconds
+    of each decode step). The memory is cleared afterwards."""
+    reqs = make_reqs(batch_size, input_len, decode_steps + 1, runner.vocab_size)
     batch = ScheduleBatch(reqs, is_decode=False)
     batch.prepare_for_extend(mem)
     start = time.perf_counter()
@@ -61,7 +64,7 @@ def run_once(runner: ModelRunner, mem: MemoryPools, batch_size: int, input_len: 
         req.output_ids.append(tok)
         req.kv_committed_len = len(req.fill_ids)
     steps = []
-    for _ in range(output_len - 1):
+    for _ in range(decode_steps):
         batch = ScheduleBatch(reqs, is_decode=True)
         batch.prepare_for_decode(mem)
         start = time.perf_counter()
@@ -72,6 +75,11 @@ def run_once(runner: ModelRunner, mem: MemoryPools, batch_size: int, input_len: 
     for req in reqs:
         mem.tree_cache.cache_finished_req(req)
     mem.clear()
+    return prefill_s, steps
+
+
+def run_once(runner: ModelRunner, mem: MemoryPools, batch_size: int, input_len: int, output_len: int) -> dict:
+    prefill_s, steps = prefill_and_decode(runner, mem, batch_size, input_len, output_len - 1)
     median = statistics.median(steps) if steps else float("nan")
     return {
         "batch_size": batch_size, "input_len": input_len, "output_len": output_len,

@@ -5,7 +5,6 @@ Run every tensor-parallel test with `pytest -m tensor_parallel`.
 
 from __future__ import annotations
 
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -25,6 +24,7 @@ from sglang.srt.layers.linear import (
 from sglang.srt.layers.logits_processor import LogitsProcessor
 from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding, vocab_embedding
 from sglang.srt.model_loader.weights import load_checkpoint_weights
+from sglang.test.test_utils import find_free_port
 
 pytestmark = pytest.mark.tensor_parallel
 
@@ -88,17 +88,11 @@ def _rank_main(rank: int, port: int, queue) -> None:
         destroy_tp_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def sharded_outputs() -> dict[int, dict[str, torch.Tensor]]:
     queue = tmp.get_context("spawn").Queue()
     # join=True re-raises a rank's exception here; the outputs are small enough to sit in the queue meanwhile
-    tmp.spawn(_rank_main, args=(_free_port(), queue), nprocs=TP, join=True)
+    tmp.spawn(_rank_main, args=(find_free_port(), queue), nprocs=TP, join=True)
     results = dict(queue.get(timeout=10) for _ in range(TP))
     return {rank: {k: torch.tensor(v) for k, v in out.items()} for rank, out in results.items()}
 

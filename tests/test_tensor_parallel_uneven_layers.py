@@ -6,8 +6,6 @@ Run every tensor-parallel test with `pytest -m tensor_parallel`.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as tmp
@@ -17,6 +15,7 @@ from sglang.srt.distributed.partition import head_partition
 from sglang.srt.layers.linear import merged_linear, row_parallel_linear
 from sglang.srt.model_loader.weights import load_checkpoint_weights
 from sglang.srt.models.llama import LlamaMLP
+from sglang.test.test_utils import find_free_port
 
 pytestmark = pytest.mark.tensor_parallel
 
@@ -94,16 +93,10 @@ def _rank_main(rank: int, port: int, queue) -> None:
         destroy_tp_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def sharded() -> dict[int, tuple[dict[str, torch.Tensor], dict[str, tuple]]]:
     queue = tmp.get_context("spawn").Queue()
-    tmp.spawn(_rank_main, args=(_free_port(), queue), nprocs=TP, join=True)
+    tmp.spawn(_rank_main, args=(find_free_port(), queue), nprocs=TP, join=True)
     results = [queue.get(timeout=10) for _ in range(TP)]
     return {rank: ({k: torch.tensor(v) for k, v in out.items()}, shapes) for rank, out, shapes in results}
 

@@ -34,6 +34,31 @@
 #endif
 
 namespace gguf_kernels {
+
+// An fp16 value stored little-endian at p, as float32 (exact; no F16C needed).
+inline float fp16_to_fp32(const uint8_t* p) {
+  const uint16_t h = static_cast<uint16_t>(p[0] | (p[1] << 8));
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu, bits;
+  if (exp == 0) {
+    if (mant == 0) {
+      bits = sign;
+    } else {  // subnormal half: normalise
+      exp = 113;
+      while ((mant & 0x400u) == 0) {
+        mant <<= 1;
+        --exp;
+      }
+      bits = sign | (exp << 23) | ((mant & 0x3FFu) << 13);
+    }
+  } else {
+    bits = sign | (exp == 0x1F ? 0x7F800000u | (mant << 13) : ((exp + 112) << 23) | (mant << 13));
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 namespace int8 {
 
 // Whether the AVX512-VNNI kernels can run on this CPU.
@@ -126,29 +151,6 @@ inline QuantizedInput quantize_rows(bool q4, const float* x, int64_t M, int64_t 
 
 // ---- portable path: the same integer sums, one row at a time ----
 
-inline float half_to_float(const uint8_t* p) {
-  const uint16_t h = static_cast<uint16_t>(p[0] | (p[1] << 8));
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu, bits;
-  if (exp == 0) {
-    if (mant == 0) {
-      bits = sign;
-    } else {  // subnormal half: normalise
-      exp = 113;
-      while ((mant & 0x400u) == 0) {
-        mant <<= 1;
-        --exp;
-      }
-      bits = sign | (exp << 23) | ((mant & 0x3FFu) << 13);
-    }
-  } else {
-    bits = sign | (exp == 0x1F ? 0x7F800000u | (mant << 13) : ((exp + 112) << 23) | (mant << 13));
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
 // One row group against mt rows of quantized x (words of one tile), any CPU.
 inline void group_portable(bool q4, const uint8_t* gp, int64_t nb, int64_t mt, const int32_t* words,
                            const float* dx, const float* sx, float* y, int64_t ldy, int64_t nvalid) {
@@ -177,11 +179,11 @@ inline void group_portable(bool q4, const uint8_t* gp, int64_t nb, int64_t mt, c
             }
           }
         }
-        const float d = half_to_float(bp + 16 * h + 2 * r);
+        const float d = fp16_to_fp32(bp + 16 * h + 2 * r);
         const float* bdx = dx + b * 2 * mt;
         acc[row] += static_cast<float>(dot[0]) * (d * bdx[m]);
         acc[row] += static_cast<float>(dot[1]) * (d * bdx[mt + m]);
-        if (q4) acc[row] += half_to_float(bp + 32 + 16 * h + 2 * r) * sx[b * mt + m];
+        if (q4) acc[row] += fp16_to_fp32(bp + 32 + 16 * h + 2 * r) * sx[b * mt + m];
       }
     }
     for (int64_t row = 0; row < nvalid; ++row) y[m * ldy + row] = acc[row];

@@ -384,33 +384,6 @@ inline void group_avx2(bool q4, const uint8_t* gp, int64_t nb, int64_t K, int64_
 
 #else  // portable scalar path over the same packed layout (x unscaled, row-major)
 
-inline float fp16_to_fp32(const uint8_t* p) {
-  const uint16_t h = static_cast<uint16_t>(p[0] | (p[1] << 8));
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1Fu;
-  uint32_t mant = h & 0x3FFu;
-  uint32_t bits;
-  if (exp == 0) {
-    if (mant == 0) {
-      bits = sign;
-    } else {  // subnormal half: normalise
-      exp = 113;
-      while ((mant & 0x400u) == 0) {
-        mant <<= 1;
-        --exp;
-      }
-      bits = sign | (exp << 23) | ((mant & 0x3FFu) << 13);
-    }
-  } else if (exp == 0x1F) {
-    bits = sign | 0x7F800000u | (mant << 13);
-  } else {
-    bits = sign | ((exp + 112) << 23) | (mant << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-
 // Dequantizes one packed block of a row group into w[k * 16 + row] (exactly d * q + m, as the reference).
 inline void q4_1_block_scalar(const uint8_t* bp, float* w) {
   using L = Q41Layout;
