@@ -21,14 +21,14 @@ from sglang.srt.distributed.parallel_state import get_tp_group
 from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.layers.cpu_extension import CpuExtension
 from sglang.srt.layers.cpu_ops import CSRC
-from sglang.srt.layers.quantization.gguf_blocks import INT8_HEADER, KERNELS_HEADER
+from sglang.srt.layers.quantization.gguf_blocks import KERNEL_HEADERS
 from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
 from sglang.srt.mem_cache.kv_dtype import KERNEL_KV_DTYPES
 
 DISABLE_ENV = "SGLANG_DISABLE_FUSED_DECODE"
 _EXTENSION = CpuExtension("sglang_decode_stack", CSRC / "decode_stack.cpp", "fused CPU decode step", DISABLE_ENV,
                           headers=[CSRC / "cpu_kernels.h", CSRC / "kv_types.h", CSRC / "attention_split.h",
-                                   KERNELS_HEADER, INT8_HEADER])
+                                   *KERNEL_HEADERS])
 
 
 def available() -> bool:

@@ -51,8 +51,8 @@ SUPPORTED_QTYPES = tuple(BLOCK_BYTES)
 
 DISABLE_ENV = "SGLANG_DISABLE_GGUF_KERNELS"
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "gguf_linear.cpp"
-KERNELS_HEADER = _SOURCE.parent / "gguf_kernels.h"
-INT8_HEADER = _SOURCE.parent / "gguf_int8.h"
+# The headers of the kernels (decode_stack.cpp includes them too): part of each extension's build hash.
+KERNEL_HEADERS = [_SOURCE.parent / name for name in ("gguf_kernels.h", "gguf_int8.h", "gguf_layout.h")]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -60,7 +60,7 @@ INT8_HEADER = _SOURCE.parent / "gguf_int8.h"
 
 
 _EXTENSION = CpuExtension("sglang_gguf_linear", _SOURCE, "GGUF quantized CPU kernels", DISABLE_ENV,
-                          headers=[KERNELS_HEADER, INT8_HEADER])
+                          headers=KERNEL_HEADERS)
 
 
 def kernels_available() -> bool:

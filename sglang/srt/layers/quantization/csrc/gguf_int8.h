@@ -28,36 +28,14 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "gguf_layout.h"
+
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define GGUF_INT8_VNNI 1
 #include <immintrin.h>
 #endif
 
 namespace gguf_kernels {
-
-// An fp16 value stored little-endian at p, as float32 (exact; no F16C needed).
-inline float fp16_to_fp32(const uint8_t* p) {
-  const uint16_t h = static_cast<uint16_t>(p[0] | (p[1] << 8));
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu, bits;
-  if (exp == 0) {
-    if (mant == 0) {
-      bits = sign;
-    } else {  // subnormal half: normalise
-      exp = 113;
-      while ((mant & 0x400u) == 0) {
-        mant <<= 1;
-        --exp;
-      }
-      bits = sign | (exp << 23) | ((mant & 0x3FFu) << 13);
-    }
-  } else {
-    bits = sign | (exp == 0x1F ? 0x7F800000u | (mant << 13) : ((exp + 112) << 23) | (mant << 13));
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
 
 namespace int8 {
 
@@ -154,7 +132,7 @@ inline QuantizedInput quantize_rows(bool q4, const float* x, int64_t M, int64_t 
 // One row group against mt rows of quantized x (words of one tile), any CPU.
 inline void group_portable(bool q4, const uint8_t* gp, int64_t nb, int64_t mt, const int32_t* words,
                            const float* dx, const float* sx, float* y, int64_t ldy, int64_t nvalid) {
-  const int64_t block_bytes = q4 ? 320 : 544;
+  const int64_t block_bytes = q4 ? Q41Layout::kBlockBytes : Q80Layout::kBlockBytes;
   for (int64_t m = 0; m < mt; ++m) {
     float acc[16] = {0.0f};
     for (int64_t b = 0; b < nb; ++b) {
@@ -167,7 +145,7 @@ inline void group_portable(bool q4, const uint8_t* gp, int64_t nb, int64_t mt, c
           for (int64_t w = 0; w < kTermWords; ++w) {
             const uint32_t xw = static_cast<uint32_t>(wb[w * mt + m]);
             // Q4_1: word 2j (low nibbles) / 2j + 1 (high nibbles) against vector j; Q8_0: word j against vector j.
-            const uint8_t* lane = bp + (q4 ? 64 + 64 * (w / 2) : 32 + 64 * w) + 32 * h + 4 * r;
+            const uint8_t* lane = bp + (q4 ? Q41Layout::vec(w / 2, h) : Q80Layout::vec(w, h)) + 4 * r;
             for (int64_t t = 0; t < 4; ++t) {
               const int32_t xb = static_cast<int32_t>((xw >> (8 * t)) & 0xFFu);
               if (q4) {
@@ -179,11 +157,11 @@ inline void group_portable(bool q4, const uint8_t* gp, int64_t nb, int64_t mt, c
             }
           }
         }
-        const float d = fp16_to_fp32(bp + 16 * h + 2 * r);
+        const float d = fp16_to_fp32(bp + (q4 ? Q41Layout::d(h) : Q80Layout::d(h)) + 2 * r);
         const float* bdx = dx + b * 2 * mt;
         acc[row] += static_cast<float>(dot[0]) * (d * bdx[m]);
         acc[row] += static_cast<float>(dot[1]) * (d * bdx[mt + m]);
-        if (q4) acc[row] += fp16_to_fp32(bp + 32 + 16 * h + 2 * r) * sx[b * mt + m];
+        if (q4) acc[row] += fp16_to_fp32(bp + Q41Layout::m(h) + 2 * r) * sx[b * mt + m];
       }
     }
     for (int64_t row = 0; row < nvalid; ++row) y[m * ldy + row] = acc[row];
@@ -221,18 +199,19 @@ GGUF_VNNI_TARGET inline void add_terms(__m512* acc, const __m512i* i1, const __m
 template <int MT>
 GGUF_VNNI_TARGET void q4_1_group(const uint8_t* gp, int64_t nb, const int32_t* words, const float* dx,
                                  const float* sx, float* y, int64_t ldy, int64_t nvalid) {
+  using L = Q41Layout;
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* bp = gp + b * 320;
-    for (int64_t off = 0; off < 320; off += 64) _mm_prefetch(reinterpret_cast<const char*>(bp + 2048 + off), _MM_HINT_T0);
+    const uint8_t* bp = gp + b * L::kBlockBytes;
+    prefetch_ahead<L::kBlockBytes>(bp);
     const int32_t* w1 = words + b * kWordsPerBlock * MT;
     const int32_t* w2 = w1 + kTermWords * MT;
     __m512i i1[MT], i2[MT];
     for (int m = 0; m < MT; ++m) i1[m] = i2[m] = _mm512_setzero_si512();
     for (int j = 0; j < 4; ++j) {
-      const __m512i v = _mm512_loadu_si512(bp + 64 + 64 * j);
+      const __m512i v = _mm512_loadu_si512(bp + L::vec(j, 0));  // both halves: 16 rows
       const __m512i lo = _mm512_and_si512(v, low);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), low);
       for (int m = 0; m < MT; ++m) {
@@ -242,8 +221,8 @@ GGUF_VNNI_TARGET void q4_1_group(const uint8_t* gp, int64_t nb, const int32_t* w
         i2[m] = _mm512_dpbusd_epi32(i2[m], hi, bcast_word(w2 + (2 * j + 1) * MT + m));
       }
     }
-    add_terms<MT>(acc, i1, i2, load_half16(bp), dx + b * 2 * MT);
-    const __m512 mn = load_half16(bp + 32);
+    add_terms<MT>(acc, i1, i2, load_half16(bp + L::d(0)), dx + b * 2 * MT);
+    const __m512 mn = load_half16(bp + L::m(0));
     for (int m = 0; m < MT; ++m) acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sx[b * MT + m]), acc[m]);
   }
   store_rows16(acc, MT, y, ldy, nvalid);
@@ -253,19 +232,20 @@ GGUF_VNNI_TARGET void q4_1_group(const uint8_t* gp, int64_t nb, const int32_t* w
 template <int MT>
 GGUF_VNNI_TARGET void q8_0_group(const uint8_t* gp, int64_t nb, const int32_t* words, const float* dx,
                                  const float* /*unused*/, float* y, int64_t ldy, int64_t nvalid) {
+  using L = Q80Layout;
   const __m512i ones = _mm512_set1_epi8(1);
   __m512 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* bp = gp + b * 544;
-    for (int64_t off = 0; off < 544; off += 64) _mm_prefetch(reinterpret_cast<const char*>(bp + 2048 + off), _MM_HINT_T0);
+    const uint8_t* bp = gp + b * L::kBlockBytes;
+    prefetch_ahead<L::kBlockBytes>(bp);
     const int32_t* w1 = words + b * kWordsPerBlock * MT;
     const int32_t* w2 = w1 + kTermWords * MT;
     __m512i qsum = _mm512_setzero_si512();
     __m512i i1[MT], i2[MT];
     for (int m = 0; m < MT; ++m) i1[m] = i2[m] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
-      const __m512i v = _mm512_loadu_si512(bp + 32 + 64 * j);
+      const __m512i v = _mm512_loadu_si512(bp + L::vec(j, 0));  // both halves: 16 rows
       qsum = _mm512_dpbusd_epi32(qsum, ones, v);
       for (int m = 0; m < MT; ++m) {
         i1[m] = _mm512_dpbusd_epi32(i1[m], bcast_word(w1 + j * MT + m), v);
@@ -277,7 +257,7 @@ GGUF_VNNI_TARGET void q8_0_group(const uint8_t* gp, int64_t nb, const int32_t* w
       i1[m] = _mm512_sub_epi32(i1[m], shift);
       i2[m] = _mm512_sub_epi32(i2[m], shift);
     }
-    add_terms<MT>(acc, i1, i2, load_half16(bp), dx + b * 2 * MT);
+    add_terms<MT>(acc, i1, i2, load_half16(bp + L::d(0)), dx + b * 2 * MT);
   }
   store_rows16(acc, MT, y, ldy, nvalid);
 }

@@ -45,26 +45,11 @@
 #endif
 
 #include "gguf_int8.h"
+#include "gguf_layout.h"
 
 namespace gguf_kernels {
 
-constexpr int64_t kQK = 32;    // weights per GGUF block
-constexpr int64_t kHalf = 8;   // output rows per half (one 32-bit lane each)
-constexpr int64_t kRows = 16;  // output rows interleaved in one row group
 constexpr int64_t kMaxTile = 8;  // rows of x processed per pass over a row group
-
-// Byte offsets inside one packed block of a row group.
-struct Q41Layout {
-  static constexpr int64_t kBlockBytes = 320;
-  static constexpr int64_t d(int64_t h) { return 16 * h; }
-  static constexpr int64_t m(int64_t h) { return 32 + 16 * h; }
-  static constexpr int64_t vec(int64_t j, int64_t h) { return 64 + 64 * j + 32 * h; }
-};
-struct Q80Layout {
-  static constexpr int64_t kBlockBytes = 544;
-  static constexpr int64_t d(int64_t h) { return 16 * h; }
-  static constexpr int64_t vec(int64_t j, int64_t h) { return 32 + 64 * j + 32 * h; }
-};
 
 // Scale applied to x for nibble position i (the AND leaves q * 16^i; position 7 is shifted down instead).
 inline float nibble_x_scale(int64_t i) {
@@ -91,17 +76,6 @@ inline void make_panel(const float* x, int64_t K, int64_t mt, const float* scale
 }
 
 #ifdef GGUF_LINEAR_AVX2
-
-// Software prefetch of the weight stream, kPrefetchBytes ahead of the block being read (the row groups of one
-// thread are contiguous, so this runs into the next group as well). Covers one block's worth of cache lines.
-constexpr int64_t kPrefetchBytes = 2048;
-
-template <int64_t BlockBytes>
-inline void prefetch_ahead(const uint8_t* bp) {
-  for (int64_t off = 0; off < BlockBytes; off += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(bp + kPrefetchBytes + off), _MM_HINT_T0);
-  }
-}
 
 inline __m256 bcast(const float* p) {
   return _mm256_broadcast_ss(p);
