@@ -18,6 +18,7 @@ from test_engine_greedy import (  # noqa: F401
 )
 
 from sglang import Engine
+from sglang.srt.layers.arithmetic import VNNI_FLAGS
 from sglang.srt.model_loader.dtype import read_cpu_flags
 from tests.conftest import SMOLLM2
 
@@ -39,7 +40,7 @@ def test_bf16_prefill_then_quantized_decode_keeps_greedy_tokens(bf16_engine, ref
     assert info["cpu_gemm"] == "bfloat16"
     assert [s["dp_rank"] for s in info["internal_states"]] == [0]
     # Decode batches quantize their activations to int8 where the CPU has AVX512-VNNI (float32 elsewhere).
-    vnni = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= read_cpu_flags()
+    vnni = VNNI_FLAGS <= read_cpu_flags()
     assert info["arithmetic"]["gguf_activations"] == ("int8" if vnni else "float32")
     # One batch of 16 prompts: a prefill of hundreds of rows (bf16 GEMM), then decode batches of 16 rows. Some of
     # these prompts are near-ties for float32 transformers (prompt 3: its top two first tokens 0.011 apart) that

@@ -20,8 +20,9 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from sglang.srt.layers.cpu_extension import cpu_flags  # noqa: E402
+from sglang.srt.layers.arithmetic import VNNI_FLAGS  # noqa: E402
 from sglang.srt.layers.quantization import gguf_blocks as gb  # noqa: E402
+from sglang.srt.model_loader.dtype import read_cpu_flags  # noqa: E402
 from tests.test_engine_greedy import reference  # noqa: E402,F401
 from tests.test_gguf_kernels import random_raw, reference_dequantize  # noqa: E402
 
@@ -107,8 +108,7 @@ def test_int8_flag_defaults_off_and_float_path_is_unchanged():
 
 
 def test_vnni_path_reported():
-    flags = cpu_flags()
-    has_vnni = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags
+    has_vnni = VNNI_FLAGS <= read_cpu_flags()
     assert gb.kernel_module().has_int8_vnni_path() == (has_vnni and "SGLANG_GGUF_INT8_PORTABLE" not in os.environ)
 
 

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from sglang.srt.model_loader.dtype import read_cpu_flags
+
 logger = logging.getLogger(__name__)
 
 
@@ -30,20 +32,9 @@ def cache_root() -> Path:
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "sglang-lite"
 
 
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def isa_flags() -> list[str]:
     """Compiler flags for the SIMD paths: only when this CPU has AVX2, FMA and F16C (otherwise scalar code)."""
-    if {"avx2", "fma", "f16c"} <= cpu_flags():
+    if {"avx2", "fma", "f16c"} <= read_cpu_flags():
         return ["-mavx2", "-mfma", "-mf16c"]
     return []
 
