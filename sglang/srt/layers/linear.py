@@ -58,6 +58,15 @@ class Linear(nn.Linear):
         return self.linear_method.apply(self.weight, x, self.bias)
 
 
+def linear_methods(model: nn.Module) -> list[LinearMethod]:
+    """The method of every linear layer of `model` and of its LM head (`model.logits_processor.head_method`)."""
+    methods: list[LinearMethod] = [m.linear_method for m in model.modules() if isinstance(m, Linear)]
+    processor = getattr(model, "logits_processor", None)
+    if processor is not None:
+        methods.append(processor.head_method)
+    return methods
+
+
 class MergedLinear(Linear):
     """Several projections of the same input in one matmul; the output rows are the shards, in order."""
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from sglang.srt.layers.bf16_linear import BF16LinearMethod
-from sglang.srt.layers.linear import DENSE, Linear, LinearMethod
+from sglang.srt.layers.linear import DENSE, Linear, LinearMethod, linear_methods
 from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
 
 logger = logging.getLogger(__name__)
@@ -57,9 +57,6 @@ def attach_large_batch_gemm(model: nn.Module, gemm: str) -> int:
     head = getattr(model, "lm_head", None)
     if processor is not None and head is not None:
         processor.set_head_method(_with_large(processor.head_method, head.weight, make))
-    methods: list[Any] = [m.linear_method for m in model.modules() if isinstance(m, Linear)]
-    if processor is not None:
-        methods.append(processor.head_method)
-    attached = sum(int(getattr(getattr(m, "large", m), "nbytes", 0)) for m in methods)
+    attached = sum(int(getattr(getattr(m, "large", m), "nbytes", 0)) for m in linear_methods(model))
     logger.info("Attached %.1f MB of %s weight copies for large batches", attached / 2**20, gemm)
     return attached

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from sglang.srt.layers.linear import DENSE, LinearMethod
+from sglang.srt.layers.linear import DENSE, LinearMethod, linear_methods
 from sglang.srt.layers.quantization.gguf_blocks import GGUFQuantWeight
 
 
@@ -41,10 +41,8 @@ class GGUFLinearMethod(LinearMethod):
 def set_gguf_activations(model: nn.Module, activations: str) -> int:
     """Give every GGUF-blocks method of `model` (linear layers and the LM head) `activations` (float32 | int8);
     returns how many methods it set."""
-    methods: list[object] = [getattr(m, "linear_method", None) for m in model.modules()]
-    methods.append(getattr(getattr(model, "logits_processor", None), "head_method", None))
     count = 0
-    for method in methods:
+    for method in linear_methods(model):
         if isinstance(method, GGUFLinearMethod):
             method.int8_activations = activations == "int8"
             count += 1
