@@ -32,9 +32,14 @@ def cache_root() -> Path:
     return Path(configured).expanduser() if configured else Path.home() / ".cache" / "sglang-lite"
 
 
+PORTABLE_ENV = "SGLANG_CPU_KERNELS_PORTABLE"
+
+
 def isa_flags() -> list[str]:
-    """Compiler flags for the SIMD paths: only when this CPU has AVX2, FMA and F16C (otherwise scalar code)."""
-    if {"avx2", "fma", "f16c"} <= read_cpu_flags():
+    """Compiler flags for the SIMD paths: only when this CPU has AVX2, FMA and F16C (otherwise scalar code, which
+    SGLANG_CPU_KERNELS_PORTABLE=1 also asks for: the tests build it that way to check it on any machine)."""
+    portable = os.environ.get(PORTABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    if not portable and {"avx2", "fma", "f16c"} <= read_cpu_flags():
         return ["-mavx2", "-mfma", "-mf16c"]
     return []
 

@@ -1,13 +1,17 @@
-"""Compiled CPU kernels for the decode step (csrc/cpu_ops.cpp) and whether they can be used.
+"""Compiled CPU kernels for attention and normalization (csrc/cpu_ops.cpp) and whether they can be used.
 
 - `paged_decode_attention` reads each sequence's K/V rows straight from the paged pool by slot index, once per
   KV head for all the query heads sharing them, instead of gathering a padded copy of every sequence's cache
   in every layer.
+- `extend_attention` does the same for the new tokens of a prefill or extend batch: all sequences in one call,
+  causal from each sequence's cached prefix on, in tiles of K/V rows shared by a KV head's query group.
+- `silu_and_mul` computes an MLP's activation in one pass over the fused gate/up output, float32 or bf16 (the
+  output of the bf16 GEMM goes straight to the bf16 GEMM of down_proj without a float32 round trip).
 - `rms_norm` / `fused_add_rms_norm` replace the half-dozen aten ops of an RMSNorm (plus the residual add) with
   one pass; at batch 1 each aten op costs more in dispatch than in arithmetic.
 
-All take float32 CPU tensors. When no C++ toolchain is available (or SGLANG_DISABLE_CPU_OPS=1) `available()`
-is False and callers keep their torch implementations.
+All take float32 CPU tensors (silu_and_mul also bf16). When no C++ toolchain is available (or
+SGLANG_DISABLE_CPU_OPS=1) `available()` is False and callers keep their torch implementations.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from sglang.srt.layers.cpu_extension import CpuExtension
 DISABLE_ENV = "SGLANG_DISABLE_CPU_OPS"
 CSRC = Path(__file__).resolve().parent / "csrc"
 _EXTENSION = CpuExtension("sglang_cpu_ops", CSRC / "cpu_ops.cpp", "CPU decode kernels", DISABLE_ENV,
-                          headers=[CSRC / "cpu_kernels.h", CSRC / "kv_types.h"])
+                          headers=[CSRC / "cpu_kernels.h", CSRC / "kv_types.h", CSRC / "extend_attention.h"])
 
 
 def available() -> bool:
@@ -32,6 +36,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            kv_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, H, D], caches [slots, Hkv, D], kv_indices [B, >= max seq_len] slots, seq_lens [B] -> [B, H, D]."""
     return _EXTENSION.module().decode_attention(q, k_cache, v_cache, kv_indices, seq_lens, scale)
+
+
+def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indices: torch.Tensor,
+                     token_starts: torch.Tensor, extend_lens: torch.Tensor, prefix_lens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Causal attention of the new tokens of each sequence: q [T, H, D] float32, caches [slots, Hkv, D],
+    kv_indices [N, >= prefix + extend] slots of each sequence (its cached prefix, then its new tokens);
+    token_starts, extend_lens, prefix_lens [N] int64 -> [T, H, D]."""
+    return _EXTENSION.module().extend_attention(q, k_cache, v_cache, kv_indices, token_starts, extend_lens,
+                                                prefix_lens, scale)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2d] float32 or bf16 (gate | up) -> silu(gate) * up [T, d] in x's dtype."""
+    return _EXTENSION.module().silu_and_mul(x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 Decode is batched. On CPU a compiled kernel reads each sequence's K/V rows from the pool by slot index (see
 sglang/srt/layers/cpu_ops.py); otherwise the KV slots of all sequences are gathered into one padded
-[B, Hkv, max_len, D] tensor and a key mask hides the padding, so every layer runs a single SDPA call. Extend runs
-one SDPA call per sequence with a causal mask shifted by the sequence's cached prefix.
+[B, Hkv, max_len, D] tensor and a key mask hides the padding, so every layer runs a single SDPA call. Extend
+(prefill) on CPU likewise runs one compiled kernel call per layer for all sequences, causal from each sequence's
+cached prefix on; otherwise one SDPA call per sequence with a causal mask shifted by the cached prefix.
 """
 
 from __future__ import annotations
@@ -42,8 +43,20 @@ class ExtendSequence:
 
 
 @dataclass
+class ExtendKernelArgs:
+    """What the compiled CPU extend kernel takes for the whole batch (cpu_ops.extend_attention)."""
+
+    kv_rows: torch.Tensor  # [N, max seq_len] KV slots of each sequence
+    token_starts: torch.Tensor  # [N] first query row of each sequence
+    extend_lens: torch.Tensor  # [N]
+    prefix_lens: torch.Tensor  # [N]
+
+
+@dataclass
 class ExtendMetadata:
     sequences: list[ExtendSequence]
+    # Set on CPU when the compiled kernels are built: one kernel call per layer instead of one SDPA per sequence.
+    kernel: Optional[ExtendKernelArgs] = None
 
 
 class TorchSDPABackend(AttentionBackend):
@@ -94,7 +107,13 @@ class TorchSDPABackend(AttentionBackend):
             is_causal = prefix_len == 0 and extend_len > 1
             sequences.append(ExtendSequence(start, start + extend_len, kv_rows[i, :seq_len], mask, is_causal))
             start += extend_len
-        return ExtendMetadata(sequences)
+        kernel = None
+        if device.type == "cpu" and cpu_ops.available():
+            prefix_lens = torch.tensor(forward_batch.extend_prefix_lens_cpu, dtype=torch.int64)
+            extend_lens = torch.tensor(forward_batch.extend_seq_lens_cpu, dtype=torch.int64)
+            token_starts = torch.cumsum(extend_lens, 0) - extend_lens
+            kernel = ExtendKernelArgs(kv_rows.to(torch.int64), token_starts, extend_lens, prefix_lens)
+        return ExtendMetadata(sequences, kernel)
 
     # ---- attention -------------------------------------------------------------------------------------
     def forward_decode(
@@ -136,6 +155,11 @@ class TorchSDPABackend(AttentionBackend):
         k_cache, v_cache = pool.get_kv_buffer(layer.layer_id)
         meta: ExtendMetadata = forward_batch.attn_metadata
         num_tokens = q.shape[0]
+        if meta.kernel is not None and q.dtype == torch.float32 and k_cache.dtype in KERNEL_KV_DTYPES:
+            args = meta.kernel
+            out = cpu_ops.extend_attention(q, k_cache, v_cache, args.kv_rows, args.token_starts, args.extend_lens,
+                                           args.prefix_lens, layer.scaling)
+            return out.reshape(num_tokens, -1)
         out = q.new_empty(num_tokens, layer.num_heads, v_cache.shape[-1])
         enable_gqa = layer.num_heads != layer.num_kv_heads
         for seq in meta.sequences:

@@ -1,6 +1,8 @@
 // Small CPU kernels for the decode step, where per-op overhead and memory traffic dominate:
 //  - decode attention over the paged KV cache without gathering it: each (sequence, KV head) task reads the
 //    sequence's K/V rows straight from the pool by slot index, once for all the query heads that share them;
+//  - causal attention of the new tokens of a prefill / extend batch, likewise read from the pool (extend_attention.h);
+//  - the SiLU-and-multiply of a fused gate/up output, from float32 or bf16 in one pass;
 //  - RMSNorm, optionally fused with the residual add before it (one pass instead of six aten ops).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -11,6 +13,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "extend_attention.h"
 
 using cpu_kernels::rms_norm_rows;
 
@@ -91,6 +94,101 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
 
 namespace {
 
+template <typename KV>
+void extend_attention_tasks(const float* qp, int64_t q_stride, const torch::Tensor& k_cache,
+                            const torch::Tensor& v_cache, const int64_t* ip, int64_t stride_idx, const int64_t* starts,
+                            const int64_t* ext_lens, const int64_t* prefix_lens, int64_t N, float* op, int64_t H,
+                            int64_t Hkv, int64_t D, float scale) {
+  const int64_t group = H / Hkv;
+  // Tasks in sequence order, then KV head, then query-row block.
+  std::vector<int64_t> task_seq, task_row;
+  for (int64_t b = 0; b < N; ++b)
+    for (int64_t g = 0; g < Hkv; ++g)
+      for (int64_t r = 0; r < ext_lens[b]; r += cpu_kernels::kExtendRows) {
+        task_seq.push_back(b * Hkv + g);
+        task_row.push_back(r);
+      }
+  const KV* kp = static_cast<const KV*>(k_cache.data_ptr());
+  const KV* vp = static_cast<const KV*>(v_cache.data_ptr());
+  at::parallel_for(0, static_cast<int64_t>(task_seq.size()), 1, [&](int64_t begin, int64_t end) {
+    cpu_kernels::ExtendScratch scratch;
+    scratch.size_for(group, D);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = task_seq[t] / Hkv, g = task_seq[t] % Hkv;
+      const int64_t r0 = task_row[t], r1 = std::min(ext_lens[b], r0 + cpu_kernels::kExtendRows);
+      cpu_kernels::extend_attention_task(qp, q_stride, kp, vp, Hkv * D, ip + b * stride_idx, starts[b],
+                                         prefix_lens[b], r0, r1, g, group, H, D, scale, op, scratch);
+    }
+  });
+}
+
+}  // namespace
+
+// q [T, H, D] float32 (rows may be strided, heads and channels contiguous); k_cache, v_cache [S, Hkv, D] of a KV
+// type as in decode_attention; kv_indices [N, >= max(prefix + extend)] int64 slots per sequence; token_starts,
+// extend_lens, prefix_lens [N] int64: sequence b's new tokens are q rows token_starts[b] .. + extend_lens[b], at
+// positions prefix_lens[b] .. . Returns [T, H, D] float32 (rows of no sequence are left unset).
+torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor kv_indices, torch::Tensor token_starts, torch::Tensor extend_lens,
+                               torch::Tensor prefix_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q, k_cache, v_cache must be 3-D");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be float32");
+  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
+  const auto kv_type = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == kv_type, "k_cache and v_cache must have the same dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "KV buffers must be contiguous");
+  for (const auto* t : {&kv_indices, &token_starts, &extend_lens, &prefix_lens})
+    TORCH_CHECK(t->scalar_type() == at::kLong, "indices and lengths must be int64");
+  kv_indices = kv_indices.contiguous();
+  token_starts = token_starts.contiguous();
+  extend_lens = extend_lens.contiguous();
+  prefix_lens = prefix_lens.contiguous();
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t Hkv = k_cache.size(1), N = token_starts.size(0);
+  TORCH_CHECK(k_cache.size(2) == D && v_cache.sizes() == k_cache.sizes() && H % Hkv == 0, "head shapes do not match");
+  TORCH_CHECK(kv_indices.dim() == 2 && kv_indices.size(0) == N && extend_lens.size(0) == N && prefix_lens.size(0) == N,
+              "one row of KV slots and one start, extend and prefix length per sequence");
+  const int64_t stride_idx = kv_indices.size(1), num_slots = k_cache.size(0);
+  const int64_t* starts = token_starts.data_ptr<int64_t>();
+  const int64_t* ext = extend_lens.data_ptr<int64_t>();
+  const int64_t* pre = prefix_lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < N; ++b) {
+    TORCH_CHECK(ext[b] >= 0 && pre[b] >= 0 && starts[b] >= 0 && starts[b] + ext[b] <= T, "bad sequence extent");
+    TORCH_CHECK(pre[b] + ext[b] <= stride_idx, "a sequence is longer than its row of KV slots");
+    const int64_t* slots = kv_indices.data_ptr<int64_t>() + b * stride_idx;
+    for (int64_t t = 0; t < pre[b] + ext[b]; ++t)
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "KV slot out of range");
+  }
+  auto out = torch::empty({T, H, D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const int64_t* ip = kv_indices.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  const int64_t qs = q.stride(0);
+  switch (kv_type) {
+    case at::kFloat:
+      extend_attention_tasks<float>(qp, qs, k_cache, v_cache, ip, stride_idx, starts, ext, pre, N, op, H, Hkv, D, fscale);
+      break;
+    case at::kBFloat16:
+      extend_attention_tasks<kv_types::bf16>(qp, qs, k_cache, v_cache, ip, stride_idx, starts, ext, pre, N, op, H, Hkv,
+                                             D, fscale);
+      break;
+    case at::kFloat8_e4m3fn:
+      extend_attention_tasks<kv_types::e4m3>(qp, qs, k_cache, v_cache, ip, stride_idx, starts, ext, pre, N, op, H, Hkv,
+                                             D, fscale);
+      break;
+    case at::kFloat8_e5m2:
+      extend_attention_tasks<kv_types::e5m2>(qp, qs, k_cache, v_cache, ip, stride_idx, starts, ext, pre, N, op, H, Hkv,
+                                             D, fscale);
+      break;
+    default:
+      TORCH_CHECK(false, "KV buffers must be float32, bfloat16, float8_e4m3fn or float8_e5m2");
+  }
+  return out;
+}
+
+namespace {
+
 void check_norm_args(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 2-D");
   TORCH_CHECK(w.dim() == 1 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(0) == x.size(1),
@@ -134,8 +232,41 @@ torch::Tensor fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch:
   return out;
 }
 
+// x [T, 2d] float32 or bfloat16 (gate | up) -> silu(gate) * up [T, d] in x's dtype, computed in float32.
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "x must be 2-D [tokens, 2 * d]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+  x = x.contiguous();
+  const int64_t rows = x.size(0), d = x.size(1) / 2;
+  auto out = torch::empty({rows, d}, x.options());
+  if (x.scalar_type() == at::kFloat) {
+    const float* xp = x.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) cpu_kernels::silu_mul(xp + r * 2 * d, xp + r * 2 * d + d, op + r * d, d);
+    });
+    return out;
+  }
+  const auto* xp = reinterpret_cast<const kv_types::bf16*>(x.data_ptr());
+  auto* op = reinterpret_cast<kv_types::bf16*>(out.data_ptr());
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    std::vector<float> gate(d), up(d);
+    for (int64_t r = b; r < e; ++r) {
+      for (int64_t j = 0; j < d; ++j) {
+        gate[j] = kv_types::to_f32(xp[r * 2 * d + j]);
+        up[j] = kv_types::to_f32(xp[r * 2 * d + d + j]);
+      }
+      cpu_kernels::silu_mul(gate.data(), up.data(), gate.data(), d);
+      kv_types::store_row(gate.data(), op + r * d, d);
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "Decode attention over a paged KV cache (float32, bf16 or fp8 K/V)");
+  m.def("extend_attention", &extend_attention, "Causal prefill / extend attention over a paged KV cache");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate/up projection (float32 or bf16)");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x, then RMSNorm of residual (float32)");
 }

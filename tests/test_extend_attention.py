@@ -1,0 +1,135 @@
+"""The compiled prefill / extend attention kernel (cpu_ops.extend_attention) against SDPA, sequence by sequence."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sglang.srt.layers import cpu_ops
+
+pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ toolchain for the CPU kernels")
+
+
+def reference(q, k_cache, v_cache, rows, extend_lens, prefix_lens, scale):
+    """SDPA per sequence, query i of a sequence with prefix P seeing keys 0 .. P + i."""
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    start = 0
+    for b, (ext, pre) in enumerate(zip(extend_lens, prefix_lens)):
+        idx = rows[b, : pre + ext]
+        keys = k_cache[idx].float().transpose(0, 1).unsqueeze(0)
+        values = v_cache[idx].float().transpose(0, 1).unsqueeze(0)
+        mask = torch.arange(pre + ext)[None, :] <= torch.arange(pre, pre + ext)[:, None]
+        o = F.scaled_dot_product_attention(q[start : start + ext].transpose(0, 1).unsqueeze(0), keys, values,
+                                           attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k_cache.shape[1])
+        out[start : start + ext] = o[0].transpose(0, 1)
+        start += ext
+    return out
+
+
+def make_batch(heads, kv_heads, dim, extend_lens, prefix_lens, kv_dtype=torch.float32, magnitude=1.0, seed=0):
+    """Random K/V in scattered slots, q as a strided view of a fused qkv output, as the models pass it."""
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(extend_lens) + sum(prefix_lens)
+    slots = total + 9
+    k_cache = (magnitude * torch.randn(slots, kv_heads, dim, generator=gen)).to(kv_dtype)
+    v_cache = torch.randn(slots, kv_heads, dim, generator=gen).to(kv_dtype)
+    perm = torch.randperm(slots - 1, generator=gen) + 1
+    width = max(e + p for e, p in zip(extend_lens, prefix_lens)) + 5
+    rows = torch.zeros(len(extend_lens), width, dtype=torch.int64)
+    used = 0
+    for b, (ext, pre) in enumerate(zip(extend_lens, prefix_lens)):
+        rows[b, : ext + pre] = perm[used : used + ext + pre]
+        used += ext + pre
+    qkv = torch.randn(sum(extend_lens), heads + 2 * kv_heads, dim, generator=gen)
+    return qkv[:, :heads], k_cache, v_cache, rows
+
+
+def run_kernel(q, k_cache, v_cache, rows, extend_lens, prefix_lens, scale):
+    ext = torch.tensor(extend_lens, dtype=torch.int64)
+    return cpu_ops.extend_attention(q, k_cache, v_cache, rows, torch.cumsum(ext, 0) - ext, ext,
+                                    torch.tensor(prefix_lens, dtype=torch.int64), scale)
+
+
+# Lengths around the 32-row task and the 64-key block; prefixes that start mid-block; single-token extends.
+CASES = [
+    (9, 3, 64, [130, 7, 1, 64, 65, 32, 33], [0, 0, 0, 0, 0, 0, 0]),
+    (9, 3, 64, [20, 1, 300, 2], [400, 33, 64, 127]),
+    (8, 1, 128, [100, 5], [50, 0]),
+    (6, 2, 80, [70, 3], [10, 61]),  # 80 channels: 16-channel tiles and one 8-channel tail
+    (2, 1, 36, [40, 9], [3, 0]),  # not a multiple of 8 channels: the portable value loop
+    (4, 4, 32, [1, 1, 1], [5, 0, 90]),
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim,extend_lens,prefix_lens", CASES)
+def test_matches_sdpa(heads, kv_heads, dim, extend_lens, prefix_lens):
+    q, k_cache, v_cache, rows = make_batch(heads, kv_heads, dim, extend_lens, prefix_lens, seed=dim)
+    scale = dim**-0.5
+    out = run_kernel(q, k_cache, v_cache, rows, extend_lens, prefix_lens, scale)
+    expected = reference(q, k_cache, v_cache, rows, extend_lens, prefix_lens, scale)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_reads_low_precision_kv(kv_dtype):
+    extend_lens, prefix_lens = [90, 4], [40, 100]
+    q, k_cache, v_cache, rows = make_batch(9, 3, 64, extend_lens, prefix_lens, kv_dtype=kv_dtype)
+    out = run_kernel(q, k_cache, v_cache, rows, extend_lens, prefix_lens, 0.125)
+    expected = reference(q, k_cache, v_cache, rows, extend_lens, prefix_lens, 0.125)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_large_scores_underflow_like_sdpa():
+    """Scores spanning hundreds of units: most weights underflow, the running max moves between blocks."""
+    extend_lens, prefix_lens = [150], [70]
+    q, k_cache, v_cache, rows = make_batch(9, 3, 64, extend_lens, prefix_lens, magnitude=8.0)
+    out = run_kernel(q, k_cache, v_cache, rows, extend_lens, prefix_lens, 0.125)
+    torch.testing.assert_close(out, reference(q, k_cache, v_cache, rows, extend_lens, prefix_lens, 0.125),
+                               atol=2e-5, rtol=1e-4)
+
+
+def test_rejects_bad_input():
+    q, k_cache, v_cache, rows = make_batch(2, 1, 8, [4], [2])
+    ext, pre, starts = torch.tensor([4]), torch.tensor([2]), torch.tensor([0])
+    bad_rows = rows.clone()
+    bad_rows[0, 1] = k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        cpu_ops.extend_attention(q, k_cache, v_cache, bad_rows, starts, ext, pre, 1.0)
+    with pytest.raises(RuntimeError, match="longer than its row"):
+        cpu_ops.extend_attention(q, k_cache, v_cache, rows[:, :5], starts, ext, pre, 1.0)
+    with pytest.raises(RuntimeError, match="bad sequence extent"):
+        cpu_ops.extend_attention(q, k_cache, v_cache, rows, torch.tensor([1]), ext, pre, 1.0)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_ops.extend_attention(q.double(), k_cache, v_cache, rows, starts, ext, pre, 1.0)
+
+
+PORTABLE_CHECK = """
+import torch
+from sglang.srt.layers import cpu_ops
+from tests.test_extend_attention import CASES, make_batch, reference, run_kernel
+assert cpu_ops.available()
+for heads, kv_heads, dim, extend_lens, prefix_lens in CASES[:3] + CASES[4:5]:
+    q, k, v, rows = make_batch(heads, kv_heads, dim, extend_lens, prefix_lens, seed=dim)
+    out = run_kernel(q, k, v, rows, extend_lens, prefix_lens, dim ** -0.5)
+    torch.testing.assert_close(out, reference(q, k, v, rows, extend_lens, prefix_lens, dim ** -0.5),
+                               atol=2e-5, rtol=1e-4)
+x = torch.randn(33, 2 * 100)
+gate, up = x[:, :100], x[:, 100:]
+torch.testing.assert_close(cpu_ops.silu_and_mul(x), torch.nn.functional.silu(gate) * up, atol=1e-6, rtol=1e-5)
+print("portable kernels ok")
+"""
+
+
+def test_portable_build_without_simd():
+    """The kernels compiled without AVX2 (as on a CPU that lacks it) give the same results."""
+    env = {**os.environ, "SGLANG_CPU_KERNELS_PORTABLE": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", PORTABLE_CHECK], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "portable kernels ok" in proc.stdout
