@@ -63,3 +63,17 @@ def test_rms_norm_kernels_match_torch(rows):
     out = cpu_ops.fused_add_rms_norm(x, residual, w, 1e-5)
     torch.testing.assert_close(residual, new_residual)  # updated in place
     torch.testing.assert_close(out, F.rms_norm(new_residual, (576,), w, 1e-5), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows,d", [(1, 1536), (7, 100), (130, 64)])
+def test_silu_and_mul_matches_torch(rows, d):
+    gen = torch.Generator().manual_seed(rows + d)
+    x = 4 * torch.randn(rows, 2 * d, generator=gen)
+    expected = F.silu(x[:, :d]) * x[:, d:]
+    torch.testing.assert_close(cpu_ops.silu_and_mul(x), expected, atol=1e-5, rtol=1e-5)
+    # bf16 in and out, computed in float32 from the bf16 values and rounded once
+    xb = x.to(torch.bfloat16)
+    expected_bf16 = (F.silu(xb[:, :d].float()) * xb[:, d:].float()).to(torch.bfloat16)
+    out = cpu_ops.silu_and_mul(xb)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected_bf16.float(), atol=0, rtol=1e-2)

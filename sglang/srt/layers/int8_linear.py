@@ -26,6 +26,7 @@ class Int8LinearMethod(LinearMethod):
         q, scale = quantize_rows(weight.detach().float())
         self.weight_t = q.t().contiguous()  # [K, N], the layout _int_mm takes
         self.weight_scale = scale.view(1, -1)
+        self.out_dtype = weight.dtype
 
     def apply(self, weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         shape = x.shape
@@ -36,7 +37,7 @@ class Int8LinearMethod(LinearMethod):
             acc = torch._int_mm(torch.cat([xq, pad]), self.weight_t)[: xq.shape[0]]
         else:
             acc = torch._int_mm(xq, self.weight_t)
-        out = acc.float().mul_(xs).mul_(self.weight_scale).to(x.dtype)
+        out = acc.float().mul_(xs).mul_(self.weight_scale).to(self.out_dtype)
         if bias is not None:
             out.add_(bias)
         return out.view(*shape[:-1], out.shape[-1])

@@ -24,7 +24,14 @@ class LinearMethod(ABC):
     """Computes `x @ weight.T + bias` for one layer, from the layer's float weight or its own copy of it."""
 
     @abstractmethod
-    def apply(self, weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor: ...
+    def apply(self, weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """The product in the weight's dtype; x may be in the weight's dtype or, for a float32 model, bf16 (the
+        output of another layer's `apply_native`)."""
+
+    def apply_native(self, weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """As `apply`, but the output may stay in the dtype the method computes in (bf16 for the bf16 GEMM of a
+        float32 model), for a caller whose next step reads that dtype."""
+        return self.apply(weight, x, bias)
 
     def describe(self) -> str:
         return type(self).__name__
@@ -34,7 +41,7 @@ class DenseLinearMethod(LinearMethod):
     """The framework GEMM on the float weight (MKL / oneDNN on CPU, cuBLAS on CUDA)."""
 
     def apply(self, weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        return F.linear(x, weight, bias)
+        return F.linear(x if x.dtype == weight.dtype else x.to(weight.dtype), weight, bias)
 
     def describe(self) -> str:
         return "dense"
@@ -56,6 +63,10 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_method.apply(self.weight, x, self.bias)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        """The output in the method's own compute dtype (LinearMethod.apply_native)."""
+        return self.linear_method.apply_native(self.weight, x, self.bias)
 
 
 def linear_methods(model: nn.Module) -> list[LinearMethod]:

@@ -63,7 +63,10 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        # A float32 model's bf16 GEMM (layers/bf16_linear.py) hands its bf16 output on: the activation reads it
+        # and writes bf16, which is what down_proj's bf16 GEMM multiplies (no float32 round trip in between).
+        gate_up = self.gate_up_proj.forward_native(x)
+        return self.down_proj(self.act_fn(gate_up, float32_math=gate_up.dtype != x.dtype))
 
 
 class LlamaAttention(nn.Module):
