@@ -1,0 +1,45 @@
+"""GEMM throughput of float32, bf16 and int8 (`torch._int_mm`) at the decoder's shapes on this CPU.
+
+`python benchmarks/bench_cpu_gemm_rates.py` prints GFLOP/s (GOP/s for int8) for SmolLM2-135M's projections
+(q/k/v 576x832, o 576x576, gate/up 576x3072, down 1536x576) at several row counts, with the torch thread count
+as set (2 on the development machine). "bf16+casts" converts a float32 input and the output as the bf16 linear
+method does.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = [(576, 832), (576, 576), (576, 3072), (1536, 576)]
+
+
+def rate(fn, flops: float, reps: int = 20) -> float:
+    fn()
+    fn()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return flops * reps / (time.perf_counter() - start) / 1e9
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    print(f"threads {torch.get_num_threads()}")
+    for rows in (64, 256, 512, 1024):
+        for k, n in SHAPES:
+            x, w = torch.randn(rows, k), torch.randn(n, k)
+            xb, wb = x.bfloat16(), w.bfloat16()
+            xq = torch.randint(-127, 127, (rows, k), dtype=torch.int8)
+            wq = torch.randint(-127, 127, (k, n), dtype=torch.int8)
+            flops = 2 * rows * k * n
+            print(f"M={rows} K={k} N={n}: float32 {rate(lambda: F.linear(x, w), flops):.0f}  "
+                  f"bf16 {rate(lambda: F.linear(xb, wb), flops):.0f}  "
+                  f"bf16+casts {rate(lambda: F.linear(x.bfloat16(), wb).float(), flops):.0f}  "
+                  f"int8 {rate(lambda: torch._int_mm(xq, wq), flops):.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""How far each large-batch GEMM arithmetic moves SmolLM2's next-token choices, teacher-forced.
+
+`python benchmarks/int8_gemm_accuracy.py` generates 32 greedy tokens per prompt with float32 transformers
+(the greedy tests' prompts), then recomputes the logits of every generated position with the decoder's linear
+layers replaced by: bf16 weights and inputs; int8 weights alone (per output channel, dequantized); int8 weights
+and per-token int8 activations (`torch._int_mm` arithmetic, as Int8LinearMethod); the same except some layers;
+and int8 with two activation terms (value + rounding remainder). It prints how many top-1 choices change and the
+largest change of the float32 choice's log-probability.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from sglang.srt.model_loader.resolve import resolve_model_path
+
+PROMPTS = ["The capital of France is", "Write a haiku about the sea:", "def fibonacci(n):",
+           "List three primary colors:",
+           "Once upon a time, in a small village near the mountains, there lived an old clockmaker who",
+           "Q: What is 12 times 12?\nA:"]
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+PROMPTS += [f"Story {i}: " + " ".join(WORDS[: (i * 5) % len(WORDS) + 1] * (1 + i % 3)) + ". Then" for i in range(10)]
+
+
+def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = t.abs().amax(-1, keepdim=True).clamp_min(1e-8) / 127
+    return torch.round(t / scale).clamp(-127, 127), scale
+
+
+def int8(layer: torch.nn.Linear, terms: int = 1) -> Callable[[torch.Tensor], torch.Tensor]:
+    wq, ws = quantize_rows(layer.weight.float())
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        out, rest = 0, x.float()
+        for _ in range(terms):
+            xq, xs = quantize_rows(rest)
+            out = out + (xq @ wq.t()) * xs * ws.view(1, -1)
+            rest = rest - xq * xs
+        return out.to(x.dtype)
+
+    return forward
+
+
+def bf16(layer: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    wb = layer.weight.bfloat16()
+    return lambda x: F.linear(x.bfloat16(), wb).float()
+
+
+def int8_weights_only(layer: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    wq, ws = quantize_rows(layer.weight.float())
+    w = wq * ws
+    return lambda x: F.linear(x, w)
+
+
+def main() -> None:
+    model_dir = resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    sequences = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = tokenizer.encode(prompt)
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            sequences.append((len(ids), out[0]))
+
+    def logprobs() -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [model(s[None]).logits[0, n - 1 : -1].float().log_softmax(-1) for n, s in sequences]
+
+    base = logprobs()
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n}
+    original = {n: m.forward for n, m in layers.items()}
+    variants: dict[str, Callable[[str], Callable | None]] = {
+        "bf16 everywhere": lambda n: bf16,
+        "int8 weights only (dequantized)": lambda n: int8_weights_only,
+        "int8 weights + per-token activations": lambda n: int8,
+        "same, down_proj in bf16": lambda n: bf16 if "down" in n else int8,
+        "same, o_proj and down_proj in bf16": lambda n: bf16 if ("down" in n or "o_proj" in n) else int8,
+        "int8, two activation terms": lambda n: (lambda layer: int8(layer, terms=2)),
+    }
+    for name, choose in variants.items():
+        for n, m in layers.items():
+            make = choose(n)
+            m.forward = make(m) if make else original[n]
+        changed = total = 0
+        worst = 0.0
+        for b, g in zip(base, logprobs()):
+            total += b.shape[0]
+            changed += int((b.argmax(-1) != g.argmax(-1)).sum())
+            worst = max(worst, float((b - g).gather(-1, b.argmax(-1, keepdim=True)).abs().max()))
+        print(f"{name:40s} top-1 changed {changed}/{total}, max |d logp(float32 choice)| {worst:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
