@@ -42,11 +42,11 @@ struct ExtendScratch {
 };
 
 #ifdef CPU_KERNELS_AVX2
-// s[i * kKeyBlock + j] = sum_d q[i * D + d] * kt[d * kKeyBlock + j] for the QT queries of a tile and all the
-// block's keys (kt is zero past the block's last key).
+// s[i * kKeyBlock + j] = sum_d q[i * D + d] * kt[d * kKeyBlock + j] for the QT queries of a tile and the first n
+// keys of the block, rounded up to 16 (kt is zero past the block's last key).
 template <int QT>
-inline void tile_scores_avx2(const float* q, const float* kt, int64_t D, float* s) {
-  for (int64_t j0 = 0; j0 < kKeyBlock; j0 += 16) {
+inline void tile_scores_avx2(const float* q, const float* kt, int64_t D, int64_t n, float* s) {
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
     __m256 acc[QT][2];
     for (int i = 0; i < QT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; ++d) {
@@ -105,12 +105,12 @@ inline void tile_values_avx2(const float* p, const float* v, int64_t n, int64_t 
 inline void tile_scores(const float* q, const float* kt, int64_t D, int64_t n, int qt, float* s) {
 #ifdef CPU_KERNELS_AVX2
   switch (qt) {
-    case 6: tile_scores_avx2<6>(q, kt, D, s); return;
-    case 5: tile_scores_avx2<5>(q, kt, D, s); return;
-    case 4: tile_scores_avx2<4>(q, kt, D, s); return;
-    case 3: tile_scores_avx2<3>(q, kt, D, s); return;
-    case 2: tile_scores_avx2<2>(q, kt, D, s); return;
-    default: tile_scores_avx2<1>(q, kt, D, s); return;
+    case 6: tile_scores_avx2<6>(q, kt, D, n, s); return;
+    case 5: tile_scores_avx2<5>(q, kt, D, n, s); return;
+    case 4: tile_scores_avx2<4>(q, kt, D, n, s); return;
+    case 3: tile_scores_avx2<3>(q, kt, D, n, s); return;
+    case 2: tile_scores_avx2<2>(q, kt, D, n, s); return;
+    default: tile_scores_avx2<1>(q, kt, D, n, s); return;
   }
 #else
   for (int i = 0; i < qt; ++i) {
@@ -156,10 +156,18 @@ inline void tile_values(const float* p, const float* v, int64_t n, int64_t D, in
 // sum; returns the factor its unnormalized output must be multiplied by before this block's values are added.
 inline float softmax_weights(float* s, int64_t visible, float& m, float& l) {
   float mx = m;
-  for (int64_t j = 0; j < visible; ++j) mx = std::max(mx, s[j]);
+  int64_t j = 0;
+#ifdef CPU_KERNELS_AVX2
+  if (visible >= 8) {
+    __m256 vmax = _mm256_loadu_ps(s);
+    for (j = 8; j + 8 <= visible; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + j));
+    mx = std::max(mx, max8(vmax));
+  }
+#endif
+  for (; j < visible; ++j) mx = std::max(mx, s[j]);
   const float alpha = m == -INFINITY ? 0.f : std::exp(m - mx);
   float sum = 0.f;
-  int64_t j = 0;
+  j = 0;
 #ifdef CPU_KERNELS_AVX2
   const __m256 vmx = _mm256_set1_ps(mx);
   __m256 vsum = _mm256_setzero_ps();
@@ -223,8 +231,9 @@ inline void extend_attention_task(const float* q, int64_t q_stride, const KV* kc
     for (int64_t i0 = first * group; i0 < nq; i0 += kTile) {
       const int qt = static_cast<int>(std::min<int64_t>(kTile, nq - i0));
       float* s = w.s.data();
-      tile_scores(w.q.data() + i0 * D, w.kt.data(), D, kn, qt, s);
-      int64_t n = 0;  // keys any query of the tile sees
+      // keys the tile's last query (the one at the latest position) sees: every query of the tile sees fewer
+      const int64_t n = std::min(kn, prefix + r0 + (i0 + qt - 1) / group - k0 + 1);
+      tile_scores(w.q.data() + i0 * D, w.kt.data(), D, n, qt, s);
       for (int i = 0; i < qt; ++i) {
         const int64_t r = (i0 + i) / group;
         const int64_t visible = std::min(kn, prefix + r0 + r - k0 + 1);
@@ -234,7 +243,6 @@ inline void extend_attention_task(const float* q, int64_t q_stride, const KV* kc
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) o[d] *= alpha;
         }
-        n = std::max(n, visible);
       }
       tile_values(s, w.v.data(), n, D, qt, w.o.data() + i0 * D);
     }
