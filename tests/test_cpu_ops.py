@@ -77,3 +77,28 @@ def test_silu_and_mul_matches_torch(rows, d):
     out = cpu_ops.silu_and_mul(xb)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected_bf16.float(), atol=0, rtol=1e-2)
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_rope_in_place_matches_torch(rotary_dim):
+    """The fused q|k heads of a qkv output, rotated where they lie: equal to the torch rotation, the v heads and
+    the channels past rotary_dim untouched."""
+    from sglang.srt.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb, apply_rotary_emb_
+
+    gen = torch.Generator().manual_seed(rotary_dim)
+    rope = RotaryEmbedding(64, 512, {"rope_type": "default", "rope_theta": 10000.0,
+                                     "partial_rotary_factor": rotary_dim / 64})
+    positions = torch.randint(0, 512, (37,), generator=gen)
+    cos, sin = rope.lookup(positions, torch.float32)
+    qkv = torch.randn(37, 9 + 3 + 3, 64, generator=gen)
+    before = qkv.clone()
+    qk = qkv[:, :12]
+    expected = apply_rotary_emb(qk, cos, sin, rotary_dim)
+    out = apply_rotary_emb_(qk, cos, sin, rotary_dim)
+    assert out.data_ptr() == qkv.data_ptr()  # rotated in place
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+    assert torch.equal(qkv[:, 12:], before[:, 12:])
+    # a bf16 input keeps the torch path (and its rounding)
+    xb = before[:, :12].to(torch.bfloat16)
+    assert torch.equal(apply_rotary_emb_(xb, cos.bfloat16(), sin.bfloat16(), rotary_dim),
+                       apply_rotary_emb(xb, cos.bfloat16(), sin.bfloat16(), rotary_dim))

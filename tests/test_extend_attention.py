@@ -121,12 +121,20 @@ for heads, kv_heads, dim, extend_lens, prefix_lens in CASES[:3] + CASES[4:5]:
 x = torch.randn(33, 2 * 100)
 gate, up = x[:, :100], x[:, 100:]
 torch.testing.assert_close(cpu_ops.silu_and_mul(x), torch.nn.functional.silu(gate) * up, atol=1e-6, rtol=1e-5)
+from sglang.srt.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb
+rope = RotaryEmbedding(64, 128, {"rope_type": "default", "rope_theta": 10000.0})
+cos, sin = rope.lookup(torch.arange(5), torch.float32)
+heads = torch.randn(5, 4, 64)
+expected = apply_rotary_emb(heads, cos, sin, 64)
+cpu_ops.rope_in_place(heads, cos, sin)
+torch.testing.assert_close(heads, expected, atol=1e-6, rtol=1e-5)
 print("portable kernels ok")
 """
 
 
 def test_portable_build_without_simd():
-    """The kernels compiled without AVX2 (as on a CPU that lacks it) give the same results."""
+    """The kernels compiled without AVX2 (as on a CPU that lacks it) give the same results: extend attention,
+    SiLU-and-multiply, rotary embedding."""
     env = {**os.environ, "SGLANG_CPU_KERNELS_PORTABLE": "1"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-c", PORTABLE_CHECK], env=env, cwd=root, capture_output=True,

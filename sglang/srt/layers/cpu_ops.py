@@ -5,6 +5,7 @@
   in every layer.
 - `extend_attention` does the same for the new tokens of a prefill or extend batch: all sequences in one call,
   causal from each sequence's cached prefix on, in tiles of K/V rows shared by a KV head's query group.
+- `rope_in_place` rotates the query and key heads where the projection wrote them (one pass, no copies).
 - `silu_and_mul` computes an MLP's activation in one pass over the fused gate/up output, float32 or bf16 (the
   output of the bf16 GEMM goes straight to the bf16 GEMM of down_proj without a float32 round trip).
 - `rms_norm` / `fused_add_rms_norm` replace the half-dozen aten ops of an RMSNorm (plus the residual add) with
@@ -46,6 +47,12 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     token_starts, extend_lens, prefix_lens [N] int64 -> [T, H, D]."""
     return _EXTENSION.module().extend_attention(q, k_cache, v_cache, kv_indices, token_starts, extend_lens,
                                                 prefix_lens, scale)
+
+
+def rope_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate the first rotary_dim channels of x [T, heads, D] float32 (channels contiguous) in place; cos and sin
+    are RotaryEmbedding.lookup rows [T, 1, rotary_dim]."""
+    _EXTENSION.module().rope_in_place(x, cos, sin)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

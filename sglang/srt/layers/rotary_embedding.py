@@ -13,6 +13,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from sglang.srt.layers import cpu_ops
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -222,6 +224,17 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rota
     half = rotary_dim // 2
     swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
     return x * cos + swapped * sin
+
+
+def apply_rotary_emb_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """As apply_rotary_emb, but may rotate x in place (and return it): on CPU a float32 x whose channels are
+    contiguous is rotated where it lies by one compiled pass; otherwise a new tensor is returned. For a caller that
+    owns x (a fresh projection output)."""
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and cos.dtype == torch.float32 and x.dim() == 3
+            and x.stride(-1) == 1 and cos.shape == sin.shape == (x.shape[0], 1, rotary_dim) and cpu_ops.available()):
+        cpu_ops.rope_in_place(x, cos, sin)
+        return x
+    return apply_rotary_emb(x, cos, sin, rotary_dim)
 
 
 def get_rope(config: Any, head_dim: int, device: Optional[torch.device | str] = None) -> RotaryEmbedding:

@@ -21,7 +21,7 @@ from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import merged_linear, row_parallel_linear
 from sglang.srt.layers.logits_processor import LogitsProcessor
 from sglang.srt.layers.radix_attention import RadixAttention
-from sglang.srt.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb, get_rope
+from sglang.srt.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb, apply_rotary_emb_, get_rope
 from sglang.srt.layers.vocab_parallel_embedding import lm_head, vocab_embedding
 from sglang.srt.model_loader.weights import load_checkpoint_weights
 
@@ -123,9 +123,10 @@ class LlamaAttention(nn.Module):
             q = apply_rotary_emb(q, cos, sin, self.rotary_dim)
             k = apply_rotary_emb(k, cos, sin, self.rotary_dim)
         else:
-            # q and k are adjacent in the fused output: rotate both heads groups with one set of kernels.
+            # q and k are adjacent in the fused output: rotate both head groups in one pass, in place where the
+            # compiled kernel can (qkv is this layer's own fresh output).
             qk = qkv[:, :qk_end].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            qk = apply_rotary_emb(qk, cos, sin, self.rotary_dim)
+            qk = apply_rotary_emb_(qk, cos, sin, self.rotary_dim)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_end:].view(num_tokens, self.num_kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, forward_batch))

@@ -274,6 +274,23 @@ inline void silu_mul(const float* gate, const float* up, float* out, int64_t n) 
   for (; j < n; ++j) out[j] = gate[j] / (1.f + std::exp(-gate[j])) * up[j];
 }
 
+// out[j] = silu(gate[j]) * up[j] for n bf16 values, computed in float32 and rounded once.
+inline void silu_mul_bf16(const kv_types::bf16* gate, const kv_types::bf16* up, kv_types::bf16* out, int64_t n) {
+  int64_t j = 0;
+#ifdef CPU_KERNELS_AVX2
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (; j + 8 <= n; j += 8) {
+    const __m256 g = kv_types::load8(gate + j);
+    const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    kv_types::store8(out + j, _mm256_mul_ps(_mm256_mul_ps(g, sig), kv_types::load8(up + j)));
+  }
+#endif
+  for (; j < n; ++j) {
+    const float g = kv_types::to_f32(gate[j]);
+    out[j] = kv_types::from_f32<kv_types::bf16>(g / (1.f + std::exp(-g)) * kv_types::to_f32(up[j]));
+  }
+}
+
 template <typename KV>
 inline void attend_partial(const float* q, int64_t group, int64_t D, const KV* kbase, const KV* vbase,
                            int64_t slot_stride, const int64_t* slots, int64_t L, float scale, float* scores,

@@ -2,6 +2,7 @@
 //  - decode attention over the paged KV cache without gathering it: each (sequence, KV head) task reads the
 //    sequence's K/V rows straight from the pool by slot index, once for all the query heads that share them;
 //  - causal attention of the new tokens of a prefill / extend batch, likewise read from the pool (extend_attention.h);
+//  - the rotary embedding of the query and key heads, in place in the projection's output;
 //  - the SiLU-and-multiply of a fused gate/up output, from float32 or bf16 in one pass;
 //  - RMSNorm, optionally fused with the residual add before it (one pass instead of six aten ops).
 #include <torch/extension.h>
@@ -232,6 +233,29 @@ torch::Tensor fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch:
   return out;
 }
 
+// Rotates the first rd channels of every head of x [T, heads, D] float32 in place (rows and heads may be strided,
+// channels contiguous), position t with cos[t], sin[t] ([T, rd] contiguous rows of RotaryEmbedding.lookup: the
+// sign of rotate-half folded into sin).
+void rope_in_place(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1, "x must be float32 [T, heads, D]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "cos and sin must be float32");
+  cos = cos.reshape({cos.size(0), -1}).contiguous();
+  sin = sin.reshape({sin.size(0), -1}).contiguous();
+  const int64_t T = x.size(0), heads = x.size(1), rd = cos.size(1);
+  TORCH_CHECK(cos.size(0) == T && sin.sizes() == cos.sizes() && rd % 2 == 0 && rd <= x.size(2),
+              "cos and sin must be [T, rotary_dim] with an even rotary_dim <= head_dim");
+  float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t st = x.stride(0), sh = x.stride(1);
+  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+    std::vector<float> tmp(rd);
+    for (int64_t t = b; t < e; ++t)
+      for (int64_t h = 0; h < heads; ++h)
+        cpu_kernels::rope_head(xp + t * st + h * sh, cp + t * rd, sp + t * rd, rd, tmp.data());
+  });
+}
+
 // x [T, 2d] float32 or bfloat16 (gate | up) -> silu(gate) * up [T, d] in x's dtype, computed in float32.
 torch::Tensor silu_and_mul(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0, "x must be 2-D [tokens, 2 * d]");
@@ -250,15 +274,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   const auto* xp = reinterpret_cast<const kv_types::bf16*>(x.data_ptr());
   auto* op = reinterpret_cast<kv_types::bf16*>(out.data_ptr());
   at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
-    std::vector<float> gate(d), up(d);
-    for (int64_t r = b; r < e; ++r) {
-      for (int64_t j = 0; j < d; ++j) {
-        gate[j] = kv_types::to_f32(xp[r * 2 * d + j]);
-        up[j] = kv_types::to_f32(xp[r * 2 * d + d + j]);
-      }
-      cpu_kernels::silu_mul(gate.data(), up.data(), gate.data(), d);
-      kv_types::store_row(gate.data(), op + r * d, d);
-    }
+    for (int64_t r = b; r < e; ++r) cpu_kernels::silu_mul_bf16(xp + r * 2 * d, xp + r * 2 * d + d, op + r * d, d);
   });
   return out;
 }
@@ -266,6 +282,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "Decode attention over a paged KV cache (float32, bf16 or fp8 K/V)");
   m.def("extend_attention", &extend_attention, "Causal prefill / extend attention over a paged KV cache");
+  m.def("rope_in_place", &rope_in_place, "Rotary embedding of float32 heads in place (rotate-half layout)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate/up projection (float32 or bf16)");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x, then RMSNorm of residual (float32)");
