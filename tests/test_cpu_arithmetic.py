@@ -196,6 +196,17 @@ def test_bf16_gemm_hands_bf16_through_the_mlp():
     weight = mlp.gate_up_proj.weight
     for method in (DENSE, BF16LinearMethod(weight), Int8LinearMethod(weight)):
         assert method.apply(weight, xb, None).dtype == torch.float32, type(method).__name__
+    # the prepacked oneDNN weight (where torch has oneDNN) multiplies exactly as F.linear on the plain bf16 weight,
+    # for any row count and for 3-D inputs
+    method = BF16LinearMethod(weight)
+    assert torch.equal(method.dense_weight(), weight.to(torch.bfloat16))
+    if torch.backends.mkldnn.is_available():
+        assert method.packed is not None and method.weight is None and "prepacked" in method.describe()
+    for rows in (1, 17, 130):
+        xr = torch.randn(rows, 64)
+        assert torch.equal(method.apply_native(weight, xr, None), F.linear(xr.bfloat16(), weight.bfloat16()))
+    assert method.apply(weight, torch.randn(2, 5, 64), None).shape == (2, 5, weight.shape[0])
+    assert method.nbytes == weight.numel() * 2
     # a bias keeps the float32 output (it is added in the model's dtype)
     bias = torch.randn(weight.shape[0])
     assert BF16LinearMethod(weight).apply_native(weight, x, bias).dtype == torch.float32
@@ -217,7 +228,7 @@ def test_gguf_method_hands_large_batches_to_the_large_method():
     small_x, large_x = torch.randn(4, 64), torch.randn(5, 64)
     assert torch.equal(method.apply(weight, small_x, None), quant.linear(small_x, None))
     assert torch.equal(method.apply(weight, large_x, None), large.apply(weight, large_x, None))
-    assert method.describe() == "GGUF Q8_0 blocks up to 4 rows, bf16 GEMM beyond"
+    assert method.describe() == f"GGUF Q8_0 blocks up to 4 rows, {large.describe()} beyond"
 
 
 def test_attach_large_batch_gemm_replaces_dense_layers_and_head(tmp_path):

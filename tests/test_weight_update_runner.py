@@ -60,7 +60,7 @@ def _assert_bf16_copies_match(runner) -> None:
             method = module.linear_method
             large = method.large if isinstance(method, GGUFLinearMethod) else method
             assert isinstance(large, BF16LinearMethod)
-            assert torch.equal(large.weight, module.weight.to(torch.bfloat16))
+            assert torch.equal(large.dense_weight(), module.weight.to(torch.bfloat16))
 
 
 def test_update_rebuilds_or_drops_every_fast_path(runner_and_pool, checkpoints, smollm2_dir):
