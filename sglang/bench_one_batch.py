@@ -10,9 +10,11 @@ import argparse
 import json
 import statistics
 import time
+from typing import Optional
 
 import torch
 
+from sglang.srt.layers.arithmetic import resolve_small_batch_rows
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.mem_cache.memory_pools import MemoryPools, build_memory_pools
 from sglang.srt.model_executor.model_runner import ModelRunner, StepOutput
@@ -35,10 +37,12 @@ def make_reqs(batch_size: int, input_len: int, output_len: int, vocab: int) -> l
 
 
 def build_runner(info: ModelInfo, device: str, total_tokens: int, max_requests: int,
-                 gguf_kernel_max_rows: int) -> tuple[ModelRunner, MemoryPools]:
-    """A model runner and its KV memory (with a radix cache), as the scheduler builds them."""
+                 gguf_kernel_max_rows: Optional[int]) -> tuple[ModelRunner, MemoryPools]:
+    """A model runner and its KV memory (with a radix cache), as the scheduler builds them (None rows: the
+    arithmetic plan's choice)."""
+    rows = resolve_small_batch_rows(gguf_kernel_max_rows, info.arithmetic)
     runner = ModelRunner(info.model_dir, info.hf_config, info.dtype, device, gguf_path=info.gguf_path,
-                         gguf_kernel_max_rows=gguf_kernel_max_rows, arithmetic=info.arithmetic)
+                         gguf_kernel_max_rows=rows, arithmetic=info.arithmetic)
     mem = build_memory_pools(runner.kv_cache_spec(), runner.device, info.context_len, total_tokens, 0.3,
                              max_requests, disable_radix_cache=False)
     runner.bind_kv_pool(mem.kv_pool)
@@ -98,7 +102,8 @@ def main() -> None:
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--result-file", default=None, help="append one JSON line per batch size")
     parser.add_argument("--gguf-kernel-max-rows", type=int, default=ServerArgs.gguf_kernel_max_rows,
-                        help="matmuls of at most this many rows use the GGUF blocks (0: float weights only)")
+                        help="matmuls of at most this many rows use the GGUF blocks (0: float weights only; "
+                             "default: the arithmetic plan's choice)")
     parser.add_argument("--cpu-gemm", default="auto", choices=["auto", "float32", "bfloat16", "int8"],
                         help="GEMM for prefill and larger batches with float32 weights (see --cpu-gemm of the server)")
     parser.add_argument("--gguf-activations", default="auto", choices=["auto", "float32", "int8"],

@@ -156,6 +156,23 @@ def test_small_batch_quantization_per_plan():
         choose_arithmetic("cpu", "bfloat16", "auto", AVX2_FLAGS, small_batch_quantization="q8_0")
 
 
+def test_small_batch_rows_follow_the_large_batch_gemm():
+    """The quantized blocks (and the fused decode step) serve up to 32 rows where large batches run the bf16 GEMM
+    and up to 64 where they run float32; --gguf-kernel-max-rows overrides."""
+    from sglang.srt.layers.arithmetic import resolve_small_batch_rows
+
+    bf16 = choose_arithmetic("cpu", "auto", "auto", BF16_VNNI_FLAGS)
+    assert bf16.small_batch_max_rows == 32 and bf16.to_dict()["small_batch_max_rows"] == 32
+    assert "up to 32 rows" in bf16.describe()
+    assert choose_arithmetic("cpu", "auto", "auto", AMX_FLAGS).small_batch_max_rows == 32
+    for args in (("cpu", "auto", "auto", AVX2_FLAGS), ("cpu", "auto", "float32", BF16_VNNI_FLAGS),
+                 ("cpu", "float32", "auto", BF16_VNNI_FLAGS), ("cuda", "auto", "auto", AMX_FLAGS)):
+        assert choose_arithmetic(*args).small_batch_max_rows == 64, args
+    assert resolve_small_batch_rows(None, bf16) == 32
+    assert resolve_small_batch_rows(8, bf16) == 8 and resolve_small_batch_rows(0, bf16) == 0
+    assert resolve_small_batch_rows(None, None) == 64
+
+
 # ---- linear methods --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("rows", [1, 7, 40])
 def test_bf16_and_int8_methods_match_dense(rows):

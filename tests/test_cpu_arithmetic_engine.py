@@ -37,6 +37,7 @@ def test_bf16_prefill_then_quantized_decode_keeps_greedy_tokens(bf16_engine, ref
     assert info["arithmetic"]["weight_dtype"] == "float32"
     assert info["arithmetic"]["kv_cache_dtype"] == "float32"
     assert info["arithmetic"]["large_batch_gemm"] == "bfloat16"
+    assert info["arithmetic"]["small_batch_max_rows"] == 32  # the bf16 GEMM takes over above 32 rows
     assert info["cpu_gemm"] == "bfloat16"
     assert [s["dp_rank"] for s in info["internal_states"]] == [0]
     # Decode batches quantize their activations to int8 where the CPU has AVX512-VNNI (float32 elsewhere).
@@ -56,9 +57,10 @@ def test_bf16_prefill_then_quantized_decode_keeps_greedy_tokens(bf16_engine, ref
 
 
 def test_server_reports_plan():
-    with running_server("--cpu-gemm", "float32") as url:
+    with running_server("--cpu-gemm", "float32", "--gguf-kernel-max-rows", "16") as url:
         info = requests.get(f"{url}/get_server_info", timeout=30).json()
     assert info["arithmetic"]["large_batch_gemm"] == "float32"
+    assert info["arithmetic"]["small_batch_max_rows"] == 16  # the flag overrides the plan's 64
     assert info["arithmetic"]["reason"] == "--cpu-gemm float32"
     assert info["arithmetic"]["weight_dtype"] == "float32"
     assert info["arithmetic"]["gguf_activations"] == "float32"  # --cpu-gemm float32: float32 throughout

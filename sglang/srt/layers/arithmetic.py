@@ -82,6 +82,9 @@ class ArithmeticPlan:
     gguf_activations_reason: str = ""
     # blocks made at load for the small batches of a model without GGUF blocks: none | q8_0
     small_batch_quantization: str = "none"
+    # the most rows a matmul (and a decode batch, in the fused step) takes on the quantized blocks; above it the
+    # large-batch GEMM and the layer-by-layer path. --gguf-kernel-max-rows overrides it.
+    small_batch_max_rows: int = 64
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -94,10 +97,10 @@ class ArithmeticPlan:
         where = f"CPU class {self.cpu_class}" if self.cpu_class else self.device
         return (f"Arithmetic: {where}; {stored}; prefill and large batches "
                 f"{self.large_batch_gemm} GEMM ({self.reason}); GGUF blocks with {self.gguf_activations} "
-                f"activations ({self.gguf_activations_reason}); checkpoints without GGUF blocks: "
-                f"{self.small_batch_quantization} blocks for small batches")
+                f"activations ({self.gguf_activations_reason}) up to {self.small_batch_max_rows} rows; "
+                f"checkpoints without GGUF blocks: {self.small_batch_quantization} blocks for small batches")
 
-    def to_dict(self) -> dict[str, str]:
+    def to_dict(self) -> dict[str, Union[str, int]]:
         return {
             "cpu_class": self.cpu_class,
             "weight_dtype": str(self.weight_dtype).removeprefix("torch."),
@@ -107,6 +110,7 @@ class ArithmeticPlan:
             "gguf_activations": self.gguf_activations,
             "gguf_activations_reason": self.gguf_activations_reason,
             "small_batch_quantization": self.small_batch_quantization,
+            "small_batch_max_rows": self.small_batch_max_rows,
         }
 
 
@@ -158,7 +162,27 @@ def choose_arithmetic(
     elif small_batch_quantization == "q8_0" and (plan.cpu_class == "" or plan.weight_dtype != torch.float32):
         raise ValueError("--small-batch-quantization q8_0 needs float32 weights on CPU (--dtype auto or float32)")
     return dataclasses.replace(plan, gguf_activations=act, gguf_activations_reason=why,
-                               small_batch_quantization=small_batch_quantization)
+                               small_batch_quantization=small_batch_quantization,
+                               small_batch_max_rows=small_batch_rows(plan))
+
+
+# Where the bf16 GEMM of a CPU with native bf16 takes over from the quantized blocks. Measured on an AVX512-BF16 /
+# VNNI CPU (benchmarks/RESULTS.md, 2026-11-24): the fused int8 decode step and the layer-by-layer bf16 path tie at
+# 16-24 sequences of 400 tokens and at 32-48 of 130; at 64 the bf16 path is 20-30% faster. Where large batches run
+# float32 (AVX2-only CPUs), the blocks stay faster up to 64 rows.
+BF16_SMALL_BATCH_ROWS = 32
+FLOAT32_SMALL_BATCH_ROWS = 64
+
+
+def small_batch_rows(plan: ArithmeticPlan) -> int:
+    return BF16_SMALL_BATCH_ROWS if plan.cpu_class and plan.large_batch_gemm == "bfloat16" else FLOAT32_SMALL_BATCH_ROWS
+
+
+def resolve_small_batch_rows(requested: Optional[int], plan: Optional[ArithmeticPlan]) -> int:
+    """--gguf-kernel-max-rows as given, or (None) the plan's choice; 64 without a plan."""
+    if requested is not None:
+        return requested
+    return plan.small_batch_max_rows if plan is not None else FLOAT32_SMALL_BATCH_ROWS
 
 
 def _choose_gemm(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from sglang.srt.managers.finish_reason import FinishReason
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -70,7 +70,7 @@ class SchedulerInfo:
     weight_bytes: int
     kv_bytes: int
     # The arithmetic plan (layers/arithmetic.py ArithmeticPlan.to_dict), empty when none was made.
-    arithmetic: dict[str, str] = field(default_factory=dict)
+    arithmetic: dict[str, Union[str, int]] = field(default_factory=dict)
     # The data-parallel replica this scheduler is (0 without --dp-size).
     dp_rank: int = 0
 

@@ -12,6 +12,7 @@ import torch
 import zmq
 
 from sglang.srt.constrained.base_grammar_backend import create_grammar_backend
+from sglang.srt.layers.arithmetic import resolve_small_batch_rows
 from sglang.srt.managers.finish_reason import ABORT_BEFORE_PREFILL, FinishAbort
 from sglang.srt.managers.io_struct import (
     AbortReq,
@@ -71,7 +72,7 @@ class Scheduler:
             dtype=model_info.dtype,
             device=server_args.device,
             gguf_path=model_info.gguf_path,
-            gguf_kernel_max_rows=server_args.gguf_kernel_max_rows,
+            gguf_kernel_max_rows=resolve_small_batch_rows(server_args.gguf_kernel_max_rows, model_info.arithmetic),
             arithmetic=model_info.arithmetic,
         )
         self.is_embedding = server_args.is_embedding
@@ -134,7 +135,9 @@ class Scheduler:
             context_len=self.context_len,
             weight_bytes=self.runner.weight_bytes,
             kv_bytes=self.mem.kv_bytes,
-            arithmetic=self.runner.arithmetic.to_dict() if self.runner.arithmetic is not None else {},
+            # the effective row limit: --gguf-kernel-max-rows where given, else the plan's
+            arithmetic=({**self.runner.arithmetic.to_dict(), "small_batch_max_rows": self.runner.gguf_kernel_max_rows}
+                        if self.runner.arithmetic is not None else {}),
             dp_rank=self.dp_rank,
         )
 
