@@ -54,9 +54,11 @@ class ExtendKernelArgs:
 
 @dataclass
 class ExtendMetadata:
-    sequences: list[ExtendSequence]
+    # One SDPA call per sequence; None until a layer needs them (where the kernel is set).
+    sequences: Optional[list[ExtendSequence]]
     # Set on CPU when the compiled kernels are built: one kernel call per layer instead of one SDPA per sequence.
-    kernel: Optional[ExtendKernelArgs] = None
+    kernel: Optional[ExtendKernelArgs]
+    kv_rows: torch.Tensor  # [N, max seq_len] KV slots of each sequence
 
 
 class TorchSDPABackend(AttentionBackend):
@@ -89,8 +91,18 @@ class TorchSDPABackend(AttentionBackend):
         return DecodeMetadata(kv_indices, valid[:, None, None, :])
 
     def _extend_metadata(self, forward_batch: ForwardBatch) -> ExtendMetadata:
-        seq_lens = forward_batch.seq_lens_cpu
-        kv_rows = self._kv_index_rows(forward_batch, max(seq_lens))
+        kv_rows = self._kv_index_rows(forward_batch, max(forward_batch.seq_lens_cpu))
+        if kv_rows.device.type == "cpu" and cpu_ops.available():
+            prefix_lens = torch.tensor(forward_batch.extend_prefix_lens_cpu, dtype=torch.int64)
+            extend_lens = torch.tensor(forward_batch.extend_seq_lens_cpu, dtype=torch.int64)
+            token_starts = torch.cumsum(extend_lens, 0) - extend_lens
+            kernel = ExtendKernelArgs(kv_rows.to(torch.int64), token_starts, extend_lens, prefix_lens)
+            # the per-sequence SDPA inputs are built only if a layer cannot use the kernel (a bf16 model)
+            return ExtendMetadata(None, kernel, kv_rows)
+        return ExtendMetadata(self._extend_sequences(forward_batch, kv_rows), None, kv_rows)
+
+    @staticmethod
+    def _extend_sequences(forward_batch: ForwardBatch, kv_rows: torch.Tensor) -> list[ExtendSequence]:
         device = kv_rows.device
         sequences: list[ExtendSequence] = []
         start = 0
@@ -107,13 +119,7 @@ class TorchSDPABackend(AttentionBackend):
             is_causal = prefix_len == 0 and extend_len > 1
             sequences.append(ExtendSequence(start, start + extend_len, kv_rows[i, :seq_len], mask, is_causal))
             start += extend_len
-        kernel = None
-        if device.type == "cpu" and cpu_ops.available():
-            prefix_lens = torch.tensor(forward_batch.extend_prefix_lens_cpu, dtype=torch.int64)
-            extend_lens = torch.tensor(forward_batch.extend_seq_lens_cpu, dtype=torch.int64)
-            token_starts = torch.cumsum(extend_lens, 0) - extend_lens
-            kernel = ExtendKernelArgs(kv_rows.to(torch.int64), token_starts, extend_lens, prefix_lens)
-        return ExtendMetadata(sequences, kernel)
+        return sequences
 
     # ---- attention -------------------------------------------------------------------------------------
     def forward_decode(
@@ -160,6 +166,8 @@ class TorchSDPABackend(AttentionBackend):
             out = cpu_ops.extend_attention(q, k_cache, v_cache, args.kv_rows, args.token_starts, args.extend_lens,
                                            args.prefix_lens, layer.scaling)
             return out.reshape(num_tokens, -1)
+        if meta.sequences is None:
+            meta.sequences = self._extend_sequences(forward_batch, meta.kv_rows)
         out = q.new_empty(num_tokens, layer.num_heads, v_cache.shape[-1])
         enable_gqa = layer.num_heads != layer.num_kv_heads
         for seq in meta.sequences:
