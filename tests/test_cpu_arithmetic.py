@@ -217,8 +217,12 @@ def test_bf16_gemm_hands_bf16_through_the_mlp():
     # for any row count and for 3-D inputs
     method = BF16LinearMethod(weight)
     assert torch.equal(method.dense_weight(), weight.to(torch.bfloat16))
-    if torch.backends.mkldnn.is_available():
+    from sglang.srt.layers.bf16_linear import _packing_works
+
+    if _packing_works():
         assert method.packed is not None and method.weight is None and "prepacked" in method.describe()
+    else:
+        assert method.packed is None and torch.equal(method.weight, weight.to(torch.bfloat16))
     for rows in (1, 17, 130):
         xr = torch.randn(rows, 64)
         assert torch.equal(method.apply_native(weight, xr, None), F.linear(xr.bfloat16(), weight.bfloat16()))
@@ -227,6 +231,19 @@ def test_bf16_gemm_hands_bf16_through_the_mlp():
     # a bias keeps the float32 output (it is added in the model's dtype)
     bias = torch.randn(weight.shape[0])
     assert BF16LinearMethod(weight).apply_native(weight, x, bias).dtype == torch.float32
+
+
+def test_bf16_method_without_onednn_packing_keeps_the_plain_weight(monkeypatch):
+    """Where oneDNN cannot pack bf16 weights (probed once at startup) the method multiplies the plain bf16 copy."""
+    from sglang.srt.layers import bf16_linear
+
+    monkeypatch.setattr(bf16_linear, "_packing_works", lambda: False)
+    weight = torch.randn(48, 64)
+    method = BF16LinearMethod(weight)
+    assert method.packed is None and method.describe() == "bf16 GEMM"
+    x = torch.randn(5, 64)
+    assert torch.equal(method.apply_native(weight, x, None), F.linear(x.bfloat16(), weight.bfloat16()))
+    assert torch.equal(method.dense_weight(), weight.bfloat16())
 
 
 def test_gguf_method_hands_large_batches_to_the_large_method():
