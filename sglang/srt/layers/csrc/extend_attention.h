@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -99,19 +100,26 @@ inline void tile_values_avx2(const float* p, const float* v, int64_t n, int64_t 
     for (int i = 0; i < QT; ++i) _mm256_storeu_ps(o + i * D + c0, acc[i]);
   }
 }
+
+// Calls f(std::integral_constant<int, qt>) for a tile of qt = 1 .. kTile queries: one compiled kernel per size.
+template <typename F>
+inline void with_tile_size(int qt, F&& f) {
+  static_assert(kTile == 6, "one case per tile size");
+  switch (qt) {
+    case 6: f(std::integral_constant<int, 6>{}); return;
+    case 5: f(std::integral_constant<int, 5>{}); return;
+    case 4: f(std::integral_constant<int, 4>{}); return;
+    case 3: f(std::integral_constant<int, 3>{}); return;
+    case 2: f(std::integral_constant<int, 2>{}); return;
+    default: f(std::integral_constant<int, 1>{}); return;
+  }
+}
 #endif
 
 // Scores of a tile of qt queries against the block: s [qt, kKeyBlock], valid for the first n keys.
 inline void tile_scores(const float* q, const float* kt, int64_t D, int64_t n, int qt, float* s) {
 #ifdef CPU_KERNELS_AVX2
-  switch (qt) {
-    case 6: tile_scores_avx2<6>(q, kt, D, n, s); return;
-    case 5: tile_scores_avx2<5>(q, kt, D, n, s); return;
-    case 4: tile_scores_avx2<4>(q, kt, D, n, s); return;
-    case 3: tile_scores_avx2<3>(q, kt, D, n, s); return;
-    case 2: tile_scores_avx2<2>(q, kt, D, n, s); return;
-    default: tile_scores_avx2<1>(q, kt, D, n, s); return;
-  }
+  with_tile_size(qt, [&](auto size) { tile_scores_avx2<decltype(size)::value>(q, kt, D, n, s); });
 #else
   for (int i = 0; i < qt; ++i) {
     float* si = s + i * kKeyBlock;
@@ -130,14 +138,8 @@ inline void tile_scores(const float* q, const float* kt, int64_t D, int64_t n, i
 inline void tile_values(const float* p, const float* v, int64_t n, int64_t D, int qt, float* o) {
 #ifdef CPU_KERNELS_AVX2
   if (D % 8 == 0) {
-    switch (qt) {
-      case 6: tile_values_avx2<6>(p, v, n, D, o); return;
-      case 5: tile_values_avx2<5>(p, v, n, D, o); return;
-      case 4: tile_values_avx2<4>(p, v, n, D, o); return;
-      case 3: tile_values_avx2<3>(p, v, n, D, o); return;
-      case 2: tile_values_avx2<2>(p, v, n, D, o); return;
-      default: tile_values_avx2<1>(p, v, n, D, o); return;
-    }
+    with_tile_size(qt, [&](auto size) { tile_values_avx2<decltype(size)::value>(p, v, n, D, o); });
+    return;
   }
 #endif
   for (int i = 0; i < qt; ++i) {
