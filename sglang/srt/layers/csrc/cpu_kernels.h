@@ -260,22 +260,9 @@ inline void attend_partial_avx2(const float* q, int64_t group, int64_t D, const 
 
 #endif  // CPU_KERNELS_AVX2
 
-// out[j] = silu(gate[j]) * up[j] for n values.
-inline void silu_mul(const float* gate, const float* up, float* out, int64_t n) {
-  int64_t j = 0;
-#ifdef CPU_KERNELS_AVX2
-  const __m256 one = _mm256_set1_ps(1.f);
-  for (; j + 8 <= n; j += 8) {
-    const __m256 g = _mm256_loadu_ps(gate + j);
-    const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-    _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + j)));
-  }
-#endif
-  for (; j < n; ++j) out[j] = gate[j] / (1.f + std::exp(-gate[j])) * up[j];
-}
-
-// out[j] = silu(gate[j]) * up[j] for n bf16 values, computed in float32 and rounded once.
-inline void silu_mul_bf16(const kv_types::bf16* gate, const kv_types::bf16* up, kv_types::bf16* out, int64_t n) {
+// out[j] = silu(gate[j]) * up[j] for n values of T (float32 or bf16), computed in float32 and rounded once to T.
+template <typename T>
+inline void silu_mul(const T* gate, const T* up, T* out, int64_t n) {
   int64_t j = 0;
 #ifdef CPU_KERNELS_AVX2
   const __m256 one = _mm256_set1_ps(1.f);
@@ -287,7 +274,7 @@ inline void silu_mul_bf16(const kv_types::bf16* gate, const kv_types::bf16* up, 
 #endif
   for (; j < n; ++j) {
     const float g = kv_types::to_f32(gate[j]);
-    out[j] = kv_types::from_f32<kv_types::bf16>(g / (1.f + std::exp(-g)) * kv_types::to_f32(up[j]));
+    out[j] = kv_types::from_f32<T>(g / (1.f + std::exp(-g)) * kv_types::to_f32(up[j]));
   }
 }
 

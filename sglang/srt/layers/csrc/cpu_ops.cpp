@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -19,6 +20,30 @@
 using cpu_kernels::rms_norm_rows;
 
 namespace {
+
+// Calls f with a null pointer of the KV buffers' element type (float32, bf16, fp8 e4m3 or e5m2), after checking
+// that both buffers have that type and are contiguous.
+template <typename F>
+void with_kv_type(const torch::Tensor& k_cache, const torch::Tensor& v_cache, F&& f) {
+  const auto kv_type = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == kv_type, "k_cache and v_cache must have the same dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "KV buffers must be contiguous");
+  switch (kv_type) {
+    case at::kFloat: f(static_cast<const float*>(nullptr)); break;
+    case at::kBFloat16: f(static_cast<const kv_types::bf16*>(nullptr)); break;
+    case at::kFloat8_e4m3fn: f(static_cast<const kv_types::e4m3*>(nullptr)); break;
+    case at::kFloat8_e5m2: f(static_cast<const kv_types::e5m2*>(nullptr)); break;
+    default: TORCH_CHECK(false, "KV buffers must be float32, bfloat16, float8_e4m3fn or float8_e5m2");
+  }
+}
+
+// The element type behind with_kv_type's pointer.
+template <typename P>
+using kv_of = std::remove_const_t<std::remove_pointer_t<P>>;
+
+void check_slots(const int64_t* slots, int64_t count, int64_t num_slots) {
+  for (int64_t t = 0; t < count; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "KV slot out of range");
+}
 
 // The attention tasks of decode_attention for K/V stored as KV (converted to float32 inside the kernel).
 template <typename KV>
@@ -50,13 +75,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
                                torch::Tensor kv_indices, torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q, k_cache, v_cache must be 3-D");
   TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be float32");
-  const auto kv_type = k_cache.scalar_type();
-  TORCH_CHECK(v_cache.scalar_type() == kv_type, "k_cache and v_cache must have the same dtype");
-  TORCH_CHECK(kv_type == at::kFloat || kv_type == at::kBFloat16 || kv_type == at::kFloat8_e4m3fn ||
-                  kv_type == at::kFloat8_e5m2, "KV buffers must be float32, bfloat16, float8_e4m3fn or float8_e5m2");
   TORCH_CHECK(kv_indices.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 indices");
   q = q.contiguous();
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "KV buffers must be contiguous");
   kv_indices = kv_indices.contiguous();
   seq_lens = seq_lens.contiguous();
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
@@ -68,8 +88,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= stride_idx, "bad sequence length");
-    const int64_t* slots = kv_indices.data_ptr<int64_t>() + b * stride_idx;
-    for (int64_t t = 0; t < lens[b]; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "KV slot out of range");
+    check_slots(kv_indices.data_ptr<int64_t>() + b * stride_idx, lens[b], num_slots);
   }
 
   auto out = torch::empty({B, H, D}, q.options());
@@ -77,19 +96,10 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   const int64_t* ip = kv_indices.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-  switch (kv_type) {
-    case at::kBFloat16:
-      decode_attention_tasks<kv_types::bf16>(qp, k_cache, v_cache, ip, lens, op, B, H, Hkv, D, stride_idx, fscale);
-      break;
-    case at::kFloat8_e4m3fn:
-      decode_attention_tasks<kv_types::e4m3>(qp, k_cache, v_cache, ip, lens, op, B, H, Hkv, D, stride_idx, fscale);
-      break;
-    case at::kFloat8_e5m2:
-      decode_attention_tasks<kv_types::e5m2>(qp, k_cache, v_cache, ip, lens, op, B, H, Hkv, D, stride_idx, fscale);
-      break;
-    default:
-      decode_attention_tasks<float>(qp, k_cache, v_cache, ip, lens, op, B, H, Hkv, D, stride_idx, fscale);
-  }
+  with_kv_type(k_cache, v_cache, [&](auto type) {
+    decode_attention_tasks<kv_of<decltype(type)>>(qp, k_cache, v_cache, ip, lens, op, B, H, Hkv, D, stride_idx,
+                                                  fscale);
+  });
   return out;
 }
 
@@ -135,9 +145,6 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q, k_cache, v_cache must be 3-D");
   TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be float32");
   if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
-  const auto kv_type = k_cache.scalar_type();
-  TORCH_CHECK(v_cache.scalar_type() == kv_type, "k_cache and v_cache must have the same dtype");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "KV buffers must be contiguous");
   for (const auto* t : {&kv_indices, &token_starts, &extend_lens, &prefix_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong, "indices and lengths must be int64");
   kv_indices = kv_indices.contiguous();
@@ -156,9 +163,7 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   for (int64_t b = 0; b < N; ++b) {
     TORCH_CHECK(ext[b] >= 0 && pre[b] >= 0 && starts[b] >= 0 && starts[b] + ext[b] <= T, "bad sequence extent");
     TORCH_CHECK(pre[b] + ext[b] <= stride_idx, "a sequence is longer than its row of KV slots");
-    const int64_t* slots = kv_indices.data_ptr<int64_t>() + b * stride_idx;
-    for (int64_t t = 0; t < pre[b] + ext[b]; ++t)
-      TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "KV slot out of range");
+    check_slots(kv_indices.data_ptr<int64_t>() + b * stride_idx, pre[b] + ext[b], num_slots);
   }
   auto out = torch::empty({T, H, D}, q.options());
   const float* qp = q.data_ptr<float>();
@@ -166,25 +171,10 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   const int64_t qs = q.stride(0);
-  switch (kv_type) {
-    case at::kFloat:
-      extend_attention_tasks<float>(qp, qs, k_cache, v_cache, ip, stride_idx, starts, ext, pre, N, op, H, Hkv, D, fscale);
-      break;
-    case at::kBFloat16:
-      extend_attention_tasks<kv_types::bf16>(qp, qs, k_cache, v_cache, ip, stride_idx, starts, ext, pre, N, op, H, Hkv,
-                                             D, fscale);
-      break;
-    case at::kFloat8_e4m3fn:
-      extend_attention_tasks<kv_types::e4m3>(qp, qs, k_cache, v_cache, ip, stride_idx, starts, ext, pre, N, op, H, Hkv,
-                                             D, fscale);
-      break;
-    case at::kFloat8_e5m2:
-      extend_attention_tasks<kv_types::e5m2>(qp, qs, k_cache, v_cache, ip, stride_idx, starts, ext, pre, N, op, H, Hkv,
-                                             D, fscale);
-      break;
-    default:
-      TORCH_CHECK(false, "KV buffers must be float32, bfloat16, float8_e4m3fn or float8_e5m2");
-  }
+  with_kv_type(k_cache, v_cache, [&](auto type) {
+    extend_attention_tasks<kv_of<decltype(type)>>(qp, qs, k_cache, v_cache, ip, stride_idx, starts, ext, pre, N, op, H,
+                                                  Hkv, D, fscale);
+  });
   return out;
 }
 
@@ -263,19 +253,16 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   x = x.contiguous();
   const int64_t rows = x.size(0), d = x.size(1) / 2;
   auto out = torch::empty({rows, d}, x.options());
-  if (x.scalar_type() == at::kFloat) {
-    const float* xp = x.data_ptr<float>();
-    float* op = out.data_ptr<float>();
+  auto run = [&](auto* xp, auto* op) {
     at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
       for (int64_t r = b; r < e; ++r) cpu_kernels::silu_mul(xp + r * 2 * d, xp + r * 2 * d + d, op + r * d, d);
     });
-    return out;
+  };
+  if (x.scalar_type() == at::kFloat) {
+    run(static_cast<const float*>(x.data_ptr()), static_cast<float*>(out.data_ptr()));
+  } else {
+    run(static_cast<const kv_types::bf16*>(x.data_ptr()), static_cast<kv_types::bf16*>(out.data_ptr()));
   }
-  const auto* xp = reinterpret_cast<const kv_types::bf16*>(x.data_ptr());
-  auto* op = reinterpret_cast<kv_types::bf16*>(out.data_ptr());
-  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) cpu_kernels::silu_mul_bf16(xp + r * 2 * d, xp + r * 2 * d + d, op + r * d, d);
-  });
   return out;
 }
 

@@ -69,6 +69,7 @@ inline __m256 load8(const bf16* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 // 8 float32 lanes rounded to bf16 (nearest even, as torch rounds; a signalling NaN may come out as infinity).
 inline void store8(bf16* p, __m256 v) {
   const __m256i bits = _mm256_castps_si256(v);
