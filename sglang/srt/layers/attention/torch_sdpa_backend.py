@@ -58,7 +58,6 @@ class ExtendMetadata:
     sequences: Optional[list[ExtendSequence]]
     # Set on CPU when the compiled kernels are built: one kernel call per layer instead of one SDPA per sequence.
     kernel: Optional[ExtendKernelArgs]
-    kv_rows: torch.Tensor  # [N, max seq_len] KV slots of each sequence
 
 
 class TorchSDPABackend(AttentionBackend):
@@ -98,8 +97,8 @@ class TorchSDPABackend(AttentionBackend):
             token_starts = torch.cumsum(extend_lens, 0) - extend_lens
             kernel = ExtendKernelArgs(kv_rows.to(torch.int64), token_starts, extend_lens, prefix_lens)
             # the per-sequence SDPA inputs are built only if a layer cannot use the kernel (a bf16 model)
-            return ExtendMetadata(None, kernel, kv_rows)
-        return ExtendMetadata(self._extend_sequences(forward_batch, kv_rows), None, kv_rows)
+            return ExtendMetadata(None, kernel)
+        return ExtendMetadata(self._extend_sequences(forward_batch, kv_rows), None)
 
     @staticmethod
     def _extend_sequences(forward_batch: ForwardBatch, kv_rows: torch.Tensor) -> list[ExtendSequence]:
@@ -167,7 +166,8 @@ class TorchSDPABackend(AttentionBackend):
                                            args.prefix_lens, layer.scaling)
             return out.reshape(num_tokens, -1)
         if meta.sequences is None:
-            meta.sequences = self._extend_sequences(forward_batch, meta.kv_rows)
+            assert meta.kernel is not None  # the sequences are left unbuilt only beside the kernel's arguments
+            meta.sequences = self._extend_sequences(forward_batch, meta.kernel.kv_rows)
         out = q.new_empty(num_tokens, layer.num_heads, v_cache.shape[-1])
         enable_gqa = layer.num_heads != layer.num_kv_heads
         for seq in meta.sequences:
