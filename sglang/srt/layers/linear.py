@@ -41,7 +41,7 @@ class DenseLinearMethod(LinearMethod):
     """The framework GEMM on the float weight (MKL / oneDNN on CPU, cuBLAS on CUDA)."""
 
     def apply(self, weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        return F.linear(x if x.dtype == weight.dtype else x.to(weight.dtype), weight, bias)
+        return F.linear(x.to(weight.dtype), weight, bias)
 
     def describe(self) -> str:
         return "dense"

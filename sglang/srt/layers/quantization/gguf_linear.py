@@ -29,8 +29,7 @@ class GGUFLinearMethod(LinearMethod):
 
     def apply(self, weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.max_rows:
-            return self.quant_weight.linear(x if x.dtype == weight.dtype else x.to(weight.dtype), bias,
-                                           self.int8_activations)
+            return self.quant_weight.linear(x.to(weight.dtype), bias, self.int8_activations)
         return self.large.apply(weight, x, bias)
 
     def apply_native(self, weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
