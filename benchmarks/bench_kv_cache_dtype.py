@@ -2,7 +2,8 @@
 
 A batch-1 decode step late in a long generation reads more K/V than weights (3,000 tokens of SmolLM2-135M in
 float32: ~138 MB per step), so a bf16 (fp8) cache should cut the late TPOT most. One Engine per KV dtype, one
-streamed greedy generation each (ignore_eos), `--dtype float32`; each configuration runs `--runs` times and the
+streamed greedy generation each (ignore_eos), `--dtype float32` unless --dtype says otherwise (`--dtype auto
+--kv-dtypes auto`: the default flags); each configuration runs `--runs` times and the
 best run is reported (the machine may be shared).
 
     python benchmarks/bench_kv_cache_dtype.py --tokens 3000 --runs 3 --kv-dtypes float32 bfloat16 fp8_e4m3
@@ -41,10 +42,11 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=100)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--kv-dtypes", nargs="+", default=["float32", "bfloat16", "fp8_e4m3"])
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
     w = args.window
     for kv in args.kv_dtypes:
-        engine = Engine(model_path=args.model_path, dtype="float32", kv_cache_dtype=kv,
+        engine = Engine(model_path=args.model_path, dtype=args.dtype, kv_cache_dtype=kv,
                         context_length=args.tokens + 256, max_total_tokens=args.tokens + 1024)
         try:
             one_generation(engine, 2 * w + 2)  # warm-up: kernels built, caches touched
@@ -54,7 +56,7 @@ def main() -> None:
                 runs.append((tpot_ms(times, 1, 1 + w), tpot_ms(times, len(times) - 1 - w, len(times) - 1)))
         finally:
             engine.shutdown()
-        result = {"kv_cache_dtype": kv, "tokens": args.tokens, "window": w,
+        result = {"dtype": args.dtype, "kv_cache_dtype": kv, "tokens": args.tokens, "window": w,
                   "first_tpot_ms_best": round(min(r[0] for r in runs), 3),
                   "last_tpot_ms_best": round(min(r[1] for r in runs), 3),
                   "runs": [[round(a, 3), round(b, 3)] for a, b in runs]}

@@ -64,11 +64,33 @@ def test_avx2_cpu_keeps_float32_everywhere():
 
 
 @pytest.mark.parametrize("flags, cls", [(BF16_VNNI_FLAGS, AVX512_BF16), (AMX_FLAGS, AMX)])
-def test_bf16_cpus_keep_float32_weights_and_kv_with_bf16_large_batches(flags, cls):
+def test_bf16_cpus_keep_float32_weights_with_bf16_large_batches_and_kv(flags, cls):
     plan = choose_arithmetic("cpu", "auto", "auto", flags)
     assert (plan.cpu_class, plan.weight_dtype, plan.kv_dtype, plan.large_batch_gemm) == (
-        cls, torch.float32, torch.float32, "bfloat16")
+        cls, torch.float32, torch.bfloat16, "bfloat16")
     assert plan.to_dict()["large_batch_gemm"] == "bfloat16"
+    assert plan.to_dict()["kv_cache_dtype"] == "bfloat16"
+    assert "native bf16" in plan.to_dict()["kv_cache_dtype_reason"]
+    assert "KV cache bfloat16" in plan.describe()
+
+
+@pytest.mark.parametrize("flags", [AVX2_FLAGS, BF16_VNNI_FLAGS, AMX_FLAGS, ["fpu"]])
+def test_kv_cache_dtype_per_cpu_class_and_flags(flags):
+    native_bf16 = cpu_class(flags) in (AVX512_BF16, AMX)
+    auto = choose_arithmetic("cpu", "auto", "auto", flags)
+    assert auto.kv_dtype == (torch.bfloat16 if native_bf16 else torch.float32)
+    # an explicit --dtype or --cpu-gemm keeps K/V in the model dtype; an explicit --kv-cache-dtype wins everywhere
+    assert choose_arithmetic("cpu", "float32", "auto", flags).kv_dtype == torch.float32
+    assert choose_arithmetic("cpu", "bfloat16", "auto", flags).kv_dtype == torch.bfloat16
+    assert choose_arithmetic("cpu", "auto", "float32", flags).kv_dtype == torch.float32
+    assert choose_arithmetic("cpu", "auto", "bfloat16", flags).kv_dtype == torch.float32
+    for name, dtype in [("float32", torch.float32), ("bfloat16", torch.bfloat16), ("fp8_e5m2", torch.float8_e5m2)]:
+        plan = choose_arithmetic("cpu", "auto", "auto", flags, kv_cache_dtype=name)
+        assert plan.kv_dtype == dtype and plan.kv_cache_dtype_reason == f"--kv-cache-dtype {name}"
+    with pytest.raises(ValueError, match="--kv-cache-dtype"):
+        choose_arithmetic("cpu", "auto", "auto", flags, kv_cache_dtype="int4")
+    # accelerators keep the model dtype
+    assert choose_arithmetic("cuda", "auto", "auto", flags, config_dtype="float16").kv_dtype == torch.float16
 
 
 @pytest.mark.parametrize("flags", [AVX2_FLAGS, BF16_VNNI_FLAGS, AMX_FLAGS])

@@ -23,11 +23,13 @@ def reference(q, k, v, idx, lens, scale):
     return torch.stack(outs)
 
 
-# dim % 8 == 0 takes the AVX2 path (one or more blocks of 64 columns, with a partial one for 80); 36 the scalar one.
+# dim % 8 == 0 takes the AVX2 path, 36 the scalar one. The AVX2 path tiles up to three query heads of a group
+# (groups of 1, 2, 3, 4 = 3 + 1, 5 = 3 + 2, 7 = 3 + 3 + 1, 8 = 3 + 3 + 2) over column chunks of 4-8 vectors with a
+# narrower last one (48, 80 and 128 channels), and scores four tokens at a time with a remainder (the lengths).
 # magnitude 8 makes the scores span hundreds of units, so most softmax weights underflow.
 @pytest.mark.parametrize("heads,kv_heads,dim,magnitude",
                          [(9, 3, 64, 1.0), (4, 4, 32, 1.0), (8, 1, 128, 1.0), (6, 2, 80, 1.0), (2, 1, 36, 1.0),
-                          (9, 3, 64, 8.0)])
+                          (9, 3, 64, 8.0), (8, 2, 64, 1.0), (5, 1, 48, 1.0), (14, 2, 64, 1.0), (4, 2, 128, 1.0)])
 def test_matches_sdpa(heads, kv_heads, dim, magnitude):
     gen = torch.Generator().manual_seed(heads * 100 + dim)
     slots, batch, width = 700, 7, 90

@@ -5,8 +5,8 @@ through oneDNN runs ~4x faster than float32 (benchmarks/RESULTS.md), while on an
 matmuls are emulated and 8-60x slower than float32. Small decode batches are bound by reading the weights, not by
 arithmetic, and run best on the GGUF blocks and the fused decode step, which compute in float32.
 
-So on CPU `--dtype auto` keeps float32 weights and a float32 KV cache (one layout every path reads and writes)
-and picks, per CPU class, the GEMM for prefill, extend and decode batches above `--gguf-kernel-max-rows` rows:
+So on CPU `--dtype auto` keeps float32 weights and one KV cache layout that every path reads and writes, and
+picks, per CPU class, the GEMM for prefill, extend and decode batches above `--gguf-kernel-max-rows` rows:
 bf16 where the CPU has native bf16, float32 otherwise. `--cpu-gemm` overrides that choice; `--dtype bfloat16` /
 `float32` still load the model in that dtype.
 
@@ -22,6 +22,9 @@ A checkpoint without GGUF blocks (plain safetensors) gets Q8_0 blocks quantized 
 by default where large batches already run a reduced-precision GEMM (bf16 on CPUs with native bf16), so a
 float32 plan stays float32 everywhere; `q8_0` asks for it on any CPU.
 
+`--kv-cache-dtype auto` stores K/V in bf16 where the plan is automatic on a CPU with native bf16 (late in a long
+generation K/V are most of the bytes a decode step reads), in the model dtype elsewhere (`choose_kv_cache_dtype`).
+
 `choose_arithmetic` is a pure function of its inputs so every CPU class can be tested on any machine;
 `read_cpu_flags` (model_loader/dtype.py) is the one place that reads /proc/cpuinfo.
 """
@@ -36,6 +39,7 @@ from typing import Optional, Union
 
 import torch
 
+from sglang.srt.mem_cache.kv_dtype import resolve_kv_cache_dtype
 from sglang.srt.model_loader.dtype import read_cpu_flags, resolve_dtype
 
 CPU_GEMMS = ("auto", "float32", "bfloat16", "int8")
@@ -71,12 +75,13 @@ def cpu_class(flags: Iterable[str], machine: str = "x86_64") -> str:
 class ArithmeticPlan:
     device: str
     cpu_class: str  # "" on accelerators
-    weight_dtype: torch.dtype  # what the model is loaded in; the KV cache uses the same dtype
+    weight_dtype: torch.dtype  # what the model is loaded in
     # GEMM for prefill / extend / decode batches above the small-batch row limit: float32 | bfloat16 | int8
     large_batch_gemm: str
     reason: str
-    # --kv-cache-dtype resolved (mem_cache/kv_dtype.py); None: the KV cache uses the weight dtype
+    # --kv-cache-dtype resolved (choose_kv_cache_dtype); None: the KV cache uses the weight dtype
     kv_cache_dtype: Optional[torch.dtype] = None
+    kv_cache_dtype_reason: str = ""
     # activations of the GGUF block kernels (small batches, fused decode step): float32 | int8
     gguf_activations: str = "float32"
     gguf_activations_reason: str = ""
@@ -93,7 +98,8 @@ class ArithmeticPlan:
     def describe(self) -> str:
         dtype = str(self.weight_dtype).removeprefix("torch.")
         kv = str(self.kv_dtype).removeprefix("torch.")
-        stored = f"weights and KV cache {dtype}" if kv == dtype else f"weights {dtype}, KV cache {kv}"
+        stored = (f"weights and KV cache {dtype}" if kv == dtype
+                  else f"weights {dtype}, KV cache {kv} ({self.kv_cache_dtype_reason})")
         where = f"CPU class {self.cpu_class}" if self.cpu_class else self.device
         return (f"Arithmetic: {where}; {stored}; prefill and large batches "
                 f"{self.large_batch_gemm} GEMM ({self.reason}); GGUF blocks with {self.gguf_activations} "
@@ -105,6 +111,7 @@ class ArithmeticPlan:
             "cpu_class": self.cpu_class,
             "weight_dtype": str(self.weight_dtype).removeprefix("torch."),
             "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
+            "kv_cache_dtype_reason": self.kv_cache_dtype_reason,
             "large_batch_gemm": self.large_batch_gemm,
             "reason": self.reason,
             "gguf_activations": self.gguf_activations,
@@ -129,9 +136,10 @@ def choose_arithmetic(
     config_dtype: Union[str, torch.dtype, None] = None,
     gguf_activations: str = "auto",
     small_batch_quantization: str = "auto",
+    kv_cache_dtype: str = "auto",
 ) -> ArithmeticPlan:
-    """The arithmetic for a server: model dtype, the large-batch GEMM, the GGUF kernels' activations and the
-    blocks made for a checkpoint without GGUF blocks.
+    """The arithmetic for a server: model dtype, the large-batch GEMM, the GGUF kernels' activations, the blocks
+    made for a checkpoint without GGUF blocks and the KV cache dtype.
 
     `measurements` maps GEMM names to measured throughput (any unit); it decides only where the CPU flags do not
     (a CPU this function does not classify), between float32 and bfloat16.
@@ -161,9 +169,26 @@ def choose_arithmetic(
         small_batch_quantization = "q8_0" if on else "none"
     elif small_batch_quantization == "q8_0" and (plan.cpu_class == "" or plan.weight_dtype != torch.float32):
         raise ValueError("--small-batch-quantization q8_0 needs float32 weights on CPU (--dtype auto or float32)")
+    kv, kv_why = choose_kv_cache_dtype(kv_cache_dtype, plan, dtype, cpu_gemm)
     return dataclasses.replace(plan, gguf_activations=act, gguf_activations_reason=why,
                                small_batch_quantization=small_batch_quantization,
-                               small_batch_max_rows=small_batch_rows(plan))
+                               small_batch_max_rows=small_batch_rows(plan), kv_cache_dtype=kv,
+                               kv_cache_dtype_reason=kv_why)
+
+
+def choose_kv_cache_dtype(requested: str, plan: ArithmeticPlan, dtype: str = "auto",
+                          cpu_gemm: str = "auto") -> tuple[torch.dtype, str]:
+    """The K/V element type and why. `--kv-cache-dtype auto` stores bf16 K/V where the whole plan is automatic on a
+    CPU with native bf16 (its prefill GEMMs already round to bf16): late in a long generation decode attention
+    reads more K/V bytes than weights, and the compiled kernels read bf16 at about the same bytes per second as
+    float32, so half the bytes is close to half the time (benchmarks/RESULTS.md, 2026-11-24). Elsewhere, and with
+    an explicit --dtype or --cpu-gemm, K/V keep the model dtype."""
+    if requested != "auto":
+        return resolve_kv_cache_dtype(requested, plan.weight_dtype), f"--kv-cache-dtype {requested}"
+    automatic = dtype.strip().lower() == "auto" and cpu_gemm == "auto"
+    if automatic and plan.cpu_class in (AMX, AVX512_BF16) and plan.weight_dtype == torch.float32:
+        return torch.bfloat16, "the CPU has native bf16: bf16 K/V halve the bytes decode attention reads"
+    return plan.weight_dtype, "the model dtype"
 
 
 # Where the bf16 GEMM of a CPU with native bf16 takes over from the quantized blocks. Measured on an AVX512-BF16 /
@@ -244,7 +269,8 @@ def measure_cpu_gemms(rows: int = 256, k: int = 576, n: int = 1536, repeats: int
 
 def plan_for_this_machine(device: str, dtype: str, cpu_gemm: str,
                           config_dtype: Union[str, torch.dtype, None] = None,
-                          gguf_activations: str = "auto", small_batch_quantization: str = "auto") -> ArithmeticPlan:
+                          gguf_activations: str = "auto", small_batch_quantization: str = "auto",
+                          kv_cache_dtype: str = "auto") -> ArithmeticPlan:
     """`choose_arithmetic` with this machine's CPU flags, measuring only where the flags do not settle it."""
     flags = read_cpu_flags()
     machine = platform.machine()
@@ -253,4 +279,4 @@ def plan_for_this_machine(device: str, dtype: str, cpu_gemm: str,
             and cpu_class(flags, machine) == OTHER):
         measurements = measure_cpu_gemms()
     return choose_arithmetic(device, dtype, cpu_gemm, flags, machine, measurements, config_dtype, gguf_activations,
-                             small_batch_quantization)
+                             small_batch_quantization, kv_cache_dtype)

@@ -27,8 +27,8 @@ from sglang.srt.mem_cache.kv_dtype import KERNEL_KV_DTYPES
 
 DISABLE_ENV = "SGLANG_DISABLE_FUSED_DECODE"
 _EXTENSION = CpuExtension("sglang_decode_stack", CSRC / "decode_stack.cpp", "fused CPU decode step", DISABLE_ENV,
-                          headers=[CSRC / "cpu_kernels.h", CSRC / "kv_types.h", CSRC / "attention_split.h",
-                                   *KERNEL_HEADERS])
+                          headers=[CSRC / "cpu_kernels.h", CSRC / "kv_types.h", CSRC / "decode_attention.h",
+                                   CSRC / "attention_split.h", *KERNEL_HEADERS])
 
 
 def available() -> bool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -36,7 +35,6 @@ def load_model_info(server_args: ServerArgs) -> ModelInfo:
     from transformers import AutoConfig, GenerationConfig
 
     from sglang.srt.layers.arithmetic import plan_for_this_machine
-    from sglang.srt.mem_cache.kv_dtype import resolve_kv_cache_dtype
     from sglang.srt.model_loader.resolve import gguf_source_for, resolve_model_path
 
     model_dir = resolve_model_path(server_args.model_path)
@@ -48,10 +46,9 @@ def load_model_info(server_args: ServerArgs) -> ModelInfo:
     context_len = server_args.context_length or _config_context_len(hf_config.get_text_config())
     config_dtype = getattr(hf_config, "dtype", None)
     arithmetic = plan_for_this_machine(server_args.device, server_args.dtype, server_args.cpu_gemm, config_dtype,
-                                       server_args.gguf_activations, server_args.small_batch_quantization)
+                                       server_args.gguf_activations, server_args.small_batch_quantization,
+                                       server_args.kv_cache_dtype)
     dtype = arithmetic.weight_dtype
-    kv_dtype = resolve_kv_cache_dtype(server_args.kv_cache_dtype, dtype)
-    arithmetic = dataclasses.replace(arithmetic, kv_cache_dtype=kv_dtype)
     text_config = hf_config.get_text_config()
     eos = _as_list(getattr(hf_config, "eos_token_id", None) or getattr(text_config, "eos_token_id", None))
     generation_defaults: dict = {}

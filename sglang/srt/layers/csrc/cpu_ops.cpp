@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "decode_attention.h"
 #include "extend_attention.h"
 
 using cpu_kernels::rms_norm_rows;

@@ -35,6 +35,7 @@
 #include "../quantization/csrc/gguf_kernels.h"
 #include "attention_split.h"
 #include "cpu_kernels.h"
+#include "decode_attention.h"
 
 namespace {
 
