@@ -2,10 +2,13 @@
 layers of a long context (SmolLM2-135M shapes by default: 30 layers, 9 query heads over 3 KV heads of 64).
 
 Each layer has its own K/V buffers, so a step reads --layers x the per-layer bytes as a real step does. Reports the
-best wall time and the best thread CPU time of --repeats steps on one thread: on a shared machine the CPU time is
-the steadier figure (it leaves out time spent preempted).
+best wall time and the best thread CPU time of --repeats steps on --threads threads (one by default: on a shared
+machine the CPU time is the steadier figure, it leaves out time spent preempted), and the K/V bytes read per second
+of wall time. The standalone kernel splits work by (sequence, KV head), so two threads need --batch-size 2 to be
+balanced with 3 KV heads.
 
     python benchmarks/bench_kv_dtype_kernel.py --context 3000
+    python benchmarks/bench_kv_dtype_kernel.py --context 3000 --threads 2 --batch-size 2
 """
 
 from __future__ import annotations
@@ -28,17 +31,20 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--kv-dtypes", nargs="+", default=["float32", "bfloat16", "fp8_e4m3", "fp8_e5m2"])
     args = parser.parse_args()
     if not cpu_ops.available():
         raise SystemExit("the compiled CPU kernels are unavailable")
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
-    L, slots = args.context, args.context + 1
-    q = torch.randn(1, args.heads, args.head_dim, generator=gen)
+    B, L = args.batch_size, args.context
+    slots = B * L + 1
+    q = torch.randn(B, args.heads, args.head_dim, generator=gen)
     # Shuffled slots, as a long-running server's allocator hands them out.
-    idx = (torch.randperm(L, generator=gen) + 1)[None]
-    lens = torch.tensor([L])
+    idx = (torch.randperm(B * L, generator=gen) + 1).view(B, L)
+    lens = torch.full((B,), L)
     k = torch.randn(slots, args.kv_heads, args.head_dim, generator=gen)
     v = torch.randn(slots, args.kv_heads, args.head_dim, generator=gen)
     for name in args.kv_dtypes:
@@ -51,9 +57,11 @@ def main() -> None:
             for kl, vl in zip(ks, vs):
                 cpu_ops.paged_decode_attention(q, kl, vl, idx, lens, args.head_dim**-0.5)
             wall, cpu = min(wall, time.perf_counter() - t0), min(cpu, time.thread_time() - c0)
-        kv_mb = 2 * args.layers * L * args.kv_heads * args.head_dim * dtype.itemsize / 1e6
-        print(json.dumps({"kv_cache_dtype": name, "context": L, "kv_mb_per_step": round(kv_mb, 1),
-                          "best_wall_ms": round(1000 * wall, 2), "best_cpu_ms": round(1000 * cpu, 2)}), flush=True)
+        kv_mb = 2 * args.layers * B * L * args.kv_heads * args.head_dim * dtype.itemsize / 1e6
+        print(json.dumps({"kv_cache_dtype": name, "context": L, "batch_size": B, "threads": args.threads,
+                          "kv_mb_per_step": round(kv_mb, 1), "best_wall_ms": round(1000 * wall, 2),
+                          "best_cpu_ms": round(1000 * cpu, 2), "gb_per_s": round(kv_mb / wall / 1000, 1)}),
+              flush=True)
 
 
 if __name__ == "__main__":
