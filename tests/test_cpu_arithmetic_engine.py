@@ -50,10 +50,15 @@ def test_bf16_prefill_then_quantized_decode_keeps_greedy_tokens(bf16_engine, ref
     prompts = many_prompts(16)
     for prompt, ours, expected in zip(prompts, generate_ids(bf16_engine, prompts), reference(prompts)):
         assert_same_or_near_tie(smollm2_hf, smollm2_tokenizer, prompt, ours, expected, BF16_MARGIN)
-    # One at a time: the long prompt exceeds the small-batch row limit, the short one does not.
-    singles = [PROMPTS[0], PROMPTS[4]]
+    # One at a time: a prompt of more rows than the small-batch limit (32) is prefilled by the bf16 GEMM, a short
+    # one by the quantized blocks; both then decode on the blocks.
+    long_prompt = " ".join(PROMPTS[1:5])
+    assert len(smollm2_tokenizer.encode(long_prompt)) > info["arithmetic"]["small_batch_max_rows"]
+    assert len(smollm2_tokenizer.encode(PROMPTS[0])) < info["arithmetic"]["small_batch_max_rows"]
+    singles = [PROMPTS[0], long_prompt]
     for prompt, expected in zip(singles, reference(singles)):
-        assert bf16_engine.generate(prompt=prompt, sampling_params=GREEDY)["output_ids"] == expected, prompt
+        ours = bf16_engine.generate(prompt=prompt, sampling_params=GREEDY)["output_ids"]
+        assert_same_or_near_tie(smollm2_hf, smollm2_tokenizer, prompt, ours, expected, BF16_MARGIN)
 
 
 def test_server_reports_plan():
