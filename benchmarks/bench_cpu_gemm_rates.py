@@ -2,12 +2,13 @@
 
 `python benchmarks/bench_cpu_gemm_rates.py` prints GFLOP/s (GOP/s for int8) for SmolLM2-135M's projections
 (q/k/v 576x832, o 576x576, gate/up 576x3072, down 1536x576) at several row counts, with the torch thread count
-as set (2 on the development machine). "bf16+casts" converts a float32 input and the output as the bf16 linear
-method does.
+as set (2 on the development machine; `--threads N` sets it, e.g. 1 and 2 to see how the cores scale). "bf16+casts"
+converts a float32 input and the output as the bf16 linear method does.
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -26,6 +27,11 @@ def rate(fn, flops: float, reps: int = 20) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: as set)")
+    args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"threads {torch.get_num_threads()}")
     for rows in (64, 256, 512, 1024):
