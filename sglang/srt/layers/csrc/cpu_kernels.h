@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "kv_types.h"
 
@@ -15,6 +16,19 @@
 #endif
 
 namespace cpu_kernels {
+
+// Calls f(std::integral_constant<int, n>) for n in 1..Max (below 1 as 1, above Max as Max): one compiled copy of a
+// register-tiled kernel per tile size.
+template <int Max, typename F>
+inline void with_constant(int64_t n, F&& f) {
+  if constexpr (Max > 1) {
+    if (n < Max) {
+      with_constant<Max - 1>(n, f);
+      return;
+    }
+  }
+  f(std::integral_constant<int, Max>{});
+}
 
 template <typename KV>
 inline float dot(const float* a, const KV* b, int64_t n) {

@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 
 #include "cpu_kernels.h"
 #include "kv_types.h"
@@ -135,31 +134,6 @@ inline void value_tile(const float* p, int64_t L, const KV* vbase, int64_t slot_
   for (int i = 0; i < HT * NC; ++i) _mm256_storeu_ps(out + (i / NC) * D + col + 8 * (i % NC), acc[i]);
 }
 
-// Calls f(std::integral_constant<int, HT>) for HT = ht (1..kHeadTile).
-template <typename F>
-inline void with_head_tile(int64_t ht, F&& f) {
-  switch (ht) {
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    default: f(std::integral_constant<int, 1>{}); break;
-  }
-}
-
-// Calls f(std::integral_constant<int, N>) for N = n (1..8).
-template <typename F>
-inline void with_vectors(int64_t n, F&& f) {
-  switch (n) {
-    case 8: f(std::integral_constant<int, 8>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    default: f(std::integral_constant<int, 1>{}); break;
-  }
-}
-
 // The value tiles of HT heads over one token block: column chunks of up to kValueVectors / HT vectors (at most 8).
 template <int HT, typename KV>
 inline void value_tiles(const float* p, int64_t L, const KV* vbase, int64_t slot_stride, const int64_t* slots,
@@ -167,7 +141,7 @@ inline void value_tiles(const float* p, int64_t L, const KV* vbase, int64_t slot
   constexpr int64_t kChunk = std::min(kValueVectors / HT, 8);
   const int64_t nv = D / 8;
   for (int64_t c0 = 0; c0 < nv; c0 += kChunk, prefetch_end = 0) {
-    with_vectors(std::min(kChunk, nv - c0), [&](auto NC) {
+    with_constant<8>(std::min(kChunk, nv - c0), [&](auto NC) {
       value_tile<HT, NC, KV>(p, L, vbase, slot_stride, slots, t0, t1, 8 * c0, out, D, prefetch_end);
     });
   }
@@ -185,7 +159,7 @@ inline void attend_partial_avx2(const float* q, int64_t group, int64_t D, const 
       const int64_t ht = std::min<int64_t>(kHeadTile, group - h0);
       const int64_t prefetch_end = h0 == 0 ? L : 0;
       int64_t t = b0;
-      with_head_tile(ht, [&](auto HT) {
+      with_constant<kHeadTile>(ht, [&](auto HT) {
         t = score_tile<HT, KV>(q + h0 * D, D, kbase, slot_stride, slots, b0, b1, scale, scores + h0 * L, L,
                                prefetch_end);
       });
@@ -226,7 +200,7 @@ inline void attend_partial_avx2(const float* q, int64_t group, int64_t D, const 
     const int64_t b1 = std::min(L, b0 + kTokenBlock);
     for (int64_t h0 = 0; h0 < group; h0 += kHeadTile) {
       const int64_t prefetch_end = h0 == 0 ? L : 0;
-      with_head_tile(std::min<int64_t>(kHeadTile, group - h0), [&](auto HT) {
+      with_constant<kHeadTile>(group - h0, [&](auto HT) {
         value_tiles<HT, KV>(scores + h0 * L, L, vbase, slot_stride, slots, b0, b1, out + h0 * D, D, prefetch_end);
       });
     }

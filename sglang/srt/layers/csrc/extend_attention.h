@@ -101,25 +101,12 @@ inline void tile_values_avx2(const float* p, const float* v, int64_t n, int64_t 
   }
 }
 
-// Calls f(std::integral_constant<int, qt>) for a tile of qt = 1 .. kTile queries: one compiled kernel per size.
-template <typename F>
-inline void with_tile_size(int qt, F&& f) {
-  static_assert(kTile == 6, "one case per tile size");
-  switch (qt) {
-    case 6: f(std::integral_constant<int, 6>{}); return;
-    case 5: f(std::integral_constant<int, 5>{}); return;
-    case 4: f(std::integral_constant<int, 4>{}); return;
-    case 3: f(std::integral_constant<int, 3>{}); return;
-    case 2: f(std::integral_constant<int, 2>{}); return;
-    default: f(std::integral_constant<int, 1>{}); return;
-  }
-}
 #endif
 
 // Scores of a tile of qt queries against the block: s [qt, kKeyBlock], valid for the first n keys.
 inline void tile_scores(const float* q, const float* kt, int64_t D, int64_t n, int qt, float* s) {
 #ifdef CPU_KERNELS_AVX2
-  with_tile_size(qt, [&](auto size) { tile_scores_avx2<decltype(size)::value>(q, kt, D, n, s); });
+  with_constant<kTile>(qt, [&](auto size) { tile_scores_avx2<decltype(size)::value>(q, kt, D, n, s); });
 #else
   for (int i = 0; i < qt; ++i) {
     float* si = s + i * kKeyBlock;
@@ -138,7 +125,7 @@ inline void tile_scores(const float* q, const float* kt, int64_t D, int64_t n, i
 inline void tile_values(const float* p, const float* v, int64_t n, int64_t D, int qt, float* o) {
 #ifdef CPU_KERNELS_AVX2
   if (D % 8 == 0) {
-    with_tile_size(qt, [&](auto size) { tile_values_avx2<decltype(size)::value>(p, v, n, D, o); });
+    with_constant<kTile>(qt, [&](auto size) { tile_values_avx2<decltype(size)::value>(p, v, n, D, o); });
     return;
   }
 #endif
