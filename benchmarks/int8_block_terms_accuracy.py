@@ -1,0 +1,101 @@
+"""How far the GGUF kernels' int8 activations move SmolLM2's next-token choices, per activation-term policy.
+
+The GGUF int8 kernels (layers/quantization/csrc/gguf_int8.h) write each 32-value block of an activation row as
+int8 terms: one (x ~ d1 * q1) or two (plus the rounding remainder, d2 * q2). Two terms cost twice the integer work
+and are what keeps greedy outputs equal to float32 today. This script measures, teacher-forced on the greedy tests'
+prompts (as benchmarks/int8_gemm_accuracy.py), one term everywhere, two terms everywhere, and two terms only in the
+blocks whose max |x| exceeds T times the block's RMS (a block holding an outlier activation, which quantizes the
+other 31 values coarsely), for several T, with the fraction of blocks that would need the second term. Every linear
+layer, the LM head included, sees the quantized activations; weights stay float32, so only activation rounding is
+measured.
+
+    python benchmarks/int8_block_terms_accuracy.py
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from int8_gemm_accuracy import PROMPTS  # noqa: E402
+
+from sglang.srt.model_loader.resolve import resolve_model_path  # noqa: E402
+
+BLOCK = 32
+
+
+def round_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., nb, 32] rounded to int8 per block with scale max|x| / 127: (dequantized value, scale)."""
+    d = x.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d > 0, torch.round(x / d.clamp_min(1e-30)), torch.zeros_like(x))
+    return q * d, d
+
+
+def block_quantizer(threshold: float | None, counts: list[int]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> its int8 block approximation: one term, plus a second term in the blocks where max|x| > threshold *
+    RMS (threshold None: never; 0: always). counts accumulates [blocks with two terms, blocks]."""
+
+    def quantize(x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        blocks = x.float().reshape(*shape[:-1], shape[-1] // BLOCK, BLOCK)
+        first, _ = round_blocks(blocks)
+        if threshold is None:
+            counts[1] += blocks[..., 0].numel()
+            return first.reshape(shape).to(x.dtype)
+        rms = blocks.pow(2).mean(-1, keepdim=True).sqrt()
+        need = blocks.abs().amax(-1, keepdim=True) > threshold * rms
+        second, _ = round_blocks(blocks - first)
+        counts[0] += int(need.sum())
+        counts[1] += need.numel()
+        return (first + torch.where(need, second, torch.zeros_like(second))).reshape(shape).to(x.dtype)
+
+    return quantize
+
+
+def main() -> None:
+    model_dir = resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    sequences = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = tokenizer.encode(prompt)
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+            sequences.append((len(ids), out[0]))
+
+    def logprobs() -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [model(s[None]).logits[0, n - 1 : -1].float().log_softmax(-1) for n, s in sequences]
+
+    base = logprobs()
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    original = [m.forward for m in layers]
+    policies: list[tuple[str, float | None]] = [("one term everywhere", None), ("two terms everywhere", 0.0)]
+    policies += [(f"two terms where max > {t:g} x RMS", t) for t in (2.5, 3.0, 3.5, 4.0, 5.0, 6.0)]
+    for name, threshold in policies:
+        counts = [0, 0]
+        quantize = block_quantizer(threshold, counts)
+        for m in layers:
+            m.forward = (lambda layer: lambda x: F.linear(quantize(x), layer.weight, layer.bias))(m)
+        changed = total = 0
+        worst = 0.0
+        for b, g in zip(base, logprobs()):
+            total += b.shape[0]
+            changed += int((b.argmax(-1) != g.argmax(-1)).sum())
+            worst = max(worst, float((b - g).gather(-1, b.argmax(-1, keepdim=True)).abs().max()))
+        share = counts[0] / counts[1] if counts[1] else 0.0
+        print(f"{name:36s} top-1 changed {changed}/{total}, max |d logp(float32 choice)| {worst:.3f}, "
+              f"blocks with two terms {100 * share:.1f}%", flush=True)
+    for m, fwd in zip(layers, original):
+        m.forward = fwd
+
+
+if __name__ == "__main__":
+    main()
