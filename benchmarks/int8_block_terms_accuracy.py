@@ -20,12 +20,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from int8_gemm_accuracy import PROMPTS  # noqa: E402
-
-from sglang.srt.model_loader.resolve import resolve_model_path  # noqa: E402
+from int8_gemm_accuracy import compare, reference_model, teacher_forced_logprobs  # noqa: E402
 
 BLOCK = 32
 
@@ -59,24 +56,9 @@ def block_quantizer(threshold: float | None, counts: list[int]) -> Callable[[tor
 
 
 def main() -> None:
-    model_dir = resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    sequences = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = tokenizer.encode(prompt)
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-            sequences.append((len(ids), out[0]))
-
-    def logprobs() -> list[torch.Tensor]:
-        with torch.no_grad():
-            return [model(s[None]).logits[0, n - 1 : -1].float().log_softmax(-1) for n, s in sequences]
-
-    base = logprobs()
+    model, sequences = reference_model()
+    base = teacher_forced_logprobs(model, sequences)
     layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    original = [m.forward for m in layers]
     policies: list[tuple[str, float | None]] = [("one term everywhere", None), ("two terms everywhere", 0.0)]
     policies += [(f"two terms where max > {t:g} x RMS", t) for t in (2.5, 3.0, 3.5, 4.0, 5.0, 6.0)]
     for name, threshold in policies:
@@ -84,17 +66,9 @@ def main() -> None:
         quantize = block_quantizer(threshold, counts)
         for m in layers:
             m.forward = (lambda layer: lambda x: F.linear(quantize(x), layer.weight, layer.bias))(m)
-        changed = total = 0
-        worst = 0.0
-        for b, g in zip(base, logprobs()):
-            total += b.shape[0]
-            changed += int((b.argmax(-1) != g.argmax(-1)).sum())
-            worst = max(worst, float((b - g).gather(-1, b.argmax(-1, keepdim=True)).abs().max()))
+        result = compare(base, teacher_forced_logprobs(model, sequences))
         share = counts[0] / counts[1] if counts[1] else 0.0
-        print(f"{name:36s} top-1 changed {changed}/{total}, max |d logp(float32 choice)| {worst:.3f}, "
-              f"blocks with two terms {100 * share:.1f}%", flush=True)
-    for m, fwd in zip(layers, original):
-        m.forward = fwd
+        print(f"{name:36s} {result}, blocks with two terms {100 * share:.1f}%", flush=True)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,8 @@ def int8_weights_only(layer: torch.nn.Linear) -> Callable[[torch.Tensor], torch.
     return lambda x: F.linear(x, w)
 
 
-def main() -> None:
+def reference_model() -> tuple[torch.nn.Module, list[tuple[int, torch.Tensor]]]:
+    """float32 SmolLM2 and, per prompt, (prompt length, prompt + 32 greedy tokens)."""
     model_dir = resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -67,12 +68,29 @@ def main() -> None:
             out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                  max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.pad_token_id)
             sequences.append((len(ids), out[0]))
+    return model, sequences
 
-    def logprobs() -> list[torch.Tensor]:
-        with torch.no_grad():
-            return [model(s[None]).logits[0, n - 1 : -1].float().log_softmax(-1) for n, s in sequences]
 
-    base = logprobs()
+def teacher_forced_logprobs(model: torch.nn.Module, sequences: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
+    """Next-token log-probabilities at every generated position of each sequence."""
+    with torch.no_grad():
+        return [model(s[None]).logits[0, n - 1 : -1].float().log_softmax(-1) for n, s in sequences]
+
+
+def compare(base: list[torch.Tensor], other: list[torch.Tensor]) -> str:
+    """How many top-1 choices of `base` changed in `other`, and the largest change of the chosen log-probability."""
+    changed = total = 0
+    worst = 0.0
+    for b, g in zip(base, other):
+        total += b.shape[0]
+        changed += int((b.argmax(-1) != g.argmax(-1)).sum())
+        worst = max(worst, float((b - g).gather(-1, b.argmax(-1, keepdim=True)).abs().max()))
+    return f"top-1 changed {changed}/{total}, max |d logp(float32 choice)| {worst:.3f}"
+
+
+def main() -> None:
+    model, sequences = reference_model()
+    base = teacher_forced_logprobs(model, sequences)
     layers = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n}
     original = {n: m.forward for n, m in layers.items()}
     variants: dict[str, Callable[[str], Callable | None]] = {
@@ -87,13 +105,7 @@ def main() -> None:
         for n, m in layers.items():
             make = choose(n)
             m.forward = make(m) if make else original[n]
-        changed = total = 0
-        worst = 0.0
-        for b, g in zip(base, logprobs()):
-            total += b.shape[0]
-            changed += int((b.argmax(-1) != g.argmax(-1)).sum())
-            worst = max(worst, float((b - g).gather(-1, b.argmax(-1, keepdim=True)).abs().max()))
-        print(f"{name:40s} top-1 changed {changed}/{total}, max |d logp(float32 choice)| {worst:.3f}", flush=True)
+        print(f"{name:40s} {compare(base, teacher_forced_logprobs(model, sequences))}", flush=True)
 
 
 if __name__ == "__main__":
