@@ -121,6 +121,11 @@ class ArithmeticPlan:
         }
 
 
+def _automatic(dtype: str, cpu_gemm: str = "auto") -> bool:
+    """Whether --dtype (and --cpu-gemm) leave the arithmetic to the plan."""
+    return dtype.strip().lower() == "auto" and cpu_gemm == "auto"
+
+
 def _fastest_measured(candidates: list[str], measurements: Mapping[str, float]) -> Optional[str]:
     measured = [(measurements[g], g) for g in candidates if g in measurements]
     return max(measured)[1] if measured else None
@@ -155,7 +160,7 @@ def choose_arithmetic(
         act, why = gguf_activations, f"--gguf-activations {gguf_activations}"
     elif plan.cpu_class == "":
         act, why = "float32", f"the GGUF kernels run on CPU only, not {device}"
-    elif dtype.strip().lower() != "auto":
+    elif not _automatic(dtype):
         act, why = "float32", f"--dtype {dtype}"
     elif cpu_gemm == "float32":
         act, why = "float32", "--cpu-gemm float32 asks for float32 arithmetic"
@@ -185,8 +190,7 @@ def choose_kv_cache_dtype(requested: str, plan: ArithmeticPlan, dtype: str = "au
     an explicit --dtype or --cpu-gemm, K/V keep the model dtype."""
     if requested != "auto":
         return resolve_kv_cache_dtype(requested, plan.weight_dtype), f"--kv-cache-dtype {requested}"
-    automatic = dtype.strip().lower() == "auto" and cpu_gemm == "auto"
-    if automatic and plan.cpu_class in (AMX, AVX512_BF16) and plan.weight_dtype == torch.float32:
+    if _automatic(dtype, cpu_gemm) and plan.cpu_class in (AMX, AVX512_BF16) and plan.weight_dtype == torch.float32:
         return torch.bfloat16, "the CPU has native bf16: bf16 K/V halve the bytes decode attention reads"
     return plan.weight_dtype, "the model dtype"
 
@@ -226,7 +230,7 @@ def _choose_gemm(
         name = str(weight_dtype).removeprefix("torch.")
         return ArithmeticPlan(device, "", weight_dtype, name, f"--cpu-gemm does not apply on {device}")
     cls = cpu_class(cpu_flags, machine)
-    explicit_dtype = dtype.strip().lower() != "auto"
+    explicit_dtype = not _automatic(dtype)
     # --dtype auto on CPU keeps float32 weights: the quantized blocks and the fused decode step need them, and
     # the large-batch GEMM is chosen separately below.
     weight_dtype = resolve_dtype(dtype, device, config_dtype) if explicit_dtype else torch.float32
@@ -275,8 +279,7 @@ def plan_for_this_machine(device: str, dtype: str, cpu_gemm: str,
     flags = read_cpu_flags()
     machine = platform.machine()
     measurements = None
-    if (torch.device(device).type == "cpu" and dtype.strip().lower() == "auto" and cpu_gemm == "auto"
-            and cpu_class(flags, machine) == OTHER):
+    if torch.device(device).type == "cpu" and _automatic(dtype, cpu_gemm) and cpu_class(flags, machine) == OTHER:
         measurements = measure_cpu_gemms()
     return choose_arithmetic(device, dtype, cpu_gemm, flags, machine, measurements, config_dtype, gguf_activations,
                              small_batch_quantization, kv_cache_dtype)
