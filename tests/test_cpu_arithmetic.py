@@ -342,6 +342,41 @@ def test_reduced_precision_gemm_against_float32_tiny(tmp_path, family, gemm, tol
     assert agreement >= MIN_AGREEMENT[gemm], agreement
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_bf16_gemm_path_converts_nothing_between_kernels(tmp_path, monkeypatch, family):
+    """On the bf16 GEMM path the norms write the GEMMs' bf16 inputs and the residual adds read o_proj's and
+    down_proj's bf16 outputs; prefill and decode logits are bit for bit those of the same model converting to and
+    from float32 around every GEMM (as the path did before these hand-offs)."""
+    from sglang.srt.models.llama import LlamaMLP
+
+    config = tiny_config(family)
+    _, ours = build_models(tmp_path, config)
+    attach_large_batch_gemm(ours, "bfloat16")
+    first = ours.model.layers[0]
+    seen: dict[str, torch.dtype] = {}  # the dtype each projection of the first layer is handed
+    for name, module, entry in (("qkv", first.self_attn.qkv_proj, "forward"),
+                                ("gate_up", first.mlp.gate_up_proj, "forward_native")):
+        def recording(x, original=getattr(module, entry), name=name):
+            seen[name] = x.dtype
+            return original(x)
+
+        monkeypatch.setattr(module, entry, recording)
+    prompts = [prompt_of(24, 1), prompt_of(40, 2), prompt_of(9, 3)]
+    logits, tokens, steps = _greedy_run(ours, config, prompts, steps=4)
+    assert seen == {"qkv": torch.bfloat16, "gate_up": torch.bfloat16}
+    o_proj = first.self_attn.o_proj
+    assert o_proj.forward_native(torch.randn(2, o_proj.in_features)).dtype == torch.bfloat16
+
+    monkeypatch.setattr(Linear, "input_dtype", lambda self, rows: None)
+    monkeypatch.setattr(LlamaMLP, "forward_native", LlamaMLP.forward)
+    for layer in ours.model.layers:
+        monkeypatch.setattr(layer.self_attn.o_proj, "forward_native", layer.self_attn.o_proj.forward)
+    converting_logits, _, converting_steps = _greedy_run(ours, config, prompts, steps=4, forced=tokens)
+    assert seen == {"qkv": torch.float32, "gate_up": torch.float32}
+    assert torch.equal(logits, converting_logits)
+    assert all(torch.equal(a, b) for a, b in zip(steps, converting_steps))
+
+
 def test_bf16_gemm_keeps_smollm2_greedy_tokens(smollm2_dir, smollm2_tokenizer):
     from sglang.srt.model_loader.loader import load_model
 

@@ -8,6 +8,8 @@ import torch.nn.functional as F
 
 from sglang.srt.layers import cpu_ops
 from sglang.srt.layers.cpu_ops import paged_decode_attention
+from sglang.srt.mem_cache.kv_dtype import KERNEL_KV_DTYPES
+from sglang.srt.mem_cache.kv_pool import KVPool
 
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ toolchain for the CPU kernels")
 
@@ -65,6 +67,56 @@ def test_rms_norm_kernels_match_torch(rows):
     out = cpu_ops.fused_add_rms_norm(x, residual, w, 1e-5)
     torch.testing.assert_close(residual, new_residual)  # updated in place
     torch.testing.assert_close(out, F.rms_norm(new_residual, (576,), w, 1e-5), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 64, 130])
+def test_rms_norm_kernels_read_and_write_bf16(rows):
+    """The norms write the bf16 input of a bf16 GEMM (rounded as `.to(torch.bfloat16)` rounds the float32 result)
+    and add a bf16 GEMM output into the float32 residual exactly: the same bits as converting around them."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen)
+    w = torch.randn(576, generator=gen)
+    out = cpu_ops.rms_norm(x, w, 1e-5, torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, cpu_ops.rms_norm(x, w, 1e-5).to(torch.bfloat16))
+    residual = torch.randn(rows, 576, generator=gen)
+    xb = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        expected_residual = residual.clone()
+        expected = cpu_ops.fused_add_rms_norm(xb.float(), expected_residual, w, 1e-5).to(out_dtype)
+        actual_residual = residual.clone()
+        actual = cpu_ops.fused_add_rms_norm(xb, actual_residual, w, 1e-5, out_dtype)
+        assert actual.dtype == out_dtype and torch.equal(actual, expected)
+        assert actual_residual.dtype == torch.float32 and torch.equal(actual_residual, expected_residual)
+    with pytest.raises(RuntimeError):
+        cpu_ops.rms_norm(xb, w, 1e-5)  # only the added x may be bf16
+    with pytest.raises(RuntimeError):
+        cpu_ops.fused_add_rms_norm(x, residual.to(torch.bfloat16), w, 1e-5)
+    with pytest.raises(ValueError):
+        cpu_ops.rms_norm(x, w, 1e-5, torch.float16)
+
+
+@pytest.mark.parametrize("kv_dtype", KERNEL_KV_DTYPES)
+@pytest.mark.parametrize("tokens", [1, 5, 300])
+def test_store_kv_writes_the_pool_bytes(kv_dtype, tokens):
+    """The compiled store converts and scatters k/v (views into a fused qkv output, as the model passes them) to
+    exactly the bytes KVPool.set_kv_buffer writes, for every KV dtype, values beyond fp8's range included."""
+    gen = torch.Generator().manual_seed(tokens)
+    heads, kv_heads, dim, slots = 9, 3, 64, 400
+    qkv = 100 * torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen)
+    qkv[0, heads * dim] = 1e6  # clamped by fp8
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    loc = torch.randperm(slots, generator=gen)[:tokens] + 1
+    expected = KVPool(slots, 1, kv_heads, dim, kv_dtype)
+    expected.set_kv_buffer(0, loc, k, v)
+    actual = KVPool(slots, 1, kv_heads, dim, kv_dtype)
+    cpu_ops.store_kv(actual.k_buffer[0], actual.v_buffer[0], loc, k, v)
+    for a, e in ((actual.k_buffer[0], expected.k_buffer[0]), (actual.v_buffer[0], expected.v_buffer[0])):
+        assert torch.equal(a[loc].view(torch.uint8), e[loc].view(torch.uint8))
+    with pytest.raises(RuntimeError):
+        cpu_ops.store_kv(actual.k_buffer[0], actual.v_buffer[0], torch.full((tokens,), slots + 1), k, v)
+    with pytest.raises(RuntimeError):
+        cpu_ops.store_kv(actual.k_buffer[0], actual.v_buffer[0], loc, k.double(), v.double())
 
 
 @pytest.mark.parametrize("rows,d", [(1, 1536), (7, 100), (130, 64)])

@@ -83,6 +83,9 @@ class BF16LinearMethod(LinearMethod):
             return self.apply(weight, x, bias)
         return self._matmul(x)
 
+    def input_dtype(self, rows: int) -> Optional[torch.dtype]:
+        return torch.bfloat16
+
     @property
     def nbytes(self) -> int:
         return self.shape[0] * self.shape[1] * 2

@@ -9,9 +9,11 @@
 - `silu_and_mul` computes an MLP's activation in one pass over the fused gate/up output, float32 or bf16 (the
   output of the bf16 GEMM goes straight to the bf16 GEMM of down_proj without a float32 round trip).
 - `rms_norm` / `fused_add_rms_norm` replace the half-dozen aten ops of an RMSNorm (plus the residual add) with
-  one pass; at batch 1 each aten op costs more in dispatch than in arithmetic.
+  one pass; at batch 1 each aten op costs more in dispatch than in arithmetic. They read a bf16 GEMM's output
+  and write the bf16 input of the next one where the model asks (no separate conversions).
+- `store_kv` writes a layer's new K/V rows into the pool, converted, in one pass.
 
-All take float32 CPU tensors (silu_and_mul also bf16). When no C++ toolchain is available (or
+All take float32 CPU tensors (silu_and_mul also bf16, the norms' x also bf16). When no C++ toolchain is available (or
 SGLANG_DISABLE_CPU_OPS=1) `available()` is False and callers keep their torch implementations.
 """
 
@@ -61,10 +63,27 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _EXTENSION.module().silu_and_mul(x)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _EXTENSION.module().rms_norm(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype = torch.float32
+             ) -> torch.Tensor:
+    """x [T, n] float32 -> RMSNorm(x) * weight as float32 or bf16 (`out_dtype`)."""
+    return _EXTENSION.module().rms_norm(x, weight, eps, _bf16_out(out_dtype))
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """residual += x in place; returns the RMSNorm of the new residual."""
-    return _EXTENSION.module().fused_add_rms_norm(x, residual, weight, eps)
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """residual (float32) += x (float32 or bf16) in place; returns the RMSNorm of the new residual as float32 or
+    bf16 (`out_dtype`)."""
+    return _EXTENSION.module().fused_add_rms_norm(x, residual, weight, eps, _bf16_out(out_dtype))
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """Store k, v [T, Hkv, D] float32 at KV slots `loc` [T] int64 of the caches, converted to their dtype (float32,
+    bf16 or fp8) exactly as KVPool.set_kv_buffer converts."""
+    _EXTENSION.module().store_kv(k_cache, v_cache, loc, k, v)
+
+
+def _bf16_out(out_dtype: torch.dtype) -> bool:
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the norm kernels write float32 or bfloat16, not {out_dtype}")
+    return out_dtype == torch.bfloat16

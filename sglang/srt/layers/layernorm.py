@@ -25,25 +25,44 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
 
     def forward(
-        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Normalise x; with `residual`, first add x into it in place and return (normed, residual)."""
-        if _use_cpu_kernel(x, self.weight) and (residual is None or _use_cpu_kernel(residual, self.weight)):
+        """Normalise x; with `residual`, first add x into it in place and return (normed, residual).
+
+        `out_dtype` (None: the computed dtype) is the dtype the caller's next projection multiplies in: a float32
+        model's norm writes the bf16 input of a bf16 GEMM directly. With a float32 residual, x may be bf16 (that
+        GEMM's output); it is added exactly, as its float32 conversion would be."""
+        if _use_cpu_kernel(x, self.weight, residual, out_dtype):
             if residual is None:
-                return cpu_ops.rms_norm(x, self.weight, self.variance_epsilon)
-            return cpu_ops.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon), residual
+                return cpu_ops.rms_norm(x, self.weight, self.variance_epsilon, out_dtype or torch.float32)
+            normed = cpu_ops.fused_add_rms_norm(x, residual, self.weight, self.variance_epsilon,
+                                                out_dtype or torch.float32)
+            return normed, residual
         if residual is None:
-            return rms_norm(x, self.weight, self.variance_epsilon)
-        residual.add_(x)
-        return rms_norm(residual, self.weight, self.variance_epsilon), residual
+            normed = rms_norm(x, self.weight, self.variance_epsilon)
+        else:
+            residual.add_(x)
+            normed = rms_norm(residual, self.weight, self.variance_epsilon)
+        normed = normed if out_dtype is None else normed.to(out_dtype)
+        return normed if residual is None else (normed, residual)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.variance_epsilon}"
 
 
-def _use_cpu_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.dim() == 2
-            and x.is_contiguous() and cpu_ops.available())
+def _use_cpu_kernel(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor],
+                    out_dtype: Optional[torch.dtype]) -> bool:
+    """Whether the compiled kernels compute this norm: float32 weight and rows (x may be bf16 when a float32
+    residual is added to), 2-D contiguous CPU tensors, a float32 or bf16 output."""
+    rows = x if residual is None else residual
+    if not (_cpu_rows(rows) and rows.dtype == torch.float32 and weight.dtype == torch.float32 and _cpu_rows(x)):
+        return False
+    x_ok = x.dtype == torch.float32 or (residual is not None and x.dtype == torch.bfloat16)
+    return x_ok and out_dtype in (None, torch.float32, torch.bfloat16) and cpu_ops.available()
+
+
+def _cpu_rows(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.dim() == 2 and t.is_contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

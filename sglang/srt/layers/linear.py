@@ -33,6 +33,11 @@ class LinearMethod(ABC):
         float32 model), for a caller whose next step reads that dtype."""
         return self.apply(weight, x, bias)
 
+    def input_dtype(self, rows: int) -> Optional[torch.dtype]:
+        """The dtype this method converts an input of `rows` rows to before multiplying (None: the weight's), so
+        the layer before can write it in that dtype directly."""
+        return None
+
     def describe(self) -> str:
         return type(self).__name__
 
@@ -67,6 +72,10 @@ class Linear(nn.Linear):
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         """The output in the method's own compute dtype (LinearMethod.apply_native)."""
         return self.linear_method.apply_native(self.weight, x, self.bias)
+
+    def input_dtype(self, rows: int) -> Optional[torch.dtype]:
+        """The dtype the method multiplies an input of `rows` rows in (LinearMethod.input_dtype)."""
+        return self.linear_method.input_dtype(rows)
 
 
 def linear_methods(model: nn.Module) -> list[LinearMethod]:
@@ -181,6 +190,10 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp.rank == 0 else None
         return self.tp.all_reduce(self.linear_method.apply(self.weight, x, bias))
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        """The partial products are summed in the model's dtype, whatever the method computes in."""
+        return self.forward(x)
 
 
 def check_full_rows(tensor: torch.Tensor, rows: int, checkpoint_name: str) -> None:

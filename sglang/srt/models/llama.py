@@ -63,10 +63,18 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self._activation(x))
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        """As forward, with down_proj's output in its compute dtype (bf16 for a float32 model's bf16 GEMM), for the
+        residual add of the decoder layer, which reads it."""
+        return self.down_proj.forward_native(self._activation(x))
+
+    def _activation(self, x: torch.Tensor) -> torch.Tensor:
         # A float32 model's bf16 GEMM (layers/bf16_linear.py) hands its bf16 output on: the activation reads it
         # and writes bf16, which is what down_proj's bf16 GEMM multiplies (no float32 round trip in between).
         gate_up = self.gate_up_proj.forward_native(x)
-        return self.down_proj(self.act_fn(gate_up, float32_math=gate_up.dtype != x.dtype))
+        return self.act_fn(gate_up, float32_math=gate_up.dtype != self.gate_up_proj.weight.dtype)
 
 
 class LlamaAttention(nn.Module):
@@ -129,7 +137,9 @@ class LlamaAttention(nn.Module):
             qk = apply_rotary_emb_(qk, cos, sin, self.rotary_dim)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_end:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attn(q, k, v, forward_batch))
+        # o_proj's output in its compute dtype (bf16 for a float32 model's bf16 GEMM): the decoder layer's residual
+        # add reads it.
+        return self.o_proj.forward_native(self.attn(q, k, v, forward_batch))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -164,12 +174,21 @@ class LlamaDecoderLayer(nn.Module):
         forward_batch: ForwardBatch,
         residual: Optional[torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Each norm writes the dtype the projection after it multiplies in (bf16 into a float32 model's bf16 GEMM);
+        # the projections before the residual adds return theirs (the adds read bf16), so a layer of the bf16 GEMM
+        # path converts nothing between its kernels.
+        rows = hidden_states.shape[0]
+        attn_in = self.self_attn.qkv_proj.input_dtype(rows)
         if residual is None:
             residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
+            hidden_states = self.input_layernorm(hidden_states, out_dtype=attn_in)
         else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+            hidden_states, residual = self.input_layernorm(hidden_states, residual, out_dtype=attn_in)
         hidden_states = self.self_attn(cos_sin, hidden_states, forward_batch)
+        if isinstance(self.mlp, LlamaMLP):
+            mlp_in = self.mlp.gate_up_proj.input_dtype(rows)
+            hidden_states, residual = self.post_attention_layernorm(hidden_states, residual, out_dtype=mlp_in)
+            return self.mlp.forward_native(hidden_states), residual
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 

@@ -19,6 +19,7 @@ from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.layers import cpu_ops
 from sglang.srt.layers.attention.base import AttentionBackend, AttentionLayerSpec
 from sglang.srt.mem_cache.kv_dtype import KERNEL_KV_DTYPES
+from sglang.srt.mem_cache.kv_pool import KVPool
 
 
 @dataclass
@@ -58,6 +59,19 @@ class ExtendMetadata:
     sequences: Optional[list[ExtendSequence]]
     # Set on CPU when the compiled kernels are built: one kernel call per layer instead of one SDPA per sequence.
     kernel: Optional[ExtendKernelArgs]
+
+
+def store_kv(pool: KVPool, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Write a layer's new K/V rows [T, Hkv, D] at slots `loc`: on CPU one compiled pass that converts to the
+    pool's dtype as it scatters (the same bytes as KVPool.set_kv_buffer, which runs otherwise)."""
+    k_cache, v_cache = pool.get_kv_buffer(layer_id)
+    if (k_cache.device.type == "cpu" and k_cache.dtype in KERNEL_KV_DTYPES and k.dtype == v.dtype == torch.float32
+            and k.shape == v.shape and k_cache.shape[1:] == v_cache.shape[1:] == k.shape[1:]
+            and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
+            and loc.dtype == torch.int64 and loc.is_contiguous() and cpu_ops.available()):
+        cpu_ops.store_kv(k_cache, v_cache, loc, k, v)
+    else:
+        pool.set_kv_buffer(layer_id, loc, k, v)
 
 
 class TorchSDPABackend(AttentionBackend):
@@ -125,7 +139,7 @@ class TorchSDPABackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         pool = forward_batch.token_to_kv_pool
-        pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        store_kv(pool, layer.layer_id, forward_batch.out_cache_loc, k, v)
         k_cache, v_cache = pool.get_kv_buffer(layer.layer_id)
         meta: DecodeMetadata = forward_batch.attn_metadata
         if meta.use_kernel and q.dtype == torch.float32 and k_cache.dtype in KERNEL_KV_DTYPES:
@@ -156,7 +170,7 @@ class TorchSDPABackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         pool = forward_batch.token_to_kv_pool
-        pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        store_kv(pool, layer.layer_id, forward_batch.out_cache_loc, k, v)
         k_cache, v_cache = pool.get_kv_buffer(layer.layer_id)
         meta: ExtendMetadata = forward_batch.attn_metadata
         num_tokens = q.shape[0]

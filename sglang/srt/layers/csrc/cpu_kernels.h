@@ -44,17 +44,23 @@ inline void axpy(float* y, const KV* x, float a, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * kv_types::to_f32(x[i]);
 }
 
-// out[r] = x[r] / rms(x[r]) * w for `rows` rows of n floats (out may alias x).
-inline void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t n, float eps) {
+// out[r] = x[r] / rms(x[r]) * w for `rows` rows of n floats, written as Out: float32 (out may alias x) or bf16,
+// rounded to nearest even as `.to(torch.bfloat16)` rounds the float32 result.
+template <typename Out>
+inline void rms_norm_rows(const float* x, const float* w, Out* out, int64_t rows, int64_t n, float eps) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * n;
-    float* orow = out + r * n;
+    Out* orow = out + r * n;
     float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < n; ++i) ss += xr[i] * xr[i];
     const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+    if constexpr (std::is_same_v<Out, float>) {
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) orow[i] = xr[i] * inv * w[i];
+      for (int64_t i = 0; i < n; ++i) orow[i] = xr[i] * inv * w[i];
+    } else {
+      for (int64_t i = 0; i < n; ++i) orow[i] = kv_types::from_f32<Out>(xr[i] * inv * w[i]);
+    }
   }
 }
 

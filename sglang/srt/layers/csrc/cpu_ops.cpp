@@ -181,47 +181,112 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
 
 namespace {
 
-void check_norm_args(const torch::Tensor& x, const torch::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 2-D");
+void check_norm_args(const torch::Tensor& x, const torch::Tensor& w, bool bf16_allowed = false) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == at::kFloat || (bf16_allowed && x.scalar_type() == at::kBFloat16)),
+              bf16_allowed ? "x must be contiguous float32 or bfloat16 2-D" : "x must be contiguous float32 2-D");
   TORCH_CHECK(w.dim() == 1 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(0) == x.size(1),
               "weight must be contiguous float32 [hidden]");
 }
 
+// The normalized rows as float32 or (bf16_out) bf16: what the next projection multiplies, so a bf16 GEMM takes
+// them without a separate conversion.
+torch::Tensor norm_output(const torch::Tensor& like, bool bf16_out) {
+  return torch::empty(like.sizes(), like.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+}
+
+// Calls f with a null pointer of out's element type (float or bf16).
+template <typename F>
+void with_norm_out(const torch::Tensor& out, F&& f) {
+  if (out.scalar_type() == at::kFloat) {
+    f(static_cast<float*>(nullptr));
+  } else {
+    f(static_cast<kv_types::bf16*>(nullptr));
+  }
+}
+
 }  // namespace
 
-// x [T, n] float32 -> x / rms(x) * w
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+// x [T, n] float32 -> x / rms(x) * w, float32 or (bf16_out) bf16
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, bool bf16_out) {
   check_norm_args(x, w);
-  auto out = torch::empty_like(x);
+  auto out = norm_output(x, bf16_out);
   const int64_t rows = x.size(0), n = x.size(1);
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, 64, [&](int64_t b, int64_t e) {
-    rms_norm_rows(xp + b * n, wp, op + b * n, e - b, n, static_cast<float>(eps));
+  with_norm_out(out, [&](auto* type) {
+    using Out = std::remove_pointer_t<decltype(type)>;
+    Out* op = static_cast<Out*>(out.data_ptr());
+    at::parallel_for(0, rows, 64, [&](int64_t b, int64_t e) {
+      rms_norm_rows(xp + b * n, wp, op + b * n, e - b, n, static_cast<float>(eps));
+    });
   });
   return out;
 }
 
-// residual += x (in place); returns rms_norm(residual) * w
-torch::Tensor fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
-  check_norm_args(x, w);
+// residual (float32) += x (float32 or bf16, e.g. a bf16 GEMM's output) in place; returns rms_norm(residual) * w,
+// float32 or (bf16_out) bf16
+torch::Tensor fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps,
+                                 bool bf16_out) {
+  check_norm_args(x, w, /*bf16_allowed=*/true);
   check_norm_args(residual, w);
   TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual shapes differ");
-  auto out = torch::empty_like(x);
+  auto out = norm_output(residual, bf16_out);
   const int64_t rows = x.size(0), n = x.size(1);
-  const float* xp = x.data_ptr<float>();
   float* rp = residual.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, rows, 64, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
+  auto run = [&](const auto* xp, auto* op) {
+    at::parallel_for(0, rows, 64, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) {
 #pragma omp simd
-      for (int64_t i = 0; i < n; ++i) rp[r * n + i] += xp[r * n + i];
+        for (int64_t i = 0; i < n; ++i) rp[r * n + i] += kv_types::to_f32(xp[r * n + i]);
+      }
+      rms_norm_rows(rp + b * n, wp, op + b * n, e - b, n, static_cast<float>(eps));
+    });
+  };
+  with_norm_out(out, [&](auto* type) {
+    using Out = std::remove_pointer_t<decltype(type)>;
+    Out* op = static_cast<Out*>(out.data_ptr());
+    if (x.scalar_type() == at::kFloat) {
+      run(static_cast<const float*>(x.data_ptr()), op);
+    } else {
+      run(static_cast<const kv_types::bf16*>(x.data_ptr()), op);
     }
-    rms_norm_rows(rp + b * n, wp, op + b * n, e - b, n, static_cast<float>(eps));
   });
   return out;
+}
+
+// Stores k and v [T, Hkv, D] float32 (each row's heads and channels contiguous, rows may be strided: views into a
+// fused qkv projection) at KV slots loc [T] of k_cache / v_cache [slots, Hkv, D], converted to the caches' dtype
+// exactly as KVPool.set_kv_buffer converts (kv_types.h): one pass instead of a conversion and a scatter per tensor.
+void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor loc, torch::Tensor k, torch::Tensor v) {
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes(), "k and v must be [T, Hkv, D] of one shape");
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "k and v must be float32");
+  const int64_t T = k.size(0), Hkv = k.size(1), D = k.size(2);
+  for (const auto* t : {&k, &v}) {
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == D, "k and v rows must hold their heads and channels contiguously");
+  }
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(1) == Hkv && k_cache.size(2) == D && v_cache.sizes() == k_cache.sizes(),
+              "caches must be [slots, Hkv, D] matching k and v");
+  TORCH_CHECK(loc.dim() == 1 && loc.size(0) == T && loc.scalar_type() == at::kLong && loc.is_contiguous(),
+              "loc must be contiguous int64 [T]");
+  const int64_t* lp = loc.data_ptr<int64_t>();
+  check_slots(lp, T, k_cache.size(0));
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int64_t ks = k.stride(0), vs = v.stride(0), row = Hkv * D;
+  with_kv_type(k_cache, v_cache, [&](auto* type) {
+    using KV = kv_of<decltype(type)>;
+    KV* kc = static_cast<KV*>(k_cache.data_ptr());
+    KV* vc = static_cast<KV*>(v_cache.data_ptr());
+    // a decode batch's rows are a few microseconds of work: one thread, no team wake-up
+    at::parallel_for(0, T, 256, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        kv_types::store_row(kp + t * ks, kc + lp[t] * row, row);
+        kv_types::store_row(vp + t * vs, vc + lp[t] * row, row);
+      }
+    });
+  });
 }
 
 // Rotates the first rd channels of every head of x [T, heads, D] float32 in place (rows and heads may be strided,
@@ -272,6 +337,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("extend_attention", &extend_attention, "Causal prefill / extend attention over a paged KV cache");
   m.def("rope_in_place", &rope_in_place, "Rotary embedding of float32 heads in place (rotate-half layout)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate/up projection (float32 or bf16)");
-  m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
-  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x, then RMSNorm of residual (float32)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows, written as float32 or bf16");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm,
+        "residual += x (float32 or bf16), then RMSNorm of residual, written as float32 or bf16");
+  m.def("store_kv", &store_kv, "Store float32 k/v rows at KV slots, converted to the cache dtype");
 }

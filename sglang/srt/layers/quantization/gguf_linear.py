@@ -37,6 +37,9 @@ class GGUFLinearMethod(LinearMethod):
             return self.apply(weight, x, bias)
         return self.large.apply_native(weight, x, bias)
 
+    def input_dtype(self, rows: int) -> Optional[torch.dtype]:
+        return None if rows <= self.max_rows else self.large.input_dtype(rows)
+
     def describe(self) -> str:
         act = ", int8 activations" if self.int8_activations else ""
         return (f"GGUF {self.quant_weight.qtype} blocks{act} up to {self.max_rows} rows, "
