@@ -1,0 +1,105 @@
+"""Where a decode step of the scheduler goes: the real Scheduler, in-process, without sockets traffic.
+
+    PYTHONPATH=. python benchmarks/profile_decode_step.py [--batch-size 64] [--steps 30] [--cprofile]
+
+Builds the server's Scheduler for the default model (default arithmetic plan), admits --batch-size requests of
+--input-len random tokens, prefills them, then times --steps decode steps split the way the event loop runs them:
+batch building, forward inputs, the forward (model + sampling), result processing, the output message and its
+pickling. `--cprofile` prints the functions (and compiled kernels) by own time. OMP_WAIT_POLICY defaults to PASSIVE,
+as the server sets it, unless the environment sets it or GOMP_SPINCOUNT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pickle
+import pstats
+import random
+import time
+
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # read by libgomp when torch loads
+
+import torch  # noqa: E402
+
+from sglang.srt.managers.io_struct import TokenizedGenerateReqInput  # noqa: E402
+from sglang.srt.managers.process_utils import load_tokenizer_for  # noqa: E402
+from sglang.srt.managers.scheduler.loop import Scheduler  # noqa: E402
+from sglang.srt.managers.scheduler.output import build_output_message  # noqa: E402
+from sglang.srt.managers.scheduler.results import process_result  # noqa: E402
+from sglang.srt.model_loader.model_info import load_model_info  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+from sglang.srt.server_args import PortArgs, ServerArgs  # noqa: E402
+
+PARTS = ("batch", "inputs", "forward", "process", "message", "pickle")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model-path", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=130)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cprofile", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    server_args = ServerArgs(model_path=args.model_path)
+    server_args.validate()
+    ports = PortArgs.init_new()
+    sched = Scheduler(server_args, ports, load_model_info(server_args), load_tokenizer_for(server_args))
+    rng = random.Random(0)
+    for i in range(args.batch_size):
+        ids = [rng.randrange(1000, 40000) for _ in range(args.input_len)]
+        params = SamplingParams(max_new_tokens=args.warmup + args.steps + 2, temperature=0.0, ignore_eos=True)
+        sched.add_request(TokenizedGenerateReqInput(rid=f"r{i}", input_text=None, input_ids=ids,
+                                                    sampling_params=params, stream=True))
+    while sched.waiting or sched.chunked_req is not None:  # prefill every request
+        batch = sched.get_next_batch()
+        assert batch is not None and not batch.is_decode
+        forward_batch, sampling = batch.forward_inputs(sched.mem, sched.runner.vocab_size, sched.runner.device)
+        process_result(sched, batch, sched.runner.forward(forward_batch, sampling))
+    totals = dict.fromkeys(PARTS, 0.0)
+
+    def step() -> None:
+        t0 = time.perf_counter()
+        batch = sched.get_next_batch()
+        assert batch is not None and batch.is_decode and len(batch) == args.batch_size
+        t1 = time.perf_counter()
+        forward_batch, sampling = batch.forward_inputs(sched.mem, sched.runner.vocab_size, sched.runner.device)
+        t2 = time.perf_counter()
+        result = sched.runner.forward(forward_batch, sampling)
+        t3 = time.perf_counter()
+        reported = process_result(sched, batch, result)
+        t4 = time.perf_counter()
+        message = build_output_message(reported)
+        t5 = time.perf_counter()
+        pickle.dumps(message)
+        t6 = time.perf_counter()
+        for part, seconds in zip(PARTS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5)):
+            totals[part] += seconds
+
+    for _ in range(args.warmup):
+        step()
+    totals.update(dict.fromkeys(PARTS, 0.0))
+    profiler = cProfile.Profile() if args.cprofile else None
+    if profiler is not None:
+        profiler.enable()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    elapsed = time.perf_counter() - start
+    if profiler is not None:
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    print(f"{args.batch_size} sequences, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
+          f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}: step {elapsed / args.steps * 1e3:.2f} ms; "
+          + ", ".join(f"{part} {totals[part] / args.steps * 1e3:.3f}" for part in PARTS))
+    print(sched.runner.decode_plan.description if sched.runner.decode_plan is not None else "no decode plan")
+
+
+if __name__ == "__main__":
+    main()
