@@ -195,15 +195,20 @@ torch::Tensor norm_output(const torch::Tensor& like, bool bf16_out) {
   return torch::empty(like.sizes(), like.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
 }
 
-// Calls f with a null pointer of out's element type (float or bf16).
+// Calls f with a null pointer of t's element type: float for float32, kv_types::bf16 for bfloat16 (the caller has
+// checked that t is one of the two).
 template <typename F>
-void with_norm_out(const torch::Tensor& out, F&& f) {
-  if (out.scalar_type() == at::kFloat) {
+void with_float_or_bf16(const torch::Tensor& t, F&& f) {
+  if (t.scalar_type() == at::kFloat) {
     f(static_cast<float*>(nullptr));
   } else {
     f(static_cast<kv_types::bf16*>(nullptr));
   }
 }
+
+// The element type behind with_float_or_bf16's pointer.
+template <typename P>
+using elem_of = std::remove_pointer_t<P>;
 
 }  // namespace
 
@@ -214,9 +219,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps, bool bf16_o
   const int64_t rows = x.size(0), n = x.size(1);
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
-  with_norm_out(out, [&](auto* type) {
-    using Out = std::remove_pointer_t<decltype(type)>;
-    Out* op = static_cast<Out*>(out.data_ptr());
+  with_float_or_bf16(out, [&](auto* type) {
+    auto* op = static_cast<elem_of<decltype(type)>*>(out.data_ptr());
     at::parallel_for(0, rows, 64, [&](int64_t b, int64_t e) {
       rms_norm_rows(xp + b * n, wp, op + b * n, e - b, n, static_cast<float>(eps));
     });
@@ -235,23 +239,18 @@ torch::Tensor fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch:
   const int64_t rows = x.size(0), n = x.size(1);
   float* rp = residual.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
-  auto run = [&](const auto* xp, auto* op) {
-    at::parallel_for(0, rows, 64, [&](int64_t b, int64_t e) {
-      for (int64_t r = b; r < e; ++r) {
+  with_float_or_bf16(x, [&](auto* x_type) {
+    const auto* xp = static_cast<const elem_of<decltype(x_type)>*>(x.data_ptr());
+    with_float_or_bf16(out, [&](auto* out_type) {
+      auto* op = static_cast<elem_of<decltype(out_type)>*>(out.data_ptr());
+      at::parallel_for(0, rows, 64, [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; ++r) {
 #pragma omp simd
-        for (int64_t i = 0; i < n; ++i) rp[r * n + i] += kv_types::to_f32(xp[r * n + i]);
-      }
-      rms_norm_rows(rp + b * n, wp, op + b * n, e - b, n, static_cast<float>(eps));
+          for (int64_t i = 0; i < n; ++i) rp[r * n + i] += kv_types::to_f32(xp[r * n + i]);
+        }
+        rms_norm_rows(rp + b * n, wp, op + b * n, e - b, n, static_cast<float>(eps));
+      });
     });
-  };
-  with_norm_out(out, [&](auto* type) {
-    using Out = std::remove_pointer_t<decltype(type)>;
-    Out* op = static_cast<Out*>(out.data_ptr());
-    if (x.scalar_type() == at::kFloat) {
-      run(static_cast<const float*>(x.data_ptr()), op);
-    } else {
-      run(static_cast<const kv_types::bf16*>(x.data_ptr()), op);
-    }
   });
   return out;
 }
@@ -324,11 +323,10 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
       for (int64_t r = b; r < e; ++r) cpu_kernels::silu_mul(xp + r * 2 * d, xp + r * 2 * d + d, op + r * d, d);
     });
   };
-  if (x.scalar_type() == at::kFloat) {
-    run(static_cast<const float*>(x.data_ptr()), static_cast<float*>(out.data_ptr()));
-  } else {
-    run(static_cast<const kv_types::bf16*>(x.data_ptr()), static_cast<kv_types::bf16*>(out.data_ptr()));
-  }
+  with_float_or_bf16(x, [&](auto* type) {
+    using T = elem_of<decltype(type)>;
+    run(static_cast<const T*>(x.data_ptr()), static_cast<T*>(out.data_ptr()));
+  });
   return out;
 }
 
