@@ -193,7 +193,7 @@ def wait_until_healthy(base_url: str, timeout: float, exit_reason: Optional[Call
                 return
         except requests.RequestException:
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)
     raise TimeoutError(f"The server at {base_url} did not become ready within {timeout:g} s")
 
 

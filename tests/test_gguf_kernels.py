@@ -107,6 +107,31 @@ def test_row_ops_on_raw_blocks(qtype):
         gb.GGUFQuantWeight.concat([a, other_k])
 
 
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+def test_attach_matching_picks_the_candidate_equal_to_the_loaded_weight(qtype):
+    """The load-time check compares slices of rows: the first candidate equal bit for bit wins (packed once), and a
+    difference anywhere, including the last slice, rejects a candidate."""
+    from sglang.srt.model_loader import gguf_quant as gq
+
+    n, k = 300, 64  # three slices of 128 rows, the last one partial
+    raw = torch.from_numpy(random_raw(qtype, n, k, seed=4))
+    blocks = (qtype, raw, n, k)
+    dense = gb.dequantize_raw(qtype, raw, n, k)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(1))
+    permuted = gq._rows(blocks, perm)
+
+    picked = gq._matching([lambda: permuted, lambda: blocks], dense)
+    assert picked is not None and torch.equal(picked.dequantize(), dense)
+    assert gq._matching([lambda: None, lambda: permuted], dense[perm]) is not None
+    last_row_off = dense.clone()
+    last_row_off[-1, -1] = torch.nextafter(last_row_off[-1, -1], torch.tensor(1e9))
+    assert gq._matching([lambda: blocks], last_row_off) is None
+    assert gq._matching([lambda: blocks], dense[:, :32]) is None  # another shape
+    assert gq._concat([blocks, None]) is None
+    both = gq._concat([blocks, permuted])
+    assert both is not None and torch.equal(gb.dequantize_raw(*both), torch.cat([dense, dense[perm]]))
+
+
 def test_pickle_round_trip():
     import pickle
 

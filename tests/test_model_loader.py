@@ -393,3 +393,30 @@ def test_concurrent_conversions_agree(tmp_path):
     assert sorted(p.name for p in (tmp_path / "cache" / "gguf").iterdir() if not p.name.endswith(".lock")) == [
         Path(outputs[0]).name
     ]
+
+
+def test_skip_random_init_restores_the_initialisers_even_on_error():
+    from torch import nn
+
+    from sglang.srt.model_loader.loader import skip_random_init
+
+    before = nn.init.normal_
+    with pytest.raises(RuntimeError), skip_random_init():
+        t = torch.zeros(3)
+        assert nn.init.normal_(t) is t and torch.equal(t, torch.zeros(3))  # a no-op inside
+        raise RuntimeError
+    assert nn.init.normal_ is before
+
+
+def test_loading_a_model_does_not_import_the_compiler(smollm2_dir):
+    """Random initialisers on the meta device would import torch._dynamo (about a second of every startup)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch\n"
+            "from sglang.srt.model_loader.loader import load_model\n"
+            f"load_model({smollm2_dir!r}, torch.float32, 'cpu')\n"
+            "print('torch._dynamo' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"

@@ -61,7 +61,7 @@ def _warmup(args: ServerArgs, ready: threading.Event) -> None:
                 break
         except requests.RequestException:
             pass
-        time.sleep(0.5)
+        time.sleep(0.05)  # uvicorn binds its socket within moments of this thread starting
     if not args.skip_server_warmup:
         body: dict = {"sampling_params": {"temperature": 0, "max_new_tokens": 8}}
         if args.skip_tokenizer_init:

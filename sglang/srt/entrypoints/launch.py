@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
-import os
 import shutil
 import threading
 import time
@@ -24,6 +22,7 @@ from sglang.srt.managers.detokenizer_manager import run_detokenizer_process
 from sglang.srt.managers.io_struct import SchedulerInfo
 from sglang.srt.managers.process_utils import load_tokenizer_for
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
+from sglang.srt.managers.worker_processes import set_worker_environment_defaults, worker_context
 from sglang.srt.model_loader.model_info import ModelInfo, load_model_info
 from sglang.srt.server_args import PortArgs, ServerArgs
 
@@ -66,10 +65,8 @@ def launch_subprocesses(server_args: ServerArgs) -> Subprocesses:
     model_info = load_model_info(server_args)
     port_args = PortArgs.init_new()
     logger.info("Worker sockets in %s", port_args.ipc_dir)
-    # Spinning OpenMP workers stall for a whole time slice whenever another process (tokenizer,
-    # detokenizer, HTTP) takes a core; passive waiting keeps the forward fast under that contention.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    ctx = mp.get_context("spawn")
+    set_worker_environment_defaults()
+    ctx = worker_context()
     replica_args = replica_server_args(server_args)
     replica_ports = [replica_port_args(port_args, r, server_args.dp_size) for r in range(server_args.dp_size)]
     groups = [start_scheduler_group(ctx, replica_args, ports, model_info, r) for r, ports in enumerate(replica_ports)]
@@ -79,11 +76,11 @@ def launch_subprocesses(server_args: ServerArgs) -> Subprocesses:
     detokenizer.start()
     procs = [p for g in groups for p in g.procs] + [detokenizer]
     try:
+        tokenizer = load_tokenizer_for(server_args)  # while the schedulers start
         info = merge_infos(wait_started(groups, STARTUP_TIMEOUT_S))
     except BaseException:
         Subprocesses(None, None, model_info, procs, ipc_dir=port_args.ipc_dir).shutdown()  # type: ignore[arg-type]
         raise
-    tokenizer = load_tokenizer_for(server_args)
     manager = TokenizerManager(server_args, replica_ports[0], tokenizer, model_info, info)
     if server_args.dp_size > 1:
         attach_dispatcher(manager, server_args, replica_ports)

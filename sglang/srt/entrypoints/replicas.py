@@ -16,7 +16,6 @@ import dataclasses
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from multiprocessing.context import SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -25,6 +24,7 @@ from sglang.srt.entrypoints.tp_launch import start_scheduler_group as start_tp_r
 from sglang.srt.managers.data_parallel import DataParallelDispatcher, make_balancer
 from sglang.srt.managers.io_struct import SchedulerInfo, SchedulerStartupError
 from sglang.srt.managers.process_utils import usable_cpu_count
+from sglang.srt.managers.worker_processes import WorkerContext
 from sglang.srt.model_loader.model_info import ModelInfo
 from sglang.srt.server_args import PortArgs, ServerArgs
 
@@ -62,7 +62,7 @@ def replica_port_args(port_args: PortArgs, rank: int, dp_size: int) -> PortArgs:
                                dp_rank=rank)
 
 
-def start_scheduler_group(ctx: SpawnContext, server_args: ServerArgs, port_args: PortArgs, model_info: ModelInfo,
+def start_scheduler_group(ctx: WorkerContext, server_args: ServerArgs, port_args: PortArgs, model_info: ModelInfo,
                           rank: int) -> SchedulerGroup:
     """Start one replica's scheduler process(es) (its --tp-size ranks on this node, entrypoints/tp_launch.py); rank 0
     reports on the returned pipe once ready."""

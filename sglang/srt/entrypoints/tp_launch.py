@@ -10,8 +10,6 @@ tokenizer manager; the other nodes run `run_worker_node`, which blocks until one
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
-import os
 import signal
 import time
 from typing import Any, Optional
@@ -22,6 +20,7 @@ from sglang.srt.distributed.parallel_state import free_local_init_addr
 from sglang.srt.managers.process_utils import exit_on_signal, usable_cpu_count
 from sglang.srt.managers.scheduler import run_scheduler_process
 from sglang.srt.managers.scheduler.tp_worker import run_tp_scheduler_process
+from sglang.srt.managers.worker_processes import set_worker_environment_defaults, worker_context
 from sglang.srt.model_loader.model_info import ModelInfo, load_model_info
 from sglang.srt.server_args import PortArgs, ServerArgs
 
@@ -81,8 +80,8 @@ def run_worker_node(server_args: ServerArgs) -> None:
     """A node other than node 0: run its scheduler ranks until one ends; exit non-zero if one failed."""
     server_args.validate()
     model_info = load_model_info(server_args)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    procs = start_scheduler_group(mp.get_context("spawn"), server_args, None, model_info, None)
+    set_worker_environment_defaults()
+    procs = start_scheduler_group(worker_context(), server_args, None, model_info, None)
     signal.signal(signal.SIGTERM, exit_on_signal)
     logger.info("Node %d of %d: %d scheduler rank(s) started", server_args.node_rank, server_args.nnodes,
                 len(procs))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -25,6 +26,25 @@ def exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(0)
 
 
+def exit_without_teardown(code: object = 0) -> None:
+    """End a server process whose own cleanup is done, the way `SystemExit(code)` would (None is 0, an int is the
+    status, anything else is printed to stderr and gives 1), but without the interpreter's teardown: freeing every
+    module of torch, transformers and the HTTP stack takes about a second of CPU and frees nothing the OS does not."""
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    from sglang.srt.managers.worker_processes import reap_helpers
+
+    logging.shutdown()
+    reap_helpers()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code or 0)
+
+
 def configure_logging(level: str, prefix: str = "") -> None:
     fmt = f"[%(asctime)s{(' ' + prefix) if prefix else ''}] %(message)s"
     logging.basicConfig(level=getattr(logging, level.upper()), format=fmt, datefmt="%Y-%m-%d %H:%M:%S", force=True)
@@ -37,13 +57,32 @@ def configure_child_process(server_args: ServerArgs, name: str) -> None:
 
 
 def watch_parent(interval: float = 1.0) -> None:
-    """Exit when the parent process dies, so no child outlives the server."""
-    parent = os.getppid()
+    """Exit when the process that started this one dies, so no child outlives the server: the parent, or for a
+    worker forked by the fork server, the process that created it (a dead one counts even before it is reaped)."""
+    import psutil
+
+    from sglang.srt.managers.worker_processes import creator_pid
+
+    creator, parent = creator_pid(), os.getppid()
+    watched = None
+    if creator is not None:
+        try:
+            watched = psutil.Process(creator)  # remembers the start time, so a reused pid is not mistaken for it
+        except psutil.NoSuchProcess:
+            os._exit(1)
+
+    def alive() -> bool:
+        if watched is None:
+            return os.getppid() == parent
+        try:
+            return watched.is_running() and watched.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
 
     def loop() -> None:
         while True:
             time.sleep(interval)
-            if os.getppid() != parent:
+            if not alive():
                 os._exit(1)
 
     threading.Thread(target=loop, daemon=True, name="parent-watch").start()

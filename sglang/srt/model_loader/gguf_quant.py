@@ -18,8 +18,11 @@ import torch
 from sglang.srt.layers.linear import Linear
 from sglang.srt.layers.quantization.gguf_blocks import (
     GGUFQuantWeight,
+    as_raw_tensor,
+    dequantize_raw,
     kernels_available,
     kernels_unavailable_reason,
+    normalize_qtype,
     rotary_rows_gguf_to_hf,
 )
 from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
@@ -32,13 +35,46 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_ROWS = 64
 
 
-def _matching(candidates: Sequence[Callable[[], Optional[GGUFQuantWeight]]], target: torch.Tensor) -> Optional[
+# A GGUF matrix as read from the file, before packing: (qtype, raw uint8 [n, row_bytes], n, k).
+RawBlocks = tuple[str, torch.Tensor, int, int]
+
+
+def _rows(blocks: RawBlocks, index: torch.Tensor) -> RawBlocks:
+    qtype, raw, n, k = blocks
+    return qtype, raw[index], n, k
+
+
+def _concat(parts: Sequence[Optional[RawBlocks]]) -> Optional[RawBlocks]:
+    """Blocks stacked along N (fused QKV, gate/up); None when a part is missing or the parts do not fit."""
+    if not parts or any(p is None for p in parts):
+        return None
+    full = [p for p in parts if p is not None]
+    qtype, k = full[0][0], full[0][3]
+    if any(p[0] != qtype or p[3] != k for p in full):
+        return None
+    return qtype, torch.cat([p[1] for p in full]), sum(p[2] for p in full), k
+
+
+def _dequantizes_to(blocks: RawBlocks, target: torch.Tensor, rows_per_slice: int = 128) -> bool:
+    """Whether the blocks dequantize to `target` bit for bit. Compared a slice of rows at a time, so the float copy
+    stays in cache and a wrong candidate is rejected at its first slice instead of after the whole weight."""
+    qtype, raw, n, k = blocks
+    if tuple(target.shape) != (n, k) or target.dtype != torch.float32:
+        return False
+    for start in range(0, n, rows_per_slice):
+        rows = raw[start : start + rows_per_slice]
+        if not torch.equal(dequantize_raw(qtype, rows, rows.shape[0], k), target[start : start + rows.shape[0]]):
+            return False
+    return True
+
+
+def _matching(candidates: Sequence[Callable[[], Optional[RawBlocks]]], target: torch.Tensor) -> Optional[
         GGUFQuantWeight]:
-    """The first candidate whose dequantized weight equals `target` exactly."""
+    """The first candidate whose dequantized weight equals `target` exactly, packed for the kernels."""
     for make in candidates:
-        weight = make()
-        if weight is not None and weight.shape == tuple(target.shape) and torch.equal(weight.dequantize(), target):
-            return weight
+        blocks = make()
+        if blocks is not None and _dequantizes_to(blocks, target):
+            return GGUFQuantWeight(*blocks)
     return None
 
 
@@ -55,10 +91,12 @@ def attach_gguf_quant_weights(model: Any, gguf_path: str, config: Any, max_rows:
         return 0
     tensors = read_gguf_quant_tensors(gguf_path)
 
-    def block(name: str) -> Optional[GGUFQuantWeight]:
+    def block(name: str) -> Optional[RawBlocks]:
         entry = tensors.get(name)
-        return None if entry is None else GGUFQuantWeight(entry[0], torch.from_numpy(entry[1].copy()), entry[2],
-                                                          entry[3])
+        if entry is None:
+            return None
+        qtype, raw, n, k = entry
+        return normalize_qtype(qtype), as_raw_tensor(raw, qtype, n, k), n, k  # copied out of the memory map
 
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
@@ -70,20 +108,16 @@ def attach_gguf_quant_weights(model: Any, gguf_path: str, config: Any, max_rows:
         if q is None or k is None or v is None:
             return 0
 
-        def qkv_hf_order(q=q, k=k, v=v) -> GGUFQuantWeight:
+        def qkv_hf_order(q: RawBlocks = q, k: RawBlocks = k, v: RawBlocks = v) -> Optional[RawBlocks]:
             # llama.cpp's converter interleaves the rotary halves of Q and K for Llama models.
-            return GGUFQuantWeight.concat([
-                q.permute_rows(rotary_rows_gguf_to_hf(q.n, num_heads)),
-                k.permute_rows(rotary_rows_gguf_to_hf(k.n, num_kv_heads)), v,
-            ])
+            return _concat([_rows(q, rotary_rows_gguf_to_hf(q[2], num_heads)),
+                            _rows(k, rotary_rows_gguf_to_hf(k[2], num_kv_heads)), v])
 
-        gate, up = block(f"blk.{i}.ffn_gate.weight"), block(f"blk.{i}.ffn_up.weight")
-        gate_up = [partial(GGUFQuantWeight.concat, [gate, up])] if gate is not None and up is not None else []
+        gate_up = partial(_concat, [block(f"blk.{i}.ffn_gate.weight"), block(f"blk.{i}.ffn_up.weight")])
         matches = [
-            (attn.qkv_proj, _matching([qkv_hf_order, partial(GGUFQuantWeight.concat, [q, k, v])],
-                                      attn.qkv_proj.weight)),
+            (attn.qkv_proj, _matching([qkv_hf_order, partial(_concat, [q, k, v])], attn.qkv_proj.weight)),
             (attn.o_proj, _matching([partial(block, f"blk.{i}.attn_output.weight")], attn.o_proj.weight)),
-            (mlp.gate_up_proj, _matching(gate_up, mlp.gate_up_proj.weight)),
+            (mlp.gate_up_proj, _matching([gate_up], mlp.gate_up_proj.weight)),
             (mlp.down_proj, _matching([partial(block, f"blk.{i}.ffn_down.weight")], mlp.down_proj.weight)),
         ]
         if any(w is None for _, w in matches):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -14,6 +16,25 @@ from sglang.srt.model_loader.weights import iterate_weights
 from sglang.srt.models.registry import architectures_of, get_model_class
 
 logger = logging.getLogger(__name__)
+
+
+# The random initialisers modules call from reset_parameters(). On the meta device they do nothing useful, and the
+# first of them imports torch._dynamo (about a second) to run its Python decomposition.
+_RANDOM_INITS = ("normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+                 "xavier_normal_", "orthogonal_")
+
+
+@contextlib.contextmanager
+def skip_random_init() -> Iterator[None]:
+    """Make torch.nn.init's random initialisers no-ops while a model is built on the meta device."""
+    saved = {name: getattr(nn.init, name) for name in _RANDOM_INITS}
+    try:
+        for name in saved:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
 
 
 def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device, config: Any = None) -> nn.Module:
@@ -29,7 +50,8 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device, c
     model_class = get_model_class(architectures_of(config))
     # Built on the meta device, then given real but uninitialised storage: random initialisation of
     # weights that the checkpoint overwrites anyway would cost seconds for larger models.
-    model: Any = model_class(config, dtype=dtype, device=torch.device("meta"))
+    with skip_random_init():
+        model: Any = model_class(config, dtype=dtype, device=torch.device("meta"))
     model.to_empty(device=device)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
