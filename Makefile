@@ -21,7 +21,7 @@ serve: setup
 	$(PY) -m sglang.launch_server --model-path $(MODEL) --port $(PORT)
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 # Style and types: ruff (lint + import order) on the whole tree, mypy on the runtime.
 lint: setup
