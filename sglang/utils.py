@@ -147,22 +147,24 @@ def kill_process_tree(pid: int, sig: int = signal.SIGKILL) -> None:
 
 
 def wait_for_server(base_url: str, timeout: Optional[float] = None) -> None:
-    """Poll GET {base_url}/v1/models until it answers 200."""
+    """Poll GET {base_url}/v1/models until it answers 200, then GET /health until the warm-up request is done."""
     base_url = normalize_base_url(base_url)
     start = time.perf_counter()
+    route = "/v1/models"
     while True:
         try:
-            response = requests.get(
-                f"{base_url}/v1/models", headers={"Authorization": "Bearer None"}, timeout=5
-            )
-            if response.status_code == 200:
-                time.sleep(5)
+            response = requests.get(f"{base_url}{route}", headers={"Authorization": "Bearer None"}, timeout=5)
+            if response.status_code == 200 and route == "/health":
                 print_highlight(SERVER_NOTE)
                 return
+            if response.status_code == 200:
+                route = "/health"
+                continue
         except requests.exceptions.RequestException:
-            time.sleep(1)
+            pass
         if timeout is not None and time.perf_counter() - start > timeout:
             raise TimeoutError("Server did not become ready within timeout period")
+        time.sleep(0.2)
 
 
 class HttpResponse:

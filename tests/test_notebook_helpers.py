@@ -32,6 +32,7 @@ def test_launch_wait_request_terminate(capsys):
         assert 30000 <= port < 40000
         wait_for_server(f"https://:{port}", timeout=300)  # notebook 004's spelling of the URL
         assert "NOTE: Typically, the server runs in a separate terminal." in capsys.readouterr().out
+        assert requests.get(f"http://localhost:{port}/health", timeout=5).status_code == 200  # warmed up
         out = http_request(f"http://localhost:{port}/generate",
                            json={"text": "Hello", "sampling_params": {"max_new_tokens": 2}})
         assert out.status_code == 200 and "meta_info" in out.json()
