@@ -22,7 +22,7 @@ from sglang.srt.managers.detokenizer_manager import run_detokenizer_process
 from sglang.srt.managers.io_struct import SchedulerInfo
 from sglang.srt.managers.process_utils import load_tokenizer_for
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
-from sglang.srt.managers.worker_processes import set_worker_environment_defaults, worker_context
+from sglang.srt.managers.worker_processes import start_fork_server, worker_context
 from sglang.srt.model_loader.model_info import ModelInfo, load_model_info
 from sglang.srt.server_args import PortArgs, ServerArgs
 
@@ -62,10 +62,10 @@ def launch_subprocesses(server_args: ServerArgs) -> Subprocesses:
     for name, value in server_args.not_applicable_settings().items():
         logger.warning("--%s=%s has no effect on this engine (device %s); ignored.",
                        name.replace("_", "-"), value, server_args.device)
+    start_fork_server()  # its imports overlap resolving the model (a no-op when it runs already)
     model_info = load_model_info(server_args)
     port_args = PortArgs.init_new()
     logger.info("Worker sockets in %s", port_args.ipc_dir)
-    set_worker_environment_defaults()
     ctx = worker_context()
     replica_args = replica_server_args(server_args)
     replica_ports = [replica_port_args(port_args, r, server_args.dp_size) for r in range(server_args.dp_size)]
