@@ -104,10 +104,22 @@ def terminate_process(process: subprocess.Popen, port: Optional[int] = None, gra
 
     SIGTERM first, so a server stops its worker processes and removes its socket folder itself; whatever of the
     tree is still alive after `grace_s` seconds is killed."""
+    stop_process_tree(process.pid, grace_s)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+    lock = _port_locks.pop(process, None)
+    if lock is not None:
+        lock.close()
+
+
+def stop_process_tree(pid: int, grace_s: float = 10.0) -> None:
+    """SIGTERM to `pid`, then wait up to `grace_s` seconds for it and all its descendants to end; kill the rest."""
     import psutil
 
     try:
-        parent = psutil.Process(process.pid)
+        parent = psutil.Process(pid)
         tree = [parent, *parent.children(recursive=True)]
         parent.send_signal(signal.SIGTERM)
     except psutil.NoSuchProcess:
@@ -119,13 +131,6 @@ def terminate_process(process: subprocess.Popen, port: Optional[int] = None, gra
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(alive, timeout=5)
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        pass
-    lock = _port_locks.pop(process, None)
-    if lock is not None:
-        lock.close()
 
 
 def kill_process_tree(pid: int, sig: int = signal.SIGKILL) -> None:

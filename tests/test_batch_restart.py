@@ -55,6 +55,16 @@ class Server:
         self.proc.wait(timeout=30)
         self.log.close()
 
+    def stop(self) -> None:
+        """SIGTERM (the server removes its socket folders itself), then whatever is left of the group is killed."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+
     def finished_rids(self, batch_id: str) -> Counter:
         text = open(self.log_path).read()
         return Counter(int(m) for m in re.findall(rf"Finish: rid={batch_id}-req_(\d+),", text))
@@ -74,7 +84,7 @@ def servers():
     started: list[Server] = []
     yield started
     for s in started:
-        s.kill()
+        s.stop()
 
 
 def test_kill_9_mid_batch_then_resume(tmp_path, servers):

@@ -11,7 +11,8 @@ from sglang import assistant, function, gen, user
 from tests.conftest import SMOLLM2
 
 
-def test_runtime_starts_serves_and_stops():
+def test_runtime_starts_serves_and_stops(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where the server puts its socket folders
     runtime = sgl.Runtime(model_path=SMOLLM2)
     try:
         pid = runtime.pid
@@ -32,3 +33,5 @@ def test_runtime_starts_serves_and_stops():
         runtime.shutdown()
     assert runtime.pid is None
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    # Stopped with SIGTERM, not killed: the server removed its worker sockets and multiprocessing's folder itself.
+    assert not list(tmp_path.iterdir())

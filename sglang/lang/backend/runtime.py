@@ -57,9 +57,10 @@ class Runtime:
 
     def shutdown(self) -> None:
         if self.pid is not None:
-            from sglang.utils import kill_process_tree
+            from sglang.utils import stop_process_tree
 
-            kill_process_tree(self.pid)
+            # SIGTERM first: the server stops its workers and removes its socket and temporary folders itself.
+            stop_process_tree(self.pid)
             self._proc.join(timeout=30)
             self.pid = None
 
