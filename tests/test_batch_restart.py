@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from sglang.test.test_utils import find_free_port
-from sglang.utils import wait_until_healthy
+from sglang.utils import stop_process_tree, wait_until_healthy
 from tests.conftest import SMOLLM2
 
 LINES = 200
@@ -57,12 +57,8 @@ class Server:
 
     def stop(self) -> None:
         """SIGTERM (the server removes its socket folders itself), then whatever is left of the group is killed."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
+        if self.proc.poll() is None:  # not already killed and reaped (its pid could be reused)
+            stop_process_tree(self.proc.pid, grace_s=30)
         self.kill()
 
     def finished_rids(self, batch_id: str) -> Counter:
