@@ -112,6 +112,58 @@ def test_vnni_path_reported():
     assert gb.kernel_module().has_int8_vnni_path() == (has_vnni and "SGLANG_GGUF_INT8_PORTABLE" not in os.environ)
 
 
+def quantizer_inputs() -> torch.Tensor:
+    x = inputs(11, 96, seed=7)
+    x[2, 32:64] = torch.arange(32, dtype=torch.float32) - 15.5  # max |x| 15.5 ...
+    x[2, 63] = 127.0  # ... then 127: scale 1, so the halves are exact ties (rounded to even)
+    x[4, 64:96] = -x[4, 64:96].abs()  # a block of negatives
+    return x
+
+
+def decode_terms(words: torch.Tensor, q4: bool) -> torch.Tensor:
+    """The int8 values of each term in x's order, from the words the kernels read ([M, nb, 2, 32])."""
+    raw = words.contiguous().view(torch.uint8).reshape(*words.shape[:3], 32).to(torch.int32)
+    if not q4:
+        return raw - 128
+    # byte t of word w holds q[8 * (w // 2) + 2 * t + w % 2]
+    order = torch.tensor([8 * (w // 2) + 2 * t + w % 2 for w in range(8) for t in range(4)])
+    q = torch.empty_like(raw)
+    q[..., order] = raw
+    return torch.where(q > 127, q - 256, q)
+
+
+@pytest.mark.parametrize("q4", [True, False])
+def test_int8_quantizer_rounds_and_lays_out_the_terms(q4):
+    """The words, scales and sums the kernels read: the first term is round-half-even(x / d1) with d1 = max|x| / 127,
+    both terms together give x back to ~1e-4 of a block's max, the sums are d1 * sum(q1) + d2 * sum(q2)."""
+    x = quantizer_inputs()
+    words, dx, sx = gb.kernel_module().int8_quantize(x, q4, False)
+    q = decode_terms(words, q4).to(torch.float32)
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d1 = blocks.abs().amax(-1) / 127
+    assert torch.equal(dx[..., 0], d1)
+    inv = torch.where(d1 > 0, 1 / d1, torch.zeros_like(d1))
+    assert torch.equal(q[:, :, 0], torch.round(blocks * inv[..., None]))
+    assert torch.equal(q[2, 1, 0, :8], torch.tensor([-16.0, -14, -14, -12, -12, -10, -10, -8]))  # ties to even
+    back = q[:, :, 0] * dx[..., 0:1] + q[:, :, 1] * dx[..., 1:2]
+    assert float(((back - blocks).abs().amax(-1) / blocks.abs().amax(-1).clamp_min(1e-30)).max()) < 1e-4
+    assert torch.equal(back[1, 0], torch.zeros(32))  # the all-zero block: zero scales, zero words
+    sums = dx[..., 0] * q[:, :, 0].sum(-1) + dx[..., 1] * q[:, :, 1].sum(-1)
+    assert torch.allclose(sx, sums, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(not (gb.kernels_available() and gb.kernel_module().has_vector_quantize()),
+                    reason="no AVX512 on this CPU")
+@pytest.mark.parametrize("q4", [True, False])
+def test_avx512_quantizer_equals_the_portable_one_bit_for_bit(q4):
+    gen = torch.Generator().manual_seed(3)
+    for x in (quantizer_inputs(), torch.randn(9, 1536, generator=gen) * torch.rand(9, 1, generator=gen) * 50):
+        vector = gb.kernel_module().int8_quantize(x, q4, True)
+        portable = gb.kernel_module().int8_quantize(x, q4, False)
+        for a, b in zip(vector, portable):
+            assert torch.equal(a, b)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # SmolLM2 end to end: int8 activations in every small-batch matmul and the fused decode step keep transformers'
 # float32 greedy tokens (teacher-forced, the largest log-probability change on the prompts below was 0.002).

@@ -82,9 +82,86 @@ inline float round_block(const float* v, int8_t* q) {
   return d;
 }
 
-// Quantizes rows x[M, K] (see QuantizedInput) into `scratch` (scratch_floats). For Q4_1 (q4) word 2j of a term
-// holds q[8j + 2t] in byte t and word 2j + 1 holds q[8j + 2t + 1]; for Q8_0 word j holds q[4j + t] + 128.
-inline QuantizedInput quantize_rows(bool q4, const float* x, int64_t M, int64_t K, float* scratch) {
+// One 32-value block as the kernels read it: the two terms' words (QuantizedInput), their scales and the block's
+// sum of the rounded x. For Q4_1 (q4) word 2j of a term holds q[8j + 2t] in byte t and word 2j + 1 holds
+// q[8j + 2t + 1]; for Q8_0 word j holds q[4j + t] + 128.
+struct QuantizedBlock {
+  int32_t words[2][kTermWords];
+  float d[2];
+  int32_t qsum[2];  // each term's sum of its int8 values
+
+  // The block's sum of the rounded x, computed one way for both quantizers (no contraction left to the compiler).
+  float sum() const { return std::fma(d[0], static_cast<float>(qsum[0]), d[1] * static_cast<float>(qsum[1])); }
+};
+
+inline void quantize_block_portable(bool q4, const float* v, QuantizedBlock& out) {
+  int8_t q[2][32];
+  float rest[32];
+  out.d[0] = round_block(v, q[0]);
+  // The remainder rounded once (fma), as the vector path computes it.
+  for (int64_t k = 0; k < 32; ++k) rest[k] = std::fma(-out.d[0], static_cast<float>(q[0][k]), v[k]);
+  out.d[1] = round_block(rest, q[1]);
+  out.qsum[0] = out.qsum[1] = 0;
+  for (int64_t k = 0; k < 32; ++k) {
+    out.qsum[0] += q[0][k];
+    out.qsum[1] += q[1][k];
+  }
+  for (int64_t s = 0; s < 2; ++s) {
+    for (int64_t w = 0; w < kTermWords; ++w) {
+      uint32_t word = 0;
+      for (int64_t t = 0; t < 4; ++t) {
+        const uint8_t byte = q4 ? static_cast<uint8_t>(q[s][8 * (w / 2) + 2 * t + (w % 2)])
+                                : static_cast<uint8_t>(q[s][4 * w + t] + 128);
+        word |= static_cast<uint32_t>(byte) << (8 * t);
+      }
+      out.words[s][w] = static_cast<int32_t>(word);
+    }
+  }
+}
+
+#ifdef GGUF_INT8_VNNI
+// The same block with AVX512 (bit for bit: the same products, the same round-to-nearest-even conversion, the
+// remainder as one fma). About ten times faster than the scalar loop, which a decode step runs for every input
+// block of every matmul (each thread builds the input it multiplies).
+__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) inline void quantize_block_avx512(bool q4, const float* v,
+                                                                                          QuantizedBlock& out) {
+  // Q4_1: within each 8-byte group, the even bytes then the odd ones (the words of the low and high nibbles).
+  const __m256i order = _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15,  //
+                                         0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+  __m512 x0 = _mm512_loadu_ps(v), x1 = _mm512_loadu_ps(v + 16);
+  for (int s = 0; s < 2; ++s) {
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const float d = amax / 127.0f;
+    const __m512 id = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
+    const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
+    __m256i bytes = _mm256_set_m128i(_mm512_cvtsepi32_epi8(i1), _mm512_cvtsepi32_epi8(i0));
+    bytes = q4 ? _mm256_shuffle_epi8(bytes, order) : _mm256_xor_si256(bytes, _mm256_set1_epi8(static_cast<char>(0x80)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.words[s]), bytes);
+    out.d[s] = d;
+    out.qsum[s] = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+    const __m512 nd = _mm512_set1_ps(-d);
+    x0 = _mm512_fmadd_ps(nd, _mm512_cvtepi32_ps(i0), x0);
+    x1 = _mm512_fmadd_ps(nd, _mm512_cvtepi32_ps(i1), x1);
+  }
+}
+#endif
+
+// Whether quantize_block_avx512 can run here (SGLANG_GGUF_INT8_PORTABLE=1 turns it off with the VNNI kernels).
+inline bool vector_quantize_supported() {
+#ifdef GGUF_INT8_VNNI
+  static const bool ok = std::getenv("SGLANG_GGUF_INT8_PORTABLE") == nullptr && __builtin_cpu_supports("avx512f") &&
+                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                         __builtin_cpu_supports("fma");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// Quantizes rows x[M, K] (see QuantizedInput) into `scratch` (scratch_floats); `vector` picks the AVX512 block
+// quantizer (only where vector_quantize_supported()), which gives the same bits as the portable one.
+inline QuantizedInput quantize_rows(bool q4, const float* x, int64_t M, int64_t K, float* scratch,
+                                    bool vector = vector_quantize_supported()) {
   const int64_t nb = K / 32;
   int32_t* words = reinterpret_cast<int32_t*>(scratch);
   float* dx = scratch + M * nb * kWordsPerBlock;
@@ -97,30 +174,22 @@ inline QuantizedInput quantize_rows(bool q4, const float* x, int64_t M, int64_t 
     for (int64_t m = 0; m < mt; ++m) {
       const float* row = x + (m0 + m) * K;
       for (int64_t b = 0; b < nb; ++b) {
-        int8_t q[2][32];
-        float rest[32];
-        const float d1 = round_block(row + b * 32, q[0]);
-        for (int64_t k = 0; k < 32; ++k) rest[k] = row[b * 32 + k] - d1 * static_cast<float>(q[0][k]);
-        const float d2 = round_block(rest, q[1]);
-        int32_t sum1 = 0, sum2 = 0;
-        for (int64_t k = 0; k < 32; ++k) {
-          sum1 += q[0][k];
-          sum2 += q[1][k];
+        QuantizedBlock qb;
+#ifdef GGUF_INT8_VNNI
+        if (vector) {
+          quantize_block_avx512(q4, row + b * 32, qb);
+        } else {
+          quantize_block_portable(q4, row + b * 32, qb);
         }
-        tdx[(b * 2) * mt + m] = d1;
-        tdx[(b * 2 + 1) * mt + m] = d2;
-        tsx[b * mt + m] = d1 * static_cast<float>(sum1) + d2 * static_cast<float>(sum2);
-        for (int64_t s = 0; s < 2; ++s) {
-          for (int64_t w = 0; w < kTermWords; ++w) {
-            uint32_t word = 0;
-            for (int64_t t = 0; t < 4; ++t) {
-              const uint8_t byte = q4 ? static_cast<uint8_t>(q[s][8 * (w / 2) + 2 * t + (w % 2)])
-                                      : static_cast<uint8_t>(q[s][4 * w + t] + 128);
-              word |= static_cast<uint32_t>(byte) << (8 * t);
-            }
-            tw[(b * kWordsPerBlock + s * kTermWords + w) * mt + m] = static_cast<int32_t>(word);
-          }
-        }
+#else
+        (void)vector;
+        quantize_block_portable(q4, row + b * 32, qb);
+#endif
+        tdx[(b * 2) * mt + m] = qb.d[0];
+        tdx[(b * 2 + 1) * mt + m] = qb.d[1];
+        tsx[b * mt + m] = qb.sum();
+        for (int64_t s = 0; s < 2; ++s)
+          for (int64_t w = 0; w < kTermWords; ++w) tw[(b * kWordsPerBlock + s * kTermWords + w) * mt + m] = qb.words[s][w];
       }
     }
   }

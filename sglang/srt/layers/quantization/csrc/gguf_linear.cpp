@@ -109,6 +109,42 @@ bool has_int8_vnni_path() {
   return int8_vnni_available();
 }
 
+// x[M, K] quantized the way the int8 kernels read it (gguf_int8.h quantize_rows): the words [M, K/32, 2, 8]
+// (int32, four int8 values each), the scales [M, K/32, 2] and the sums of the rounded x [M, K/32], in row order.
+// `vector` asks for the AVX512 quantizer (an error where it cannot run), otherwise the portable one.
+std::vector<torch::Tensor> int8_quantize(const torch::Tensor& x, bool q4, bool vector) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "x must be a contiguous float32 CPU matrix");
+  const int64_t M = x.size(0), K = x.size(1), nb = K / kQK;
+  TORCH_CHECK(K > 0 && K % kQK == 0, "K must be a positive multiple of 32");
+  TORCH_CHECK(!vector || int8::vector_quantize_supported(), "the AVX512 quantizer cannot run on this CPU");
+  std::vector<float> scratch(static_cast<size_t>(int8::scratch_floats(M, K)));
+  const int8::QuantizedInput in = int8::quantize_rows(q4, x.data_ptr<float>(), M, K, scratch.data(), vector);
+  auto words = torch::empty({M, nb, 2, int8::kTermWords}, x.options().dtype(torch::kInt));
+  auto dx = torch::empty({M, nb, 2}, x.options());
+  auto sx = torch::empty({M, nb}, x.options());
+  int32_t* wp = words.data_ptr<int32_t>();
+  float* dp = dx.data_ptr<float>();
+  float* sp = sx.data_ptr<float>();
+  for (int64_t m0 = 0; m0 < M; m0 += int8::kTile) {  // undo the tiling (see QuantizedInput)
+    const int64_t mt = std::min(int8::kTile, M - m0);
+    for (int64_t m = 0; m < mt; ++m) {
+      for (int64_t b = 0; b < nb; ++b) {
+        for (int64_t w = 0; w < int8::kWordsPerBlock; ++w)
+          wp[((m0 + m) * nb + b) * int8::kWordsPerBlock + w] = in.words[m0 * nb * int8::kWordsPerBlock +
+                                                                        (b * int8::kWordsPerBlock + w) * mt + m];
+        for (int64_t t = 0; t < 2; ++t) dp[((m0 + m) * nb + b) * 2 + t] = in.dx[2 * m0 * nb + (b * 2 + t) * mt + m];
+        sp[(m0 + m) * nb + b] = in.sx[m0 * nb + b * mt + m];
+      }
+    }
+  }
+  return {words, dx, sx};
+}
+
+bool has_vector_quantize() {
+  return int8::vector_quantize_supported();
+}
+
 bool has_openmp() {
 #ifdef _OPENMP
   return true;
@@ -133,5 +169,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx2_path", &has_avx2_path, "whether the AVX2/FMA/F16C kernels were compiled in");
   m.def("has_int8_vnni_path", &has_int8_vnni_path,
         "whether int8 activations run on the AVX512-VNNI kernels (otherwise on a portable loop)");
+  m.def("int8_quantize", &int8_quantize,
+        "x[M, K] quantized as the int8 kernels read it: (words [M, K/32, 2, 8] int32, scales [M, K/32, 2], sums "
+        "[M, K/32]); vector: the AVX512 quantizer instead of the portable one",
+        py::arg("x"), py::arg("q4"), py::arg("vector"));
+  m.def("has_vector_quantize", &has_vector_quantize, "whether the AVX512 int8 quantizer can run on this CPU");
   m.def("has_openmp", &has_openmp, "whether the kernels were compiled with OpenMP (multi-threaded)");
 }
