@@ -178,19 +178,20 @@ def test_small_batch_quantization_per_plan():
         choose_arithmetic("cpu", "bfloat16", "auto", AVX2_FLAGS, small_batch_quantization="q8_0")
 
 
-def test_small_batch_rows_follow_the_large_batch_gemm():
-    """The quantized blocks (and the fused decode step) serve up to 32 rows where large batches run the bf16 GEMM
-    and up to 64 where they run float32; --gguf-kernel-max-rows overrides."""
+def test_small_batch_rows_are_64_on_every_cpu_class():
+    """The quantized blocks (and the fused decode step) serve up to 64 rows whatever GEMM large batches run (the
+    int8 fused step beats the bf16 GEMM path up to there too); --gguf-kernel-max-rows overrides."""
     from sglang.srt.layers.arithmetic import resolve_small_batch_rows
 
     bf16 = choose_arithmetic("cpu", "auto", "auto", BF16_VNNI_FLAGS)
-    assert bf16.small_batch_max_rows == 32 and bf16.to_dict()["small_batch_max_rows"] == 32
-    assert "up to 32 rows" in bf16.describe()
-    assert choose_arithmetic("cpu", "auto", "auto", AMX_FLAGS).small_batch_max_rows == 32
-    for args in (("cpu", "auto", "auto", AVX2_FLAGS), ("cpu", "auto", "float32", BF16_VNNI_FLAGS),
-                 ("cpu", "float32", "auto", BF16_VNNI_FLAGS), ("cuda", "auto", "auto", AMX_FLAGS)):
+    assert bf16.large_batch_gemm == "bfloat16"
+    assert bf16.small_batch_max_rows == 64 and bf16.to_dict()["small_batch_max_rows"] == 64
+    assert "up to 64 rows" in bf16.describe()
+    for args in (("cpu", "auto", "auto", AMX_FLAGS), ("cpu", "auto", "auto", AVX2_FLAGS),
+                 ("cpu", "auto", "float32", BF16_VNNI_FLAGS), ("cpu", "float32", "auto", BF16_VNNI_FLAGS),
+                 ("cuda", "auto", "auto", AMX_FLAGS)):
         assert choose_arithmetic(*args).small_batch_max_rows == 64, args
-    assert resolve_small_batch_rows(None, bf16) == 32
+    assert resolve_small_batch_rows(None, bf16) == 64
     assert resolve_small_batch_rows(8, bf16) == 8 and resolve_small_batch_rows(0, bf16) == 0
     assert resolve_small_batch_rows(None, None) == 64
 

@@ -37,7 +37,7 @@ def test_bf16_prefill_then_quantized_decode_keeps_greedy_tokens(bf16_engine, ref
     assert info["arithmetic"]["weight_dtype"] == "float32"
     assert info["arithmetic"]["kv_cache_dtype"] == "float32"
     assert info["arithmetic"]["large_batch_gemm"] == "bfloat16"
-    assert info["arithmetic"]["small_batch_max_rows"] == 32  # the bf16 GEMM takes over above 32 rows
+    assert info["arithmetic"]["small_batch_max_rows"] == 64  # the bf16 GEMM takes over above 64 rows
     assert info["cpu_gemm"] == "bfloat16"
     assert [s["dp_rank"] for s in info["internal_states"]] == [0]
     # Decode batches quantize their activations to int8 where the CPU has AVX512-VNNI (float32 elsewhere).
@@ -50,9 +50,9 @@ def test_bf16_prefill_then_quantized_decode_keeps_greedy_tokens(bf16_engine, ref
     prompts = many_prompts(16)
     for prompt, ours, expected in zip(prompts, generate_ids(bf16_engine, prompts), reference(prompts)):
         assert_same_or_near_tie(smollm2_hf, smollm2_tokenizer, prompt, ours, expected, BF16_MARGIN)
-    # One at a time: a prompt of more rows than the small-batch limit (32) is prefilled by the bf16 GEMM, a short
+    # One at a time: a prompt of more rows than the small-batch limit (64) is prefilled by the bf16 GEMM, a short
     # one by the quantized blocks; both then decode on the blocks.
-    long_prompt = " ".join(PROMPTS[1:5])
+    long_prompt = " ".join(PROMPTS[1:] * 2)
     assert len(smollm2_tokenizer.encode(long_prompt)) > info["arithmetic"]["small_batch_max_rows"]
     assert len(smollm2_tokenizer.encode(PROMPTS[0])) < info["arithmetic"]["small_batch_max_rows"]
     singles = [PROMPTS[0], long_prompt]

@@ -177,7 +177,7 @@ def choose_arithmetic(
     kv, kv_why = choose_kv_cache_dtype(kv_cache_dtype, plan, dtype, cpu_gemm)
     return dataclasses.replace(plan, gguf_activations=act, gguf_activations_reason=why,
                                small_batch_quantization=small_batch_quantization,
-                               small_batch_max_rows=small_batch_rows(plan), kv_cache_dtype=kv,
+                               small_batch_max_rows=SMALL_BATCH_ROWS, kv_cache_dtype=kv,
                                kv_cache_dtype_reason=kv_why)
 
 
@@ -195,23 +195,19 @@ def choose_kv_cache_dtype(requested: str, plan: ArithmeticPlan, dtype: str = "au
     return plan.weight_dtype, "the model dtype"
 
 
-# Where the bf16 GEMM of a CPU with native bf16 takes over from the quantized blocks. Measured on an AVX512-BF16 /
-# VNNI CPU (benchmarks/RESULTS.md, 2026-11-24): the fused int8 decode step and the layer-by-layer bf16 path tie at
-# 16-24 sequences of 400 tokens and at 32-48 of 130; at 64 the bf16 path is 20-30% faster. Where large batches run
-# float32 (AVX2-only CPUs), the blocks stay faster up to 64 rows.
-BF16_SMALL_BATCH_ROWS = 32
-FLOAT32_SMALL_BATCH_ROWS = 64
-
-
-def small_batch_rows(plan: ArithmeticPlan) -> int:
-    return BF16_SMALL_BATCH_ROWS if plan.cpu_class and plan.large_batch_gemm == "bfloat16" else FLOAT32_SMALL_BATCH_ROWS
+# How many rows the quantized blocks (and the fused decode step) serve before the large-batch GEMM takes over, on
+# every CPU class. Measured on an AVX512-BF16 / VNNI CPU (benchmarks/RESULTS.md, 2026-11-25): since the int8
+# activation quantizer runs in AVX512, the fused int8 decode step beats the layer-by-layer bf16 GEMM path at 40, 48
+# and 64 sequences of 130 tokens (1.1-1.3x) and at 48 and 64 of 400 (1.05-1.2x); it was 32 rows there before. Where
+# large batches run float32 (AVX2-only CPUs), the blocks were already faster up to 64 rows.
+SMALL_BATCH_ROWS = 64
 
 
 def resolve_small_batch_rows(requested: Optional[int], plan: Optional[ArithmeticPlan]) -> int:
     """--gguf-kernel-max-rows as given, or (None) the plan's choice; 64 without a plan."""
     if requested is not None:
         return requested
-    return plan.small_batch_max_rows if plan is not None else FLOAT32_SMALL_BATCH_ROWS
+    return plan.small_batch_max_rows if plan is not None else SMALL_BATCH_ROWS
 
 
 def _choose_gemm(
