@@ -20,6 +20,7 @@ from sglang.srt.layers.arithmetic import (
     OTHER,
     choose_arithmetic,
     cpu_class,
+    head_small_batch_rows,
 )
 from sglang.srt.layers.bf16_linear import BF16LinearMethod
 from sglang.srt.layers.int8_linear import Int8LinearMethod
@@ -300,6 +301,38 @@ def test_attach_large_batch_gemm_replaces_dense_layers_and_head(tmp_path):
     assert attached == expected
     # the float32 parameters stay (embeddings, norms, and the small-batch paths read them)
     assert all(p.dtype == torch.float32 for p in ours.parameters())
+
+
+def test_head_small_batch_rows_per_large_batch_gemm():
+    """The LM head runs its quantized blocks up to 16 rows where the large-batch GEMM is bf16 (faster above),
+    up to the other matmuls' limit elsewhere."""
+    assert head_small_batch_rows("bfloat16", 64) == 16
+    assert head_small_batch_rows("bfloat16", 8) == 8 and head_small_batch_rows("bfloat16", 0) == 0
+    assert head_small_batch_rows("float32", 64) == 64 and head_small_batch_rows("int8", 64) == 64
+
+
+@pytest.mark.parametrize("gemm, head_rows", [("bfloat16", 16), ("int8", 64)])
+def test_attach_large_batch_gemm_limits_the_quantized_head(tmp_path, gemm, head_rows):
+    gguf = pytest.importorskip("gguf")
+    from sglang.srt.layers.quantization.gguf_blocks import GGUFQuantWeight, kernels_available
+    from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
+
+    if not kernels_available():
+        pytest.skip("the compiled GGUF kernels are unavailable")
+    _, ours = build_models(tmp_path, tiny_config("llama"))
+
+    def blocks(weight: torch.Tensor) -> GGUFQuantWeight:
+        n, k = weight.shape
+        return GGUFQuantWeight("Q8_0", gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType.Q8_0), n, k)
+
+    layer = ours.model.layers[0].mlp.gate_up_proj
+    layer.set_linear_method(GGUFLinearMethod(blocks(layer.weight.detach()), max_rows=64))
+    ours.logits_processor.set_head_method(GGUFLinearMethod(blocks(ours.lm_head.weight.detach()), max_rows=64))
+    attach_large_batch_gemm(ours, gemm)
+    head = ours.logits_processor.head_method
+    assert isinstance(head, GGUFLinearMethod) and head.max_rows == head_rows
+    assert f"up to {head_rows} rows" in head.describe()
+    assert layer.linear_method.max_rows == 64  # the layers keep theirs
 
 
 def _greedy_run(model, config, prompts: list[list[int]], steps: int,

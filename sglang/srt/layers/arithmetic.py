@@ -202,6 +202,17 @@ def choose_kv_cache_dtype(requested: str, plan: ArithmeticPlan, dtype: str = "au
 # large batches run float32 (AVX2-only CPUs), the blocks were already faster up to 64 rows.
 SMALL_BATCH_ROWS = 64
 
+# The LM head is one matmul outside the fused step, so it takes whichever kernel is faster at its row count: its
+# Q8_0 blocks with two int8 activation terms against the prepacked bf16 GEMM, measured for SmolLM2's 49152 x 576
+# head on an AVX512-BF16 / VNNI CPU (benchmarks/RESULTS.md, 2026-11-25): blocks faster up to 12 rows, a tie at 16,
+# the bf16 GEMM 1.3x faster at 32 and 1.4x at 64.
+BF16_HEAD_SMALL_BATCH_ROWS = 16
+
+
+def head_small_batch_rows(large_batch_gemm: str, rows: int) -> int:
+    """The most rows the LM head runs on its quantized blocks, where other matmuls run them up to `rows`."""
+    return min(rows, BF16_HEAD_SMALL_BATCH_ROWS) if large_batch_gemm == "bfloat16" else rows
+
 
 def resolve_small_batch_rows(requested: Optional[int], plan: Optional[ArithmeticPlan]) -> int:
     """--gguf-kernel-max-rows as given, or (None) the plan's choice; 64 without a plan."""

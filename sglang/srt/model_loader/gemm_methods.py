@@ -1,7 +1,8 @@
 """Giving a loaded float32 model the large-batch GEMM its arithmetic plan chose (layers/arithmetic.py).
 
 Runs after the GGUF blocks are attached (model_loader/gguf_quant.py): a layer that has blocks keeps them for
-batches of at most `max_rows` rows and gets the reduced-precision GEMM beyond; a layer without blocks (a plain
+batches of at most `max_rows` rows and gets the reduced-precision GEMM beyond (the LM head, where that GEMM is bf16,
+for at most 16 rows: layers/arithmetic.py); a layer without blocks (a plain
 safetensors checkpoint, or a GGUF model on a CPU without the kernels) uses it for every batch, because there a
 bf16 weight is also half the bytes a small decode step reads.
 """
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sglang.srt.layers.arithmetic import head_small_batch_rows
 from sglang.srt.layers.bf16_linear import BF16LinearMethod
 from sglang.srt.layers.linear import DENSE, Linear, LinearMethod, linear_methods
 from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
@@ -56,7 +58,10 @@ def attach_large_batch_gemm(model: nn.Module, gemm: str) -> int:
     processor: Any = getattr(model, "logits_processor", None)
     head = getattr(model, "lm_head", None)
     if processor is not None and head is not None:
-        processor.set_head_method(_with_large(processor.head_method, head.weight, make))
+        method = _with_large(processor.head_method, head.weight, make)
+        if isinstance(method, GGUFLinearMethod):
+            method.max_rows = head_small_batch_rows(gemm, method.max_rows)
+        processor.set_head_method(method)
     attached = sum(int(getattr(getattr(m, "large", m), "nbytes", 0)) for m in linear_methods(model))
     logger.info("Attached %.1f MB of %s weight copies for large batches", attached / 2**20, gemm)
     return attached
