@@ -179,16 +179,19 @@ def test_small_batch_quantization_per_plan():
         choose_arithmetic("cpu", "bfloat16", "auto", AVX2_FLAGS, small_batch_quantization="q8_0")
 
 
-def test_small_batch_rows_are_64_on_every_cpu_class():
+def test_small_batch_rows_per_cpu_class():
     """The quantized blocks (and the fused decode step) serve up to 64 rows whatever GEMM large batches run (the
-    int8 fused step beats the bf16 GEMM path up to there too); --gguf-kernel-max-rows overrides."""
+    int8 fused step beats the AVX512 bf16 GEMM path up to there too), except on AMX CPUs, whose bf16 GEMM takes
+    over above 32; --gguf-kernel-max-rows overrides."""
     from sglang.srt.layers.arithmetic import resolve_small_batch_rows
 
     bf16 = choose_arithmetic("cpu", "auto", "auto", BF16_VNNI_FLAGS)
     assert bf16.large_batch_gemm == "bfloat16"
     assert bf16.small_batch_max_rows == 64 and bf16.to_dict()["small_batch_max_rows"] == 64
     assert "up to 64 rows" in bf16.describe()
-    for args in (("cpu", "auto", "auto", AMX_FLAGS), ("cpu", "auto", "auto", AVX2_FLAGS),
+    amx = choose_arithmetic("cpu", "auto", "auto", AMX_FLAGS)
+    assert amx.large_batch_gemm == "bfloat16" and amx.small_batch_max_rows == 32
+    for args in (("cpu", "auto", "auto", AVX2_FLAGS), ("cpu", "auto", "float32", AMX_FLAGS),
                  ("cpu", "auto", "float32", BF16_VNNI_FLAGS), ("cpu", "float32", "auto", BF16_VNNI_FLAGS),
                  ("cuda", "auto", "auto", AMX_FLAGS)):
         assert choose_arithmetic(*args).small_batch_max_rows == 64, args

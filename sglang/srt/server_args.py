@@ -132,8 +132,8 @@ class ServerArgs:
     enable_mixed_chunk: bool = False
     enable_torch_compile: bool = False
     # Matmuls of at most this many token rows read a GGUF model's quantized blocks (CPU), and decode batches of at
-    # most this many sequences run the fused decode step; 0 disables. None: from the arithmetic plan (64;
-    # sglang/srt/layers/arithmetic.py).
+    # most this many sequences run the fused decode step; 0 disables. None: from the arithmetic plan (64, 32 on
+    # AMX CPUs; sglang/srt/layers/arithmetic.py).
     gguf_kernel_max_rows: Optional[int] = None
     # CPU GEMM for prefill and batches above --gguf-kernel-max-rows rows with float32 weights: auto picks per CPU
     # class (bf16 where the CPU has native bf16, float32 otherwise); see sglang/srt/layers/arithmetic.py.

@@ -177,7 +177,7 @@ def choose_arithmetic(
     kv, kv_why = choose_kv_cache_dtype(kv_cache_dtype, plan, dtype, cpu_gemm)
     return dataclasses.replace(plan, gguf_activations=act, gguf_activations_reason=why,
                                small_batch_quantization=small_batch_quantization,
-                               small_batch_max_rows=SMALL_BATCH_ROWS, kv_cache_dtype=kv,
+                               small_batch_max_rows=small_batch_rows(plan), kv_cache_dtype=kv,
                                kv_cache_dtype_reason=kv_why)
 
 
@@ -195,12 +195,20 @@ def choose_kv_cache_dtype(requested: str, plan: ArithmeticPlan, dtype: str = "au
     return plan.weight_dtype, "the model dtype"
 
 
-# How many rows the quantized blocks (and the fused decode step) serve before the large-batch GEMM takes over, on
-# every CPU class. Measured on an AVX512-BF16 / VNNI CPU (benchmarks/RESULTS.md, 2026-11-25): since the int8
-# activation quantizer runs in AVX512, the fused int8 decode step beats the layer-by-layer bf16 GEMM path at 40, 48
-# and 64 sequences of 130 tokens (1.1-1.3x) and at 48 and 64 of 400 (1.05-1.2x); it was 32 rows there before. Where
-# large batches run float32 (AVX2-only CPUs), the blocks were already faster up to 64 rows.
+# How many rows the quantized blocks (and the fused decode step) serve before the large-batch GEMM takes over.
+# Measured on an AVX512-BF16 / VNNI CPU (benchmarks/RESULTS.md, 2026-11-25): since the int8 activation quantizer
+# runs in AVX512, the fused int8 decode step beats the layer-by-layer bf16 GEMM path at 40, 48 and 64 sequences of
+# 130 tokens (1.1-1.3x) and at 48 and 64 of 400 (1.05-1.2x); at 128-256 the two tie. Where large batches run float32
+# (AVX2-only CPUs), the blocks were already faster up to 64 rows. A CPU with AMX multiplies bf16 in its tile unit,
+# several times faster than these AVX512 dot products, so there the bf16 GEMM keeps the batches above 32 rows (not
+# measured on AMX: the limit it had before).
 SMALL_BATCH_ROWS = 64
+AMX_SMALL_BATCH_ROWS = 32
+
+
+def small_batch_rows(plan: ArithmeticPlan) -> int:
+    return AMX_SMALL_BATCH_ROWS if plan.cpu_class == AMX and plan.large_batch_gemm == "bfloat16" else SMALL_BATCH_ROWS
+
 
 # The LM head is one matmul outside the fused step, so it takes whichever kernel is faster at its row count: its
 # Q8_0 blocks with two int8 activation terms against the prepacked bf16 GEMM, measured for SmolLM2's 49152 x 576
