@@ -156,3 +156,43 @@ def test_rope_in_place_matches_torch(rotary_dim):
     xb = before[:, :12].to(torch.bfloat16)
     assert torch.equal(apply_rotary_emb_(xb, cos.bfloat16(), sin.bfloat16(), rotary_dim),
                        apply_rotary_emb(xb, cos.bfloat16(), sin.bfloat16(), rotary_dim))
+
+
+def argmax_cases() -> list[torch.Tensor]:
+    """Rows that exercise the vector lanes, the scalar tail, ties, NaN and infinities (n below 16 runs scalar)."""
+    gen = torch.Generator().manual_seed(5)
+    cases = [torch.randn(rows, n, generator=gen) for rows, n in [(1, 49152), (64, 49152), (3, 1), (2, 7), (2, 15),
+                                                                   (2, 16), (3, 17), (4, 100), (2, 1001)]]
+    ties = torch.zeros(6, 203)
+    ties[0, [5, 77, 200]] = 3.0  # first of equal maxima: lane 5 before others
+    ties[1, [13, 9]] = 2.0  # lane 1 wins over lane 5 at a later index
+    ties[2, [202, 201]] = 1.0  # only in the scalar tail
+    ties[3, [10, 18, 26]] = 1.0  # one lane, three times
+    ties[4] = float("-inf")  # all -inf: 0
+    ties[5, 150] = float("inf")
+    nans = torch.randn(5, 203, generator=gen)
+    nans[0, 100] = float("nan")  # in the vector part
+    nans[1, 201] = float("nan")  # in the tail
+    nans[2, [40, 3]] = float("nan")  # two: the first counts
+    nans[3, 0] = float("nan")
+    nans[4, [7, 190]] = float("nan")
+    small_nan = torch.tensor([[1.0, float("nan"), 5.0], [float("nan"), 2.0, float("nan")]])
+    return cases + [ties, nans, small_nan, torch.randn(8, 64, generator=gen)[:, ::2]]  # last: non-contiguous
+
+
+def test_argmax_rows_equals_torch_argmax():
+    for x in argmax_cases():
+        assert torch.equal(cpu_ops.argmax_rows(x), x.argmax(-1)), x.shape
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_ops.argmax_rows(torch.zeros(2, 3, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="at least one column"):
+        cpu_ops.argmax_rows(torch.zeros(2, 0))
+
+
+def test_greedy_sampling_uses_the_compiled_argmax(monkeypatch):
+    from sglang.srt.layers import sampler
+
+    calls = []
+    monkeypatch.setattr(cpu_ops, "argmax_rows", lambda x: calls.append(x.shape) or x.argmax(-1))
+    logits = torch.randn(3, 50)
+    assert torch.equal(sampler.greedy_ids(logits), logits.argmax(-1)) and calls == [(3, 50)]

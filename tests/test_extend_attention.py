@@ -128,13 +128,16 @@ heads = torch.randn(5, 4, 64)
 expected = apply_rotary_emb(heads, cos, sin, 64)
 cpu_ops.rope_in_place(heads, cos, sin)
 torch.testing.assert_close(heads, expected, atol=1e-6, rtol=1e-5)
+from tests.test_cpu_ops import argmax_cases
+for x in argmax_cases():
+    assert torch.equal(cpu_ops.argmax_rows(x), x.argmax(-1)), x.shape
 print("portable kernels ok")
 """
 
 
 def test_portable_build_without_simd():
     """The kernels compiled without AVX2 (as on a CPU that lacks it) give the same results: extend attention,
-    SiLU-and-multiply, rotary embedding."""
+    SiLU-and-multiply, rotary embedding, argmax."""
     env = {**os.environ, "SGLANG_CPU_KERNELS_PORTABLE": "1"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-c", PORTABLE_CHECK], env=env, cwd=root, capture_output=True,

@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from sglang.srt.layers import cpu_ops
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 _MASK64 = (1 << 64) - 1
@@ -31,6 +32,14 @@ class SampleOutput:
     next_token_logprobs: Optional[torch.Tensor] = None  # float32 [B]: logprob of the chosen token
     top_logprobs: Optional[list[Optional[tuple[list[float], list[int]]]]] = None
     token_ids_logprobs: Optional[list[Optional[list[float]]]] = None
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """argmax of each row of float32 logits [B, V]; on CPU in one compiled pass (cpu_ops.argmax_rows, the same
+    index as torch.argmax)."""
+    if logits.device.type == "cpu" and logits.dim() == 2 and cpu_ops.available():
+        return cpu_ops.argmax_rows(logits)
+    return logits.argmax(dim=-1)
 
 
 def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
@@ -94,12 +103,12 @@ class Sampler:
             logits = logits.float()
 
         if info.is_all_greedy:
-            next_ids = logits.argmax(dim=-1)
+            next_ids = greedy_ids(logits)
         elif info.sampled_rows is None:
             next_ids = self._sample(logits, info)
         else:
             next_ids = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-            next_ids[info.greedy_rows] = logits[info.greedy_rows].argmax(dim=-1)
+            next_ids[info.greedy_rows] = greedy_ids(logits[info.greedy_rows])
             next_ids[info.sampled_rows] = self._sample(logits[info.sampled_rows], info)
 
         out = SampleOutput(next_token_ids=next_ids)

@@ -330,10 +330,27 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   return out;
 }
 
+// x [M, V] float32 -> the argmax of each row [M] int64, as torch.argmax(x, -1).
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) > 0,
+              "x must be a float32 CPU matrix with at least one column");
+  x = x.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto out = torch::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  // Rows of a vocabulary-sized row each are worth a thread; one row alone is not worth waking one.
+  at::parallel_for(0, rows, std::max<int64_t>(1, 262144 / n), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) op[r] = cpu_kernels::argmax(xp + r * n, n);
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "Decode attention over a paged KV cache (float32, bf16 or fp8 K/V)");
   m.def("extend_attention", &extend_attention, "Causal prefill / extend attention over a paged KV cache");
   m.def("rope_in_place", &rope_in_place, "Rotary embedding of float32 heads in place (rotate-half layout)");
+  m.def("argmax_rows", &argmax_rows, "argmax of each row of a float32 matrix, as torch.argmax(x, -1)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a fused gate/up projection (float32 or bf16)");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows, written as float32 or bf16");
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
