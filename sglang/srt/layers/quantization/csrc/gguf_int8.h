@@ -39,13 +39,23 @@ namespace gguf_kernels {
 
 namespace int8 {
 
-// Whether the AVX512-VNNI kernels can run on this CPU.
-// SGLANG_GGUF_INT8_PORTABLE=1 forces the portable loop (to test it on a VNNI machine).
-inline bool vnni_supported() {
+// Whether the AVX512 code of this file can run on this CPU: AVX512 F/BW/VL and FMA (the block quantizer), plus
+// VNNI for the kernels. SGLANG_GGUF_INT8_PORTABLE=1 forces the portable loops (to test them on such a machine).
+inline bool avx512_supported() {
 #ifdef GGUF_INT8_VNNI
   static const bool ok = std::getenv("SGLANG_GGUF_INT8_PORTABLE") == nullptr && __builtin_cpu_supports("avx512f") &&
                          __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-                         __builtin_cpu_supports("avx512vnni");
+                         __builtin_cpu_supports("fma");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// Whether the AVX512-VNNI kernels can run on this CPU.
+inline bool vnni_supported() {
+#ifdef GGUF_INT8_VNNI
+  static const bool ok = avx512_supported() && __builtin_cpu_supports("avx512vnni");
   return ok;
 #else
   return false;
@@ -146,22 +156,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) inline void quantize_bl
 }
 #endif
 
-// Whether quantize_block_avx512 can run here (SGLANG_GGUF_INT8_PORTABLE=1 turns it off with the VNNI kernels).
-inline bool vector_quantize_supported() {
-#ifdef GGUF_INT8_VNNI
-  static const bool ok = std::getenv("SGLANG_GGUF_INT8_PORTABLE") == nullptr && __builtin_cpu_supports("avx512f") &&
-                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-                         __builtin_cpu_supports("fma");
-  return ok;
-#else
-  return false;
-#endif
-}
-
 // Quantizes rows x[M, K] (see QuantizedInput) into `scratch` (scratch_floats); `vector` picks the AVX512 block
-// quantizer (only where vector_quantize_supported()), which gives the same bits as the portable one.
+// quantizer (only where avx512_supported()), which gives the same bits as the portable one.
 inline QuantizedInput quantize_rows(bool q4, const float* x, int64_t M, int64_t K, float* scratch,
-                                    bool vector = vector_quantize_supported()) {
+                                    bool vector = avx512_supported()) {
   const int64_t nb = K / 32;
   int32_t* words = reinterpret_cast<int32_t*>(scratch);
   float* dx = scratch + M * nb * kWordsPerBlock;

@@ -117,7 +117,7 @@ std::vector<torch::Tensor> int8_quantize(const torch::Tensor& x, bool q4, bool v
               "x must be a contiguous float32 CPU matrix");
   const int64_t M = x.size(0), K = x.size(1), nb = K / kQK;
   TORCH_CHECK(K > 0 && K % kQK == 0, "K must be a positive multiple of 32");
-  TORCH_CHECK(!vector || int8::vector_quantize_supported(), "the AVX512 quantizer cannot run on this CPU");
+  TORCH_CHECK(!vector || int8::avx512_supported(), "the AVX512 quantizer cannot run on this CPU");
   std::vector<float> scratch(static_cast<size_t>(int8::scratch_floats(M, K)));
   const int8::QuantizedInput in = int8::quantize_rows(q4, x.data_ptr<float>(), M, K, scratch.data(), vector);
   auto words = torch::empty({M, nb, 2, int8::kTermWords}, x.options().dtype(torch::kInt));
@@ -142,7 +142,7 @@ std::vector<torch::Tensor> int8_quantize(const torch::Tensor& x, bool q4, bool v
 }
 
 bool has_vector_quantize() {
-  return int8::vector_quantize_supported();
+  return int8::avx512_supported();
 }
 
 bool has_openmp() {
