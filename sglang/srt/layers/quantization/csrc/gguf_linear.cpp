@@ -3,6 +3,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <atomic>
 #include <vector>
 
@@ -118,25 +119,18 @@ std::vector<torch::Tensor> int8_quantize(const torch::Tensor& x, bool q4, bool v
   const int64_t M = x.size(0), K = x.size(1), nb = K / kQK;
   TORCH_CHECK(K > 0 && K % kQK == 0, "K must be a positive multiple of 32");
   TORCH_CHECK(!vector || int8::avx512_supported(), "the AVX512 quantizer cannot run on this CPU");
-  std::vector<float> scratch(static_cast<size_t>(int8::scratch_floats(M, K)));
-  const int8::QuantizedInput in = int8::quantize_rows(q4, x.data_ptr<float>(), M, K, scratch.data(), vector);
   auto words = torch::empty({M, nb, 2, int8::kTermWords}, x.options().dtype(torch::kInt));
   auto dx = torch::empty({M, nb, 2}, x.options());
   auto sx = torch::empty({M, nb}, x.options());
-  int32_t* wp = words.data_ptr<int32_t>();
-  float* dp = dx.data_ptr<float>();
-  float* sp = sx.data_ptr<float>();
-  for (int64_t m0 = 0; m0 < M; m0 += int8::kTile) {  // undo the tiling (see QuantizedInput)
-    const int64_t mt = std::min(int8::kTile, M - m0);
-    for (int64_t m = 0; m < mt; ++m) {
-      for (int64_t b = 0; b < nb; ++b) {
-        for (int64_t w = 0; w < int8::kWordsPerBlock; ++w)
-          wp[((m0 + m) * nb + b) * int8::kWordsPerBlock + w] = in.words[m0 * nb * int8::kWordsPerBlock +
-                                                                        (b * int8::kWordsPerBlock + w) * mt + m];
-        for (int64_t t = 0; t < 2; ++t) dp[((m0 + m) * nb + b) * 2 + t] = in.dx[2 * m0 * nb + (b * 2 + t) * mt + m];
-        sp[(m0 + m) * nb + b] = in.sx[m0 * nb + b * mt + m];
-      }
-    }
+  // One row at a time: a single-row tile is laid out in row order (words, then scales, then sums).
+  std::vector<float> scratch(static_cast<size_t>(int8::scratch_floats(1, K)));
+  for (int64_t m = 0; m < M; ++m) {
+    const int8::QuantizedInput in =
+        int8::quantize_rows(q4, x.data_ptr<float>() + m * K, 1, K, scratch.data(), vector);
+    const int64_t row_words = nb * int8::kWordsPerBlock;
+    std::copy(in.words, in.words + row_words, words.data_ptr<int32_t>() + m * row_words);
+    std::copy(in.dx, in.dx + 2 * nb, dx.data_ptr<float>() + m * 2 * nb);
+    std::copy(in.sx, in.sx + nb, sx.data_ptr<float>() + m * nb);
   }
   return {words, dx, sx};
 }
