@@ -5,7 +5,9 @@
 Builds the server's Scheduler for the default model (default arithmetic plan), admits --batch-size requests of
 --input-len random tokens, prefills them, then times --steps decode steps split the way the event loop runs them:
 batch building, forward inputs, the forward (model + sampling), result processing, the output message and its
-pickling. `--cprofile` prints the functions (and compiled kernels) by own time. OMP_WAIT_POLICY defaults to PASSIVE,
+pickling. `--cprofile` prints the functions (and compiled kernels) by own time. `--stack-only` instead times the
+fused decode step's layer stack alone (one compiled call, no embedding, LM head or sampling) for --seconds, the same
+decode batch over and over (a loop to attach `perf record -p` to). OMP_WAIT_POLICY defaults to PASSIVE,
 as the server sets it, unless the environment sets it or GOMP_SPINCOUNT.
 """
 
@@ -45,6 +47,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cprofile", action="store_true")
+    parser.add_argument("--stack-only", action="store_true")
+    parser.add_argument("--seconds", type=float, default=8.0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     server_args = ServerArgs(model_path=args.model_path)
@@ -62,6 +66,9 @@ def main() -> None:
         assert batch is not None and not batch.is_decode
         forward_batch, sampling = batch.forward_inputs(sched.mem, sched.runner.vocab_size, sched.runner.device)
         process_result(sched, batch, sched.runner.forward(forward_batch, sampling))
+    if args.stack_only:
+        time_stack(sched, args.seconds)
+        return
     totals = dict.fromkeys(PARTS, 0.0)
 
     def step() -> None:
@@ -99,6 +106,28 @@ def main() -> None:
           f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}: step {elapsed / args.steps * 1e3:.2f} ms; "
           + ", ".join(f"{part} {totals[part] / args.steps * 1e3:.3f}" for part in PARTS))
     print(sched.runner.decode_plan.description if sched.runner.decode_plan is not None else "no decode plan")
+
+
+def time_stack(sched: Scheduler, seconds: float) -> None:
+    """Mean and median time of the fused layer stack on the scheduler's next decode batch."""
+    fused = sched.runner.decode_plan.fused if sched.runner.decode_plan is not None else None
+    batch = sched.get_next_batch()
+    assert fused is not None and batch is not None and batch.is_decode, "no fused decode step for this batch"
+    fb, _ = batch.forward_inputs(sched.mem, sched.runner.vocab_size, sched.runner.device)
+    assert fused.accepts(fb), f"{len(batch)} sequences are above the fused step's {fused.max_rows} rows"
+    hidden, (cos, sin) = sched.runner.model.model.embed(fb.input_ids, fb.positions)
+    rows = hidden.shape[0]
+    call_args = (hidden, cos.view(rows, -1), sin.view(rows, -1), fb.out_cache_loc,
+                 fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens)
+    times = []
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        fused.stack.forward(*call_args)
+        times.append(time.perf_counter() - t0)
+    times = sorted(times[len(times) // 10:])  # the first tenth warms up
+    print(f"{rows} sequences, fused layer stack alone: mean {sum(times) / len(times) * 1e3:.3f} ms, "
+          f"median {times[len(times) // 2] * 1e3:.3f} ms over {len(times)} calls")
 
 
 if __name__ == "__main__":
