@@ -44,6 +44,31 @@ def test_matches_sdpa(heads, kv_heads, dim, magnitude):
     torch.testing.assert_close(out, reference(q, k, v, idx, lens, dim**-0.5), atol=2e-5, rtol=1e-4)
 
 
+# bf16 K/V with a head size that is a multiple of 32 (up to 128) takes the AVX512 path where the CPU has it: query
+# heads tiled by three over the group, four tokens at a time with a remainder, 64-token blocks (the lengths);
+# 80 and 256 channels stay on the AVX2 path. Both paths run on an AVX512 CPU, the AVX2 one alone elsewhere.
+@pytest.mark.parametrize("avx512", [True, False])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 1, 128), (6, 2, 96), (14, 2, 64),
+                                                (5, 1, 64), (2, 1, 80), (4, 1, 256)])
+def test_bf16_paths_match_sdpa(avx512, heads, kv_heads, dim):
+    if avx512 and not cpu_ops.has_decode_attention_avx512():
+        pytest.skip("this CPU has no AVX512F/BW")
+    gen = torch.Generator().manual_seed(heads * 1000 + dim)
+    slots, width = 900, 260
+    k = torch.randn(slots, kv_heads, dim, generator=gen).bfloat16()
+    v = torch.randn(slots, kv_heads, dim, generator=gen).bfloat16()
+    lens = torch.tensor([1, 3, 4, 5, 64, 65, 130, 257])
+    q = torch.randn(lens.numel(), heads, dim, generator=gen)
+    idx = torch.randint(0, slots, (lens.numel(), width), generator=gen)
+    previous = cpu_ops.set_decode_attention_avx512(avx512)
+    try:
+        out = paged_decode_attention(q, k, v, idx, lens, dim**-0.5)
+    finally:
+        cpu_ops.set_decode_attention_avx512(previous)
+    expected = reference(q, k.float(), v.float(), idx, lens, dim**-0.5)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+
+
 def test_rejects_bad_input():
     k = torch.zeros(10, 1, 8)
     q = torch.zeros(1, 1, 8)

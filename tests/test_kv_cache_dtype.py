@@ -128,9 +128,26 @@ def decode_run(model, config, dtype: torch.dtype, fused: bool, prompts: list[lis
     return outputs, cache
 
 
+@pytest.fixture
+def attention_path(request):
+    """Sets the AVX512 path of bf16 attention on (True) or off (False) in both the standalone kernels and the fused
+    step for one test (None: leaves the default)."""
+    on = request.param
+    if on is None:
+        yield
+        return
+    if on and not cpu_ops.has_decode_attention_avx512():
+        pytest.skip("this CPU has no AVX512F/BW")
+    previous = cpu_ops.set_decode_attention_avx512(on), fused_decode.set_decode_attention_avx512(on)
+    yield
+    cpu_ops.set_decode_attention_avx512(previous[0])
+    fused_decode.set_decode_attention_avx512(previous[1])
+
+
 @needs_kernels
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
-def test_fused_step_with_stored_kv_matches_layer_by_layer(tmp_path, dtype):
+@pytest.mark.parametrize("dtype,attention_path", [(torch.bfloat16, True), (torch.bfloat16, False),
+                                                  (torch.float8_e4m3fn, None)], indirect=["attention_path"])
+def test_fused_step_with_stored_kv_matches_layer_by_layer(tmp_path, dtype, attention_path):
     pytest.importorskip("gguf")
     if not fused_decode.available():
         pytest.skip("the fused decode step is unavailable")
@@ -143,8 +160,11 @@ def test_fused_step_with_stored_kv_matches_layer_by_layer(tmp_path, dtype):
     prompts = [prompt_of(5, 1), prompt_of(17, 2), prompt_of(33, 3)]
     expected, plain = decode_run(model, config, dtype, False, prompts, steps=6)
     actual, fused = decode_run(model, config, dtype, True, prompts, steps=6)
+    # The two paths sum in different orders, so now and then a K/V value lands on the other side of a rounding
+    # boundary of the stored type (the check below allows 1% of them); one such element moves later logits by
+    # ~1e-4, against ~1e-5 otherwise.
     for step, (a, e) in enumerate(zip(actual, expected)):
-        assert max_diff(a, e) < 1e-4, f"step {step}: {max_diff(a, e)}"
+        assert max_diff(a, e) < 5e-4, f"step {step}: {max_diff(a, e)}"
         assert torch.equal(a.argmax(-1), e.argmax(-1))
     # Both paths stored the same K/V: float32 values that differ only in summation order, rounded alike.
     used = plain.req_to_token_pool.req_to_token[:3, :40].flatten()

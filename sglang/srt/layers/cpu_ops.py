@@ -31,7 +31,7 @@ DISABLE_ENV = "SGLANG_DISABLE_CPU_OPS"
 CSRC = Path(__file__).resolve().parent / "csrc"
 _EXTENSION = CpuExtension("sglang_cpu_ops", CSRC / "cpu_ops.cpp", "CPU decode kernels", DISABLE_ENV,
                           headers=[CSRC / "cpu_kernels.h", CSRC / "kv_types.h", CSRC / "decode_attention.h",
-                                   CSRC / "extend_attention.h"])
+                                   CSRC / "decode_attention_avx512.h", CSRC / "extend_attention.h"])
 
 
 def available() -> bool:
@@ -42,6 +42,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            kv_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, H, D], caches [slots, Hkv, D], kv_indices [B, >= max seq_len] slots, seq_lens [B] -> [B, H, D]."""
     return _EXTENSION.module().decode_attention(q, k_cache, v_cache, kv_indices, seq_lens, scale)
+
+
+def set_decode_attention_avx512(on: bool) -> bool:
+    """Turn the AVX512 path of bf16 decode attention in this module's kernels on (only where the CPU has AVX512F/BW)
+    or off; returns whether it was on. SGLANG_DECODE_ATTENTION_AVX2=1 starts every process with it off."""
+    return bool(_EXTENSION.module().set_decode_attention_avx512(on))
+
+
+def has_decode_attention_avx512() -> bool:
+    """Whether bf16 decode attention can take the AVX512 path here (this CPU, this build)."""
+    return bool(_EXTENSION.module().has_decode_attention_avx512())
 
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indices: torch.Tensor,

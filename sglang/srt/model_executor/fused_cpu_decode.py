@@ -28,7 +28,7 @@ from sglang.srt.mem_cache.kv_dtype import KERNEL_KV_DTYPES
 DISABLE_ENV = "SGLANG_DISABLE_FUSED_DECODE"
 _EXTENSION = CpuExtension("sglang_decode_stack", CSRC / "decode_stack.cpp", "fused CPU decode step", DISABLE_ENV,
                           headers=[CSRC / "cpu_kernels.h", CSRC / "kv_types.h", CSRC / "decode_attention.h",
-                                   CSRC / "attention_split.h", *KERNEL_HEADERS])
+                                   CSRC / "decode_attention_avx512.h", CSRC / "attention_split.h", *KERNEL_HEADERS])
 
 
 def available() -> bool:
@@ -37,6 +37,12 @@ def available() -> bool:
 
 def unavailable_reason() -> Optional[str]:
     return _EXTENSION.unavailable_reason()
+
+
+def set_decode_attention_avx512(on: bool) -> bool:
+    """The step's switch for the AVX512 path of bf16 attention (as cpu_ops.set_decode_attention_avx512, which sets
+    the standalone kernels' own); returns whether it was on."""
+    return bool(_EXTENSION.module().set_decode_attention_avx512(on))
 
 
 class FusedCpuDecode:

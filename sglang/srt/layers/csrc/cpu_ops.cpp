@@ -356,4 +356,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
         "residual += x (float32 or bf16), then RMSNorm of residual, written as float32 or bf16");
   m.def("store_kv", &store_kv, "Store float32 k/v rows at KV slots, converted to the cache dtype");
+  m.def("set_decode_attention_avx512", &cpu_kernels::set_decode_attention_avx512,
+        "turn the AVX512 path of bf16 decode attention on (where the CPU has it) or off; returns whether it was on",
+        py::arg("on"));
+  m.def("has_decode_attention_avx512", &cpu_kernels::has_decode_attention_avx512,
+        "whether bf16 decode attention can take the AVX512 path on this CPU in this build");
 }

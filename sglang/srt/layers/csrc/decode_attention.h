@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "cpu_kernels.h"
 #include "kv_types.h"
@@ -147,30 +148,9 @@ inline void value_tiles(const float* p, int64_t L, const KV* vbase, int64_t slot
   }
 }
 
-// attend_partial for D % 8 == 0.
-template <typename KV>
-inline void attend_partial_avx2(const float* q, int64_t group, int64_t D, const KV* kbase, const KV* vbase,
-                                int64_t slot_stride, const int64_t* slots, int64_t L, float scale, float* scores,
-                                float* out, float* mx_out, float* sum_out) {
-  for (int64_t t = 0; t < std::min(L, kTokenBlock); ++t) prefetch_row(kbase + slots[t] * slot_stride, D);
-  for (int64_t b0 = 0; b0 < L; b0 += kTokenBlock) {
-    const int64_t b1 = std::min(L, b0 + kTokenBlock);
-    for (int64_t h0 = 0; h0 < group; h0 += kHeadTile) {
-      const int64_t ht = std::min<int64_t>(kHeadTile, group - h0);
-      const int64_t prefetch_end = h0 == 0 ? L : 0;
-      int64_t t = b0;
-      with_constant<kHeadTile>(ht, [&](auto HT) {
-        t = score_tile<HT, KV>(q + h0 * D, D, kbase, slot_stride, slots, b0, b1, scale, scores + h0 * L, L,
-                               prefetch_end);
-      });
-      for (; t < b1; ++t) {
-        if (t + kTokenBlock < prefetch_end) prefetch_row(kbase + slots[t + kTokenBlock] * slot_stride, D);
-        const KV* kr = kbase + slots[t] * slot_stride;
-        for (int64_t h = h0; h < h0 + ht; ++h) scores[h * L + t] = dot(q + h * D, kr, D) * scale;
-      }
-    }
-  }
-  for (int64_t t = 0; t < std::min(L, kTokenBlock); ++t) prefetch_row(vbase + slots[t] * slot_stride, D);
+// Per row h of scores [group, L]: mx_out[h] = max_t s[t], s[t] = exp(s[t] - mx_out[h]) in place, and sum_out[h] =
+// sum_t s[t].
+inline void softmax_rows(float* scores, int64_t group, int64_t L, float* mx_out, float* sum_out) {
   for (int64_t h = 0; h < group; ++h) {
     float* s = scores + h * L;
     __m256 vmax = _mm256_set1_ps(-INFINITY);
@@ -195,6 +175,33 @@ inline void attend_partial_avx2(const float* q, int64_t group, int64_t D, const 
     mx_out[h] = mx;
     sum_out[h] = sum;
   }
+}
+
+// attend_partial for D % 8 == 0.
+template <typename KV>
+inline void attend_partial_avx2(const float* q, int64_t group, int64_t D, const KV* kbase, const KV* vbase,
+                                int64_t slot_stride, const int64_t* slots, int64_t L, float scale, float* scores,
+                                float* out, float* mx_out, float* sum_out) {
+  for (int64_t t = 0; t < std::min(L, kTokenBlock); ++t) prefetch_row(kbase + slots[t] * slot_stride, D);
+  for (int64_t b0 = 0; b0 < L; b0 += kTokenBlock) {
+    const int64_t b1 = std::min(L, b0 + kTokenBlock);
+    for (int64_t h0 = 0; h0 < group; h0 += kHeadTile) {
+      const int64_t ht = std::min<int64_t>(kHeadTile, group - h0);
+      const int64_t prefetch_end = h0 == 0 ? L : 0;
+      int64_t t = b0;
+      with_constant<kHeadTile>(ht, [&](auto HT) {
+        t = score_tile<HT, KV>(q + h0 * D, D, kbase, slot_stride, slots, b0, b1, scale, scores + h0 * L, L,
+                               prefetch_end);
+      });
+      for (; t < b1; ++t) {
+        if (t + kTokenBlock < prefetch_end) prefetch_row(kbase + slots[t + kTokenBlock] * slot_stride, D);
+        const KV* kr = kbase + slots[t] * slot_stride;
+        for (int64_t h = h0; h < h0 + ht; ++h) scores[h * L + t] = dot(q + h * D, kr, D) * scale;
+      }
+    }
+  }
+  for (int64_t t = 0; t < std::min(L, kTokenBlock); ++t) prefetch_row(vbase + slots[t] * slot_stride, D);
+  softmax_rows(scores, group, L, mx_out, sum_out);
   std::fill(out, out + group * D, 0.f);
   for (int64_t b0 = 0; b0 < L; b0 += kTokenBlock) {
     const int64_t b1 = std::min(L, b0 + kTokenBlock);
@@ -209,11 +216,40 @@ inline void attend_partial_avx2(const float* q, int64_t group, int64_t D, const 
 
 #endif  // CPU_KERNELS_AVX2
 
+}  // namespace cpu_kernels
+
+// The AVX512 bf16 path uses the tiles, prefetch and softmax above.
+#include "decode_attention_avx512.h"
+
+namespace cpu_kernels {
+
+// Whether bf16 attention can take the AVX512 path in this build on this CPU; turning it on (where it can) or off,
+// returning whether it was on. The setting is per extension module (each one compiles this header).
+inline bool has_decode_attention_avx512() {
+#ifdef CPU_KERNELS_AVX2
+  return avx512_attention_available();
+#else
+  return false;
+#endif
+}
+
+inline bool set_decode_attention_avx512(bool on) {
+#ifdef CPU_KERNELS_AVX2
+  return set_avx512_attention(on);
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 template <typename KV>
 inline void attend_partial(const float* q, int64_t group, int64_t D, const KV* kbase, const KV* vbase,
                            int64_t slot_stride, const int64_t* slots, int64_t L, float scale, float* scores,
                            float* out, float* mx, float* sum) {
 #ifdef CPU_KERNELS_AVX2
+  if constexpr (std::is_same_v<KV, kv_types::bf16>) {
+    if (attend_partial_paired(q, group, D, kbase, vbase, slot_stride, slots, L, scale, scores, out, mx, sum)) return;
+  }
   if (D % 8 == 0) {
     attend_partial_avx2(q, group, D, kbase, vbase, slot_stride, slots, L, scale, scores, out, mx, sum);
     return;

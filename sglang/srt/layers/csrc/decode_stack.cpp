@@ -505,4 +505,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &DecodeStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("out_loc"),
            py::arg("req_to_token"), py::arg("req_pool_indices"), py::arg("seq_lens"),
            py::call_guard<py::gil_scoped_release>());
+  m.def("set_decode_attention_avx512", &cpu_kernels::set_decode_attention_avx512,
+        "turn the AVX512 path of bf16 attention in the step on (where the CPU has it) or off; returns whether it was on",
+        py::arg("on"));
 }
