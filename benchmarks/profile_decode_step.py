@@ -7,8 +7,9 @@ Builds the server's Scheduler for the default model (default arithmetic plan), a
 batch building, forward inputs, the forward (model + sampling), result processing, the output message and its
 pickling. `--cprofile` prints the functions (and compiled kernels) by own time. `--stack-only` instead times the
 fused decode step's layer stack alone (one compiled call, no embedding, LM head or sampling) for --seconds, the same
-decode batch over and over (a loop to attach `perf record -p` to). OMP_WAIT_POLICY defaults to PASSIVE,
-as the server sets it, unless the environment sets it or GOMP_SPINCOUNT.
+decode batch over and over (a loop to attach `perf record -p` to); with `--attention-paths` it alternates the
+AVX512 and AVX2 paths of bf16 attention every 10 calls and reports each (where the CPU has AVX512). OMP_WAIT_POLICY
+defaults to PASSIVE, as the server sets it, unless the environment sets it or GOMP_SPINCOUNT.
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
 
 import torch  # noqa: E402
 
+from sglang.srt.layers import cpu_ops  # noqa: E402
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput  # noqa: E402
 from sglang.srt.managers.process_utils import load_tokenizer_for  # noqa: E402
 from sglang.srt.managers.scheduler.loop import Scheduler  # noqa: E402
 from sglang.srt.managers.scheduler.output import build_output_message  # noqa: E402
 from sglang.srt.managers.scheduler.results import process_result  # noqa: E402
+from sglang.srt.model_executor import fused_cpu_decode  # noqa: E402
 from sglang.srt.model_loader.model_info import load_model_info  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.server_args import PortArgs, ServerArgs  # noqa: E402
@@ -49,6 +52,8 @@ def main() -> None:
     parser.add_argument("--cprofile", action="store_true")
     parser.add_argument("--stack-only", action="store_true")
     parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--attention-paths", action="store_true",
+                        help="with --stack-only: the AVX512 and AVX2 attention paths interleaved")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     server_args = ServerArgs(model_path=args.model_path)
@@ -67,7 +72,7 @@ def main() -> None:
         forward_batch, sampling = batch.forward_inputs(sched.mem, sched.runner.vocab_size, sched.runner.device)
         process_result(sched, batch, sched.runner.forward(forward_batch, sampling))
     if args.stack_only:
-        time_stack(sched, args.seconds)
+        time_stack(sched, args.seconds, args.attention_paths)
         return
     totals = dict.fromkeys(PARTS, 0.0)
 
@@ -108,8 +113,8 @@ def main() -> None:
     print(sched.runner.decode_plan.description if sched.runner.decode_plan is not None else "no decode plan")
 
 
-def time_stack(sched: Scheduler, seconds: float) -> None:
-    """Mean and median time of the fused layer stack on the scheduler's next decode batch."""
+def time_stack(sched: Scheduler, seconds: float, attention_paths: bool) -> None:
+    """Mean and median time of the fused layer stack on the scheduler's next decode batch (per attention path)."""
     fused = sched.runner.decode_plan.fused if sched.runner.decode_plan is not None else None
     batch = sched.get_next_batch()
     assert fused is not None and batch is not None and batch.is_decode, "no fused decode step for this batch"
@@ -119,16 +124,24 @@ def time_stack(sched: Scheduler, seconds: float) -> None:
     rows = hidden.shape[0]
     call_args = (hidden, cos.view(rows, -1), sin.view(rows, -1), fb.out_cache_loc,
                  fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens)
-    times = []
+    paths = {"": None}
+    if attention_paths and cpu_ops.has_decode_attention_avx512():
+        paths = {" (attention avx512)": True, " (attention avx2)": False}
+    times: dict[str, list[float]] = {label: [] for label in paths}
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
-        t0 = time.perf_counter()
-        fused.stack.forward(*call_args)
-        times.append(time.perf_counter() - t0)
-    times = sorted(times[len(times) // 10:])  # the first tenth warms up
-    print(f"{rows} sequences, fused layer stack alone: mean {sum(times) / len(times) * 1e3:.3f} ms, "
-          f"median {times[len(times) // 2] * 1e3:.3f} ms over {len(times)} calls")
-
+        for label, avx512 in paths.items():
+            previous = None if avx512 is None else fused_cpu_decode.set_decode_attention_avx512(avx512)
+            for _ in range(10):
+                t0 = time.perf_counter()
+                fused.stack.forward(*call_args)
+                times[label].append(time.perf_counter() - t0)
+            if previous is not None:
+                fused_cpu_decode.set_decode_attention_avx512(previous)
+    for label, calls in times.items():
+        calls = sorted(calls[len(calls) // 10:])  # the first tenth warms up
+        print(f"{rows} sequences, fused layer stack alone{label}: mean {sum(calls) / len(calls) * 1e3:.3f} ms, "
+              f"median {calls[len(calls) // 2] * 1e3:.3f} ms over {len(calls)} calls")
 
 if __name__ == "__main__":
     main()
