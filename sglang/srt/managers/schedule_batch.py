@@ -214,18 +214,22 @@ class ScheduleBatch:
             offset += ext
 
     def prepare_for_decode(self, mem: MemoryPools) -> None:
-        self.out_cache_loc = mem.alloc_slots(len(self.reqs))
+        n = len(self.reqs)
+        self.out_cache_loc = mem.alloc_slots(n)
         table = mem.req_to_token_pool.req_to_token
-        for i, req in enumerate(self.reqs):
-            pos = req.seqlen - 1
-            table[req.req_pool_idx, pos] = self.out_cache_loc[i]
+        positions = [req.seqlen - 1 for req in self.reqs]
+        # One indexed write for the batch: an item assignment per request costs microseconds each.
+        index = torch.tensor([[req.req_pool_idx for req in self.reqs], positions], dtype=torch.int64,
+                             device=table.device)
+        table[index[0], index[1]] = self.out_cache_loc
+        for req, pos in zip(self.reqs, positions):
             req.kv_allocated_len = pos + 1
-            self.input_ids.append(req.output_ids[-1])
-            self.prefix_lens.append(pos)
-            self.extend_lens.append(1)
-            self.seq_lens.append(pos + 1)
-            self.logit_positions.append([i])
-            self.sample_row.append(0)
+        self.input_ids = [req.output_ids[-1] for req in self.reqs]
+        self.prefix_lens = positions
+        self.extend_lens = [1] * n
+        self.seq_lens = [pos + 1 for pos in positions]
+        self.logit_positions = [[i] for i in range(n)]
+        self.sample_row = [0] * n
 
     # ---- what the model runner receives -------------------------------------------------------------------
     def forward_inputs(self, mem: MemoryPools, vocab_size: int, device: torch.device
