@@ -9,28 +9,21 @@ set -euo pipefail
 mkdir -p "$1"; out=$(cd "$1" && pwd); before=${2:-/work/main}; shift $(( $# >= 2 ? 2 : 1 ))
 here=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-/work/main/.venv/bin/python}
-model=HuggingFaceTB/SmolLM2-135M-Instruct
 port=${PORT:-31877}
 url=http://127.0.0.1:$port
-common=(--backend sglang-oai --base-url "$url" --disable-tqdm --tokenizer "$model" --model "$model")
-random=(--dataset-name random-ids --random-input-len 130 --random-output-len 64 --random-range-ratio 1.0)
+source "$here/benchmarks/issue_workloads.sh"
 for label in before after; do
   checkout=$here; extra=()
   if [ "$label" = before ]; then checkout=$before; read -ra extra <<< "${BEFORE_FLAGS:-}"; fi
   # python -m puts the working directory first on sys.path: run each checkout from its own root.
-  (cd "$checkout" && PYTHONPATH=$checkout exec "$py" -m sglang.launch_server --model-path "$model" \
+  (cd "$checkout" && PYTHONPATH=$checkout exec "$py" -m sglang.launch_server \
+     --model-path HuggingFaceTB/SmolLM2-135M-Instruct \
      --port "$port" "${extra[@]}" "$@" > "$out/$label.server.log" 2>&1) &
   server=$!
   until curl -sf "$url/health" > /dev/null; do sleep 2; done
   curl -s "$url/get_server_info" > "$out/$label.server_info.json"
   uptime > "$out/$label.uptime"
-  run() { (cd "$here" && PYTHONPATH=$here "$py" -m sglang.bench_serving "${common[@]}" \
-            --output-file "$out/$label.jsonl" "$@"); }
-  run "${random[@]}" --num-prompts 4 --max-concurrency 1 --seed 31
-  run "${random[@]}" --num-prompts 32 --max-concurrency 16 --seed 32
-  run "${random[@]}" --num-prompts 128 --max-concurrency 64 --seed 34
-  run --dataset-name generated-shared-prefix --gsp-num-groups 4 --gsp-prompts-per-group 16 \
-      --gsp-system-prompt-len 400 --gsp-question-len 20 --gsp-output-len 32 --max-concurrency 16 --seed 33
+  issue_workloads "$py" "$here" sglang-oai "$url" "$out/$label.jsonl"
   uptime >> "$out/$label.uptime"
   pkill -TERM -P "$server" || true; kill "$server" 2> /dev/null || true; wait "$server" 2> /dev/null || true
   sleep 3
