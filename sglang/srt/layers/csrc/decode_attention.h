@@ -77,6 +77,17 @@ inline __m128 sum_each4(const __m256* a) {
   return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
+// The K rows of tokens [t, t + kScoreTokens) into rows; with prefetch_end > 0 also prefetches the rows kTokenBlock
+// tokens ahead (up to prefetch_end).
+template <typename KV>
+inline void tile_rows(const KV* kbase, int64_t slot_stride, const int64_t* slots, int64_t t, int64_t D,
+                      int64_t prefetch_end, const KV** rows) {
+  for (int j = 0; j < kScoreTokens; ++j) {
+    rows[j] = kbase + slots[t + j] * slot_stride;
+    if (t + j + kTokenBlock < prefetch_end) prefetch_row(kbase + slots[t + j + kTokenBlock] * slot_stride, D);
+  }
+}
+
 // scores[h * L + t] = scale * q_h . k_t for the HT heads at q and tokens [t0, t1) in steps of kScoreTokens (the
 // caller does the remainder); with prefetch_end > 0 also prefetches the K rows kTokenBlock tokens ahead.
 template <int HT, typename KV>
@@ -86,10 +97,7 @@ inline int64_t score_tile(const float* q, int64_t D, const KV* kbase, int64_t sl
   int64_t t = t0;
   for (; t + kScoreTokens <= t1; t += kScoreTokens) {
     const KV* kr[kScoreTokens];
-    for (int j = 0; j < kScoreTokens; ++j) {
-      kr[j] = kbase + slots[t + j] * slot_stride;
-      if (t + j + kTokenBlock < prefetch_end) prefetch_row(kbase + slots[t + j + kTokenBlock] * slot_stride, D);
-    }
+    tile_rows(kbase, slot_stride, slots, t, D, prefetch_end, kr);
     // One flat array indexed by constants (a 2-D one is kept on the stack by GCC, a store per update).
     __m256 acc[HT * kScoreTokens];
 #pragma GCC unroll 16
@@ -148,6 +156,19 @@ inline void value_tiles(const float* p, int64_t L, const KV* vbase, int64_t slot
   }
 }
 
+// Calls f(b0, b1, h0, HT, prefetch_end) for each block [b0, b1) of kTokenBlock tokens and each tile of HT (an
+// integral constant, up to kHeadTile) query heads from h0; prefetch_end is L for a block's first tile, which
+// prefetches the rows ahead, and 0 for the others.
+template <typename F>
+inline void for_each_block_tile(int64_t L, int64_t group, F&& f) {
+  for (int64_t b0 = 0; b0 < L; b0 += kTokenBlock) {
+    const int64_t b1 = std::min(L, b0 + kTokenBlock);
+    for (int64_t h0 = 0; h0 < group; h0 += kHeadTile) {
+      with_constant<kHeadTile>(group - h0, [&](auto HT) { f(b0, b1, h0, HT, h0 == 0 ? L : 0); });
+    }
+  }
+}
+
 // Per row h of scores [group, L]: mx_out[h] = max_t s[t], s[t] = exp(s[t] - mx_out[h]) in place, and sum_out[h] =
 // sum_t s[t].
 inline void softmax_rows(float* scores, int64_t group, int64_t L, float* mx_out, float* sum_out) {
@@ -203,15 +224,9 @@ inline void attend_partial_avx2(const float* q, int64_t group, int64_t D, const 
   for (int64_t t = 0; t < std::min(L, kTokenBlock); ++t) prefetch_row(vbase + slots[t] * slot_stride, D);
   softmax_rows(scores, group, L, mx_out, sum_out);
   std::fill(out, out + group * D, 0.f);
-  for (int64_t b0 = 0; b0 < L; b0 += kTokenBlock) {
-    const int64_t b1 = std::min(L, b0 + kTokenBlock);
-    for (int64_t h0 = 0; h0 < group; h0 += kHeadTile) {
-      const int64_t prefetch_end = h0 == 0 ? L : 0;
-      with_constant<kHeadTile>(group - h0, [&](auto HT) {
-        value_tiles<HT, KV>(scores + h0 * L, L, vbase, slot_stride, slots, b0, b1, out + h0 * D, D, prefetch_end);
-      });
-    }
-  }
+  for_each_block_tile(L, group, [&](int64_t b0, int64_t b1, int64_t h0, auto HT, int64_t prefetch_end) {
+    value_tiles<HT, KV>(scores + h0 * L, L, vbase, slot_stride, slots, b0, b1, out + h0 * D, D, prefetch_end);
+  });
 }
 
 #endif  // CPU_KERNELS_AVX2

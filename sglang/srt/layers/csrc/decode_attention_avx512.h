@@ -95,10 +95,7 @@ CPU_KERNELS_AVX512_TARGET inline void score_tile_512(const float* q, const kv_ty
   int64_t t = t0;
   for (; t + kScoreTokens <= t1; t += kScoreTokens) {
     const kv_types::bf16* kr[kScoreTokens];
-    for (int j = 0; j < kScoreTokens; ++j) {
-      kr[j] = kbase + slots[t + j] * slot_stride;
-      if (t + j + kTokenBlock < prefetch_end) prefetch_row(kbase + slots[t + j + kTokenBlock] * slot_stride, D);
-    }
+    tile_rows(kbase, slot_stride, slots, t, D, prefetch_end, kr);
     __m512 acc[HT * kScoreTokens];
 #pragma GCC unroll 16
     for (int i = 0; i < HT * kScoreTokens; ++i) acc[i] = _mm512_setzero_ps();
@@ -178,27 +175,16 @@ CPU_KERNELS_AVX512_TARGET inline void attend_partial_avx512(const float* q, int6
   alignas(64) float paired[kPairedMaxFloats];
   for (int64_t h = 0; h < group; ++h) to_paired(q + h * D, D, paired + h * D);
   for (int64_t t = 0; t < std::min(L, kTokenBlock); ++t) prefetch_row(kbase + slots[t] * slot_stride, D);
-  for (int64_t b0 = 0; b0 < L; b0 += kTokenBlock) {
-    const int64_t b1 = std::min(L, b0 + kTokenBlock);
-    for (int64_t h0 = 0; h0 < group; h0 += kHeadTile) {
-      with_constant<kHeadTile>(std::min<int64_t>(kHeadTile, group - h0), [&](auto HT) {
-        score_tile_512<HT, NCH>(paired + h0 * D, kbase, slot_stride, slots, b0, b1, scale, scores + h0 * L, L,
-                                h0 == 0 ? L : 0);
-      });
-    }
-  }
+  for_each_block_tile(L, group, [&](int64_t b0, int64_t b1, int64_t h0, auto HT, int64_t prefetch_end) {
+    score_tile_512<HT, NCH>(paired + h0 * D, kbase, slot_stride, slots, b0, b1, scale, scores + h0 * L, L,
+                            prefetch_end);
+  });
   for (int64_t t = 0; t < std::min(L, kTokenBlock); ++t) prefetch_row(vbase + slots[t] * slot_stride, D);
   softmax_rows(scores, group, L, mx, sum);
   std::fill(paired, paired + group * D, 0.f);
-  for (int64_t b0 = 0; b0 < L; b0 += kTokenBlock) {
-    const int64_t b1 = std::min(L, b0 + kTokenBlock);
-    for (int64_t h0 = 0; h0 < group; h0 += kHeadTile) {
-      with_constant<kHeadTile>(std::min<int64_t>(kHeadTile, group - h0), [&](auto HT) {
-        value_tile_512<HT, NCH>(scores + h0 * L, L, vbase, slot_stride, slots, b0, b1, paired + h0 * D,
-                                h0 == 0 ? L : 0);
-      });
-    }
-  }
+  for_each_block_tile(L, group, [&](int64_t b0, int64_t b1, int64_t h0, auto HT, int64_t prefetch_end) {
+    value_tile_512<HT, NCH>(scores + h0 * L, L, vbase, slot_stride, slots, b0, b1, paired + h0 * D, prefetch_end);
+  });
   for (int64_t h = 0; h < group; ++h) from_paired(paired + h * D, D, out + h * D);
 }
 
