@@ -7,7 +7,7 @@
 // accumulators stay in that layout and are put back in channel order once at the end.
 //
 // Compiled into the AVX2 build with function-level targets and chosen at run time (avx512_attention_enabled()).
-// Included by decode_attention.h after the AVX2 tiles, whose constants, prefetch and softmax it shares.
+// Included by decode_attention.h after the AVX2 tiles, whose constants, loops, prefetch and softmax it shares.
 #pragma once
 
 #include <algorithm>
