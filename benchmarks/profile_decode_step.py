@@ -143,5 +143,6 @@ def time_stack(sched: Scheduler, seconds: float, attention_paths: bool) -> None:
         print(f"{rows} sequences, fused layer stack alone{label}: mean {sum(calls) / len(calls) * 1e3:.3f} ms, "
               f"median {calls[len(calls) // 2] * 1e3:.3f} ms over {len(calls)} calls")
 
+
 if __name__ == "__main__":
     main()

@@ -71,6 +71,12 @@ inline void prefetch_row(const KV* row, int64_t D) {
     _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
 }
 
+// Asks for the rows of the first kTokenBlock of L tokens (the in-loop prefetch runs kTokenBlock tokens ahead).
+template <typename KV>
+inline void prefetch_first_rows(const KV* base, int64_t slot_stride, const int64_t* slots, int64_t L, int64_t D) {
+  for (int64_t t = 0; t < std::min(L, kTokenBlock); ++t) prefetch_row(base + slots[t] * slot_stride, D);
+}
+
 // [sum(a[0]), sum(a[1]), sum(a[2]), sum(a[3])]
 inline __m128 sum_each4(const __m256* a) {
   const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
@@ -203,25 +209,17 @@ template <typename KV>
 inline void attend_partial_avx2(const float* q, int64_t group, int64_t D, const KV* kbase, const KV* vbase,
                                 int64_t slot_stride, const int64_t* slots, int64_t L, float scale, float* scores,
                                 float* out, float* mx_out, float* sum_out) {
-  for (int64_t t = 0; t < std::min(L, kTokenBlock); ++t) prefetch_row(kbase + slots[t] * slot_stride, D);
-  for (int64_t b0 = 0; b0 < L; b0 += kTokenBlock) {
-    const int64_t b1 = std::min(L, b0 + kTokenBlock);
-    for (int64_t h0 = 0; h0 < group; h0 += kHeadTile) {
-      const int64_t ht = std::min<int64_t>(kHeadTile, group - h0);
-      const int64_t prefetch_end = h0 == 0 ? L : 0;
-      int64_t t = b0;
-      with_constant<kHeadTile>(ht, [&](auto HT) {
-        t = score_tile<HT, KV>(q + h0 * D, D, kbase, slot_stride, slots, b0, b1, scale, scores + h0 * L, L,
-                               prefetch_end);
-      });
-      for (; t < b1; ++t) {
-        if (t + kTokenBlock < prefetch_end) prefetch_row(kbase + slots[t + kTokenBlock] * slot_stride, D);
-        const KV* kr = kbase + slots[t] * slot_stride;
-        for (int64_t h = h0; h < h0 + ht; ++h) scores[h * L + t] = dot(q + h * D, kr, D) * scale;
-      }
+  prefetch_first_rows(kbase, slot_stride, slots, L, D);
+  for_each_block_tile(L, group, [&](int64_t b0, int64_t b1, int64_t h0, auto HT, int64_t prefetch_end) {
+    int64_t t = score_tile<HT, KV>(q + h0 * D, D, kbase, slot_stride, slots, b0, b1, scale, scores + h0 * L, L,
+                                   prefetch_end);
+    for (; t < b1; ++t) {
+      if (t + kTokenBlock < prefetch_end) prefetch_row(kbase + slots[t + kTokenBlock] * slot_stride, D);
+      const KV* kr = kbase + slots[t] * slot_stride;
+      for (int64_t h = h0; h < h0 + HT; ++h) scores[h * L + t] = dot(q + h * D, kr, D) * scale;
     }
-  }
-  for (int64_t t = 0; t < std::min(L, kTokenBlock); ++t) prefetch_row(vbase + slots[t] * slot_stride, D);
+  });
+  prefetch_first_rows(vbase, slot_stride, slots, L, D);
   softmax_rows(scores, group, L, mx_out, sum_out);
   std::fill(out, out + group * D, 0.f);
   for_each_block_tile(L, group, [&](int64_t b0, int64_t b1, int64_t h0, auto HT, int64_t prefetch_end) {
@@ -250,7 +248,7 @@ inline bool has_decode_attention_avx512() {
 
 inline bool set_decode_attention_avx512(bool on) {
 #ifdef CPU_KERNELS_AVX2
-  return set_avx512_attention(on);
+  return avx512_attention_flag().exchange(on && avx512_attention_available());
 #else
   (void)on;
   return false;

@@ -32,18 +32,13 @@ inline bool avx512_attention_available() {
 }
 
 // Whether attention takes the AVX512 path: where available, unless SGLANG_DECODE_ATTENTION_AVX2=1 (or
-// set_avx512_attention(false)) keeps the AVX2 one.
+// set_decode_attention_avx512(false), decode_attention.h) keeps the AVX2 one.
 inline std::atomic<bool>& avx512_attention_flag() {
   static std::atomic<bool> on{avx512_attention_available() && std::getenv("SGLANG_DECODE_ATTENTION_AVX2") == nullptr};
   return on;
 }
 
 inline bool avx512_attention_enabled() { return avx512_attention_flag().load(std::memory_order_relaxed); }
-
-// Turns the AVX512 path on (only where available) or off; returns whether it was on.
-inline bool set_avx512_attention(bool on) {
-  return avx512_attention_flag().exchange(on && avx512_attention_available());
-}
 
 // The largest group * D the path handles (the paired query heads live in a stack buffer).
 constexpr int64_t kPairedMaxFloats = 4096;
@@ -174,12 +169,12 @@ CPU_KERNELS_AVX512_TARGET inline void attend_partial_avx512(const float* q, int6
   constexpr int64_t D = 32 * NCH;
   alignas(64) float paired[kPairedMaxFloats];
   for (int64_t h = 0; h < group; ++h) to_paired(q + h * D, D, paired + h * D);
-  for (int64_t t = 0; t < std::min(L, kTokenBlock); ++t) prefetch_row(kbase + slots[t] * slot_stride, D);
+  prefetch_first_rows(kbase, slot_stride, slots, L, D);
   for_each_block_tile(L, group, [&](int64_t b0, int64_t b1, int64_t h0, auto HT, int64_t prefetch_end) {
     score_tile_512<HT, NCH>(paired + h0 * D, kbase, slot_stride, slots, b0, b1, scale, scores + h0 * L, L,
                             prefetch_end);
   });
-  for (int64_t t = 0; t < std::min(L, kTokenBlock); ++t) prefetch_row(vbase + slots[t] * slot_stride, D);
+  prefetch_first_rows(vbase, slot_stride, slots, L, D);
   softmax_rows(scores, group, L, mx, sum);
   std::fill(paired, paired + group * D, 0.f);
   for_each_block_tile(L, group, [&](int64_t b0, int64_t b1, int64_t h0, auto HT, int64_t prefetch_end) {
