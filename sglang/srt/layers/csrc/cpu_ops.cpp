@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -112,24 +113,34 @@ void extend_attention_tasks(const float* qp, int64_t q_stride, const torch::Tens
                             const int64_t* ext_lens, const int64_t* prefix_lens, int64_t N, float* op, int64_t H,
                             int64_t Hkv, int64_t D, float scale) {
   const int64_t group = H / Hkv;
-  // Tasks in sequence order, then KV head, then query-row block.
-  std::vector<int64_t> task_seq, task_row;
+  // One task per (sequence, KV head, block of query rows). A causal task's work grows with the keys its rows see,
+  // so the tasks of a long prompt differ several-fold: they are claimed dynamically, most expensive first (a static
+  // split of the task list gave one thread the later, longer rows of a single long prompt).
+  struct Task {
+    int64_t cost, b, g, r0;
+  };
+  std::vector<Task> tasks;
   for (int64_t b = 0; b < N; ++b)
     for (int64_t g = 0; g < Hkv; ++g)
       for (int64_t r = 0; r < ext_lens[b]; r += cpu_kernels::kExtendRows) {
-        task_seq.push_back(b * Hkv + g);
-        task_row.push_back(r);
+        const int64_t rows = std::min(ext_lens[b] - r, cpu_kernels::kExtendRows);
+        // keys read (gathered once per task) plus query-key pairs scored: prefix + r .. prefix + r + rows - 1
+        const int64_t keys = prefix_lens[b] + r + rows;
+        tasks.push_back({keys * (8 + group * rows) - group * rows * rows / 2, b, g, r});
       }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
   const KV* kp = static_cast<const KV*>(k_cache.data_ptr());
   const KV* vp = static_cast<const KV*>(v_cache.data_ptr());
-  at::parallel_for(0, static_cast<int64_t>(task_seq.size()), 1, [&](int64_t begin, int64_t end) {
+  const int64_t count = static_cast<int64_t>(tasks.size());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), count), 1, [&](int64_t, int64_t) {
     cpu_kernels::ExtendScratch scratch;
     scratch.size_for(group, D);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = task_seq[t] / Hkv, g = task_seq[t] % Hkv;
-      const int64_t r0 = task_row[t], r1 = std::min(ext_lens[b], r0 + cpu_kernels::kExtendRows);
-      cpu_kernels::extend_attention_task(qp, q_stride, kp, vp, Hkv * D, ip + b * stride_idx, starts[b],
-                                         prefix_lens[b], r0, r1, g, group, H, D, scale, op, scratch);
+    for (int64_t t = next.fetch_add(1); t < count; t = next.fetch_add(1)) {
+      const Task& task = tasks[t];
+      const int64_t r1 = std::min(ext_lens[task.b], task.r0 + cpu_kernels::kExtendRows);
+      cpu_kernels::extend_attention_task(qp, q_stride, kp, vp, Hkv * D, ip + task.b * stride_idx, starts[task.b],
+                                         prefix_lens[task.b], task.r0, r1, task.g, group, H, D, scale, op, scratch);
     }
   });
 }
