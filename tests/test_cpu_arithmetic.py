@@ -94,6 +94,26 @@ def test_kv_cache_dtype_per_cpu_class_and_flags(flags):
     assert choose_arithmetic("cuda", "auto", "auto", flags, config_dtype="float16").kv_dtype == torch.float16
 
 
+def test_prefill_attention_per_cpu_class_and_plan():
+    """bf16 dot products where the CPU has AVX512-BF16 and K/V are bf16, unless float32 arithmetic was asked for."""
+    for flags in (BF16_VNNI_FLAGS, AMX_FLAGS):
+        for dtype, gemm, kv in [("auto", "auto", "auto"), ("bfloat16", "auto", "auto"), ("auto", "int8", "bfloat16"),
+                                ("auto", "bfloat16", "bfloat16")]:
+            plan = choose_arithmetic("cpu", dtype, gemm, flags, kv_cache_dtype=kv)
+            assert plan.prefill_attention == "bfloat16", (flags, dtype, gemm, kv)
+        for dtype, gemm, kv in [("float32", "auto", "auto"), ("auto", "float32", "auto"), ("auto", "auto", "float32"),
+                                ("auto", "float32", "bfloat16"), ("auto", "bfloat16", "auto"),
+                                ("auto", "auto", "fp8_e4m3")]:
+            assert choose_arithmetic("cpu", dtype, gemm, flags, kv_cache_dtype=kv).prefill_attention == "float32"
+    # AVX2-only CPUs, ARM and accelerators never take it, whatever the K/V dtype
+    assert choose_arithmetic("cpu", "auto", "bfloat16", AVX2_FLAGS, kv_cache_dtype="bfloat16").prefill_attention == (
+        "float32")
+    assert choose_arithmetic("cpu", "bfloat16", "auto", ["bf16", "asimd"], "aarch64").prefill_attention == "float32"
+    assert choose_arithmetic("cuda", "bfloat16", "auto", AMX_FLAGS).prefill_attention == "float32"
+    plan = choose_arithmetic("cpu", "auto", "auto", BF16_VNNI_FLAGS)
+    assert plan.to_dict()["prefill_attention"] == "bfloat16" and "prefill attention bfloat16" in plan.describe()
+
+
 @pytest.mark.parametrize("flags", [AVX2_FLAGS, BF16_VNNI_FLAGS, AMX_FLAGS])
 def test_explicit_dtype_means_what_it_says(flags):
     bf16 = choose_arithmetic("cpu", "bfloat16", "auto", flags)

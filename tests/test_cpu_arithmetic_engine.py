@@ -18,7 +18,8 @@ from test_engine_greedy import (  # noqa: F401
 )
 
 from sglang import Engine
-from sglang.srt.layers.arithmetic import VNNI_FLAGS
+from sglang.srt.layers import cpu_ops
+from sglang.srt.layers.arithmetic import BF16_DOT_FLAGS, VNNI_FLAGS
 from sglang.srt.model_loader.dtype import read_cpu_flags
 from tests.conftest import SMOLLM2
 
@@ -70,3 +71,24 @@ def test_server_reports_plan():
     assert info["arithmetic"]["weight_dtype"] == "float32"
     assert info["arithmetic"]["gguf_activations"] == "float32"  # --cpu-gemm float32: float32 throughout
     assert info["arithmetic"]["gguf_activations_reason"] == "--cpu-gemm float32 asks for float32 arithmetic"
+
+
+def test_bf16_prefill_attention_keeps_greedy_tokens(reference, smollm2_hf, smollm2_tokenizer):  # noqa: F811
+    """bf16 K/V with bf16 GEMMs: where the CPU has AVX512-BF16, prefill attention multiplies with bf16 dot products
+    (the plan reports it); greedy tokens stay transformers' float32 choices up to near-ties, and a prompt that extends
+    a cached one (its new tokens attend over cached bf16 K/V) gives the same output each time."""
+    native = BF16_DOT_FLAGS <= read_cpu_flags() and cpu_ops.has_extend_attention_bf16()
+    with Engine(model_path=SMOLLM2, cpu_gemm="bfloat16", kv_cache_dtype="bfloat16") as eng:
+        info = eng.get_server_info()
+        assert info["arithmetic"]["prefill_attention"] == ("bfloat16" if native else "float32")
+        prompts = many_prompts(8)
+        for prompt, ours, expected in zip(prompts, generate_ids(eng, prompts), reference(prompts)):
+            assert_same_or_near_tie(smollm2_hf, smollm2_tokenizer, prompt, ours, expected, BF16_MARGIN)
+        long_prompt = " ".join(PROMPTS[1:] * 3)
+        first = eng.generate(prompt=long_prompt, sampling_params=GREEDY)
+        again = eng.generate(prompt=long_prompt + " Then", sampling_params=GREEDY)
+        fresh = eng.generate(prompt=long_prompt + " Then", sampling_params=GREEDY)
+        assert again["meta_info"]["cached_tokens"] > 0 and fresh["output_ids"] == again["output_ids"]
+        (expected,) = reference([long_prompt])
+        assert_same_or_near_tie(smollm2_hf, smollm2_tokenizer, long_prompt, first["output_ids"], expected,
+                                BF16_MARGIN)

@@ -75,13 +75,74 @@ def test_matches_sdpa(heads, kv_heads, dim, extend_lens, prefix_lens):
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
 
 
+@pytest.fixture
+def bf16_dots(request):
+    """AVX512-BF16 dot products over bf16 K/V on (True) or off (False) for one test."""
+    on = request.param
+    if on and not cpu_ops.has_extend_attention_bf16():
+        pytest.skip("this CPU has no AVX512-BF16")
+    previous = cpu_ops.set_extend_attention_bf16(on)
+    yield on
+    cpu_ops.set_extend_attention_bf16(previous)
+
+
+@pytest.mark.parametrize("bf16_dots", [False], indirect=True)
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
-def test_reads_low_precision_kv(kv_dtype):
+def test_reads_low_precision_kv(kv_dtype, bf16_dots):
     extend_lens, prefix_lens = [90, 4], [40, 100]
     q, k_cache, v_cache, rows = make_batch(9, 3, 64, extend_lens, prefix_lens, kv_dtype=kv_dtype)
     out = run_kernel(q, k_cache, v_cache, rows, extend_lens, prefix_lens, 0.125)
     expected = reference(q, k_cache, v_cache, rows, extend_lens, prefix_lens, 0.125)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+
+
+# Head sizes the bf16 dot-product path takes (multiples of 32 up to 256), groups whose query count is not a multiple
+# of 16 lanes, prefixes that start mid-block, single-token extends, and a prompt of several 64-key blocks.
+BF16_CASES = [
+    (9, 3, 64, [130, 7, 1, 64, 65, 32, 33], [0, 0, 0, 0, 0, 0, 0]),
+    (9, 3, 64, [20, 1, 300, 2], [400, 33, 64, 127]),
+    (8, 1, 128, [100, 5], [50, 0]),
+    (14, 2, 96, [40, 3], [10, 61]),
+    (4, 2, 256, [70, 1], [5, 200]),
+    (4, 4, 32, [1, 1, 1], [5, 0, 90]),
+]
+
+
+@pytest.mark.parametrize("bf16_dots", [True], indirect=True)
+@pytest.mark.parametrize("heads,kv_heads,dim,extend_lens,prefix_lens", BF16_CASES)
+@pytest.mark.parametrize("magnitude", [1.0, 8.0])
+def test_bf16_dot_products_match_sdpa(heads, kv_heads, dim, extend_lens, prefix_lens, magnitude, bf16_dots):
+    """Over bf16 K/V the AVX512-BF16 path rounds the scaled queries and the softmax weights to bf16: against SDPA on
+    the same bf16-rounded queries only the weights' rounding (2^-9 relative) is left."""
+    q, k_cache, v_cache, rows = make_batch(heads, kv_heads, dim, extend_lens, prefix_lens, kv_dtype=torch.bfloat16,
+                                           magnitude=magnitude, seed=dim)
+    scale = dim**-0.5
+    out = run_kernel(q, k_cache, v_cache, rows, extend_lens, prefix_lens, scale)
+    q_rounded = (q * scale).bfloat16().float() / scale
+    expected = reference(q_rounded, k_cache, v_cache, rows, extend_lens, prefix_lens, scale)
+    torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
+    if magnitude > 1.0:
+        return  # scores of hundreds: rounding the queries moves them by more than the float32 path's error
+    # the same as the float32 path to bf16 accuracy, and far closer than a wrong key or channel order would be
+    cpu_ops.set_extend_attention_bf16(False)
+    float_out = run_kernel(q, k_cache, v_cache, rows, extend_lens, prefix_lens, scale)
+    assert (out - float_out).abs().max() < 0.02 * float_out.abs().max()
+
+
+@pytest.mark.parametrize("bf16_dots", [True], indirect=True)
+def test_bf16_dot_products_leave_other_head_sizes_to_the_float32_path(bf16_dots):
+    extend_lens, prefix_lens = [70, 3], [10, 61]
+    q, k_cache, v_cache, rows = make_batch(6, 2, 80, extend_lens, prefix_lens, kv_dtype=torch.bfloat16)
+    out = run_kernel(q, k_cache, v_cache, rows, extend_lens, prefix_lens, 80**-0.5)
+    expected = reference(q, k_cache, v_cache, rows, extend_lens, prefix_lens, 80**-0.5)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_bf16_dot_products_switch():
+    available = cpu_ops.has_extend_attention_bf16()
+    previous = cpu_ops.set_extend_attention_bf16(True)
+    assert cpu_ops.set_extend_attention_bf16(False) == available
+    assert cpu_ops.set_extend_attention_bf16(previous) is False
 
 
 def test_large_scores_underflow_like_sdpa():

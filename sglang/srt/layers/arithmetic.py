@@ -25,6 +25,11 @@ float32 plan stays float32 everywhere; `q8_0` asks for it on any CPU.
 `--kv-cache-dtype auto` stores K/V in bf16 where the plan is automatic on a CPU with native bf16 (late in a long
 generation K/V are most of the bytes a decode step reads), in the model dtype elsewhere (`choose_kv_cache_dtype`).
 
+Prefill and extend attention over bf16 K/V multiplies with AVX512-BF16 dot products where the CPU has them and the
+plan is not float32 (`prefill_attention`, layers/csrc/extend_attention_bf16.h): the scaled queries and the softmax
+weights are rounded to bf16 like a bf16 GEMM's inputs, 1.7-2x faster than the float32 kernel (benchmarks/RESULTS.md,
+2026-11-25). Elsewhere the kernel computes in float32.
+
 `choose_arithmetic` is a pure function of its inputs so every CPU class can be tested on any machine;
 `read_cpu_flags` (model_loader/dtype.py) is the one place that reads /proc/cpuinfo.
 """
@@ -47,6 +52,8 @@ GGUF_ACTIVATIONS = ("auto", "float32", "int8")
 SMALL_BATCH_QUANTIZATIONS = ("auto", "none", "q8_0")
 # What the int8-activation kernels need (names as in /proc/cpuinfo).
 VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
+# What the bf16 dot products of prefill attention need.
+BF16_DOT_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
 
 # CPU classes, from the flags that decide which GEMM is fastest.
 AMX = "amx"
@@ -90,6 +97,9 @@ class ArithmeticPlan:
     # the most rows a matmul (and a decode batch, in the fused step) takes on the quantized blocks; above it the
     # large-batch GEMM and the layer-by-layer path. --gguf-kernel-max-rows overrides it.
     small_batch_max_rows: int = 64
+    # what prefill / extend attention multiplies over the K/V cache: bfloat16 (dot products) | float32
+    prefill_attention: str = "float32"
+    prefill_attention_reason: str = ""
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -104,7 +114,8 @@ class ArithmeticPlan:
         return (f"Arithmetic: {where}; {stored}; prefill and large batches "
                 f"{self.large_batch_gemm} GEMM ({self.reason}); GGUF blocks with {self.gguf_activations} "
                 f"activations ({self.gguf_activations_reason}) up to {self.small_batch_max_rows} rows; "
-                f"checkpoints without GGUF blocks: {self.small_batch_quantization} blocks for small batches")
+                f"checkpoints without GGUF blocks: {self.small_batch_quantization} blocks for small batches; "
+                f"prefill attention {self.prefill_attention} ({self.prefill_attention_reason})")
 
     def to_dict(self) -> dict[str, Union[str, int]]:
         return {
@@ -118,6 +129,8 @@ class ArithmeticPlan:
             "gguf_activations_reason": self.gguf_activations_reason,
             "small_batch_quantization": self.small_batch_quantization,
             "small_batch_max_rows": self.small_batch_max_rows,
+            "prefill_attention": self.prefill_attention,
+            "prefill_attention_reason": self.prefill_attention_reason,
         }
 
 
@@ -175,10 +188,26 @@ def choose_arithmetic(
     elif small_batch_quantization == "q8_0" and (plan.cpu_class == "" or plan.weight_dtype != torch.float32):
         raise ValueError("--small-batch-quantization q8_0 needs float32 weights on CPU (--dtype auto or float32)")
     kv, kv_why = choose_kv_cache_dtype(kv_cache_dtype, plan, dtype, cpu_gemm)
-    return dataclasses.replace(plan, gguf_activations=act, gguf_activations_reason=why,
+    plan = dataclasses.replace(plan, gguf_activations=act, gguf_activations_reason=why,
                                small_batch_quantization=small_batch_quantization,
                                small_batch_max_rows=small_batch_rows(plan), kv_cache_dtype=kv,
                                kv_cache_dtype_reason=kv_why)
+    attention, attention_why = choose_prefill_attention(plan, flags, machine)
+    return dataclasses.replace(plan, prefill_attention=attention, prefill_attention_reason=attention_why)
+
+
+def choose_prefill_attention(plan: ArithmeticPlan, flags: frozenset[str], machine: str) -> tuple[str, str]:
+    """bfloat16 where the compiled CPU kernel can multiply bf16 K/V with AVX512-BF16 dot products and nothing asked
+    for float32 arithmetic; float32 otherwise."""
+    if plan.cpu_class == "":
+        return "float32", "accelerators run SDPA in the model dtype"
+    if plan.kv_dtype != torch.bfloat16:
+        return "float32", f"K/V are {str(plan.kv_dtype).removeprefix('torch.')}"
+    if plan.large_batch_gemm == "float32":
+        return "float32", "float32 GEMMs: float32 arithmetic"
+    if machine.lower() not in ("x86_64", "amd64") or not BF16_DOT_FLAGS <= flags:
+        return "float32", "no AVX512-BF16 dot products on this CPU"
+    return "bfloat16", "bf16 K/V and AVX512-BF16 dot products (queries and softmax weights rounded to bf16)"
 
 
 def choose_kv_cache_dtype(requested: str, plan: ArithmeticPlan, dtype: str = "auto",

@@ -31,7 +31,8 @@ DISABLE_ENV = "SGLANG_DISABLE_CPU_OPS"
 CSRC = Path(__file__).resolve().parent / "csrc"
 _EXTENSION = CpuExtension("sglang_cpu_ops", CSRC / "cpu_ops.cpp", "CPU decode kernels", DISABLE_ENV,
                           headers=[CSRC / "cpu_kernels.h", CSRC / "kv_types.h", CSRC / "decode_attention.h",
-                                   CSRC / "decode_attention_avx512.h", CSRC / "extend_attention.h"])
+                                   CSRC / "decode_attention_avx512.h", CSRC / "extend_attention.h",
+                                   CSRC / "extend_attention_bf16.h"])
 
 
 def available() -> bool:
@@ -53,6 +54,17 @@ def set_decode_attention_avx512(on: bool) -> bool:
 def has_decode_attention_avx512() -> bool:
     """Whether bf16 decode attention can take the AVX512 path here (this CPU, this build)."""
     return bool(_EXTENSION.module().has_decode_attention_avx512())
+
+
+def set_extend_attention_bf16(on: bool) -> bool:
+    """Turn AVX512-BF16 dot products in extend attention over bf16 K/V on (only where the CPU has them) or off;
+    returns whether they were on. SGLANG_EXTEND_ATTENTION_FLOAT32=1 starts every process with them off."""
+    return bool(_EXTENSION.module().set_extend_attention_bf16(on))
+
+
+def has_extend_attention_bf16() -> bool:
+    """Whether extend attention over bf16 K/V can use AVX512-BF16 dot products here (this CPU, this build)."""
+    return bool(_EXTENSION.module().has_extend_attention_bf16())
 
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indices: torch.Tensor,

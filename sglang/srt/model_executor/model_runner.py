@@ -15,6 +15,7 @@ import torch
 from sglang.srt.distributed.parallel_state import get_tp_group
 from sglang.srt.distributed.partition import head_partition
 from sglang.srt.forward_batch import ForwardBatch
+from sglang.srt.layers import cpu_ops
 from sglang.srt.layers.arithmetic import ArithmeticPlan
 from sglang.srt.layers.attention.torch_sdpa_backend import TorchSDPABackend
 from sglang.srt.layers.pooler import Pooler
@@ -81,6 +82,8 @@ class ModelRunner:
         self.vocab_size = hf_config.get_text_config().vocab_size
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.attn_backend = TorchSDPABackend()
+        if arithmetic is not None and self.device.type == "cpu" and cpu_ops.available():
+            cpu_ops.set_extend_attention_bf16(arithmetic.prefill_attention == "bfloat16")
         self.sampler = Sampler()
         self.decode_plan: Optional[DecodePlan] = None
         # Embedding / reward / cross-encoder models produce one row per sequence instead of logits.

@@ -18,6 +18,7 @@
 #include "cpu_kernels.h"
 #include "decode_attention.h"
 #include "extend_attention.h"
+#include "extend_attention_bf16.h"
 
 using cpu_kernels::rms_norm_rows;
 
@@ -133,12 +134,35 @@ void extend_attention_tasks(const float* qp, int64_t q_stride, const torch::Tens
   const KV* vp = static_cast<const KV*>(v_cache.data_ptr());
   const int64_t count = static_cast<int64_t>(tasks.size());
   std::atomic<int64_t> next{0};
+#ifdef CPU_KERNELS_AVX2
+  constexpr bool bf16_kv = std::is_same_v<KV, kv_types::bf16>;
+  const bool bf16_dots = bf16_kv && cpu_kernels::extend_attention_bf16_enabled(D);
+#endif
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), count), 1, [&](int64_t, int64_t) {
     cpu_kernels::ExtendScratch scratch;
+#ifdef CPU_KERNELS_AVX2
+    cpu_kernels::ExtendBf16Scratch bf16_scratch;
+    if (bf16_dots) {
+      bf16_scratch.size_for(group, D);
+    } else {
+      scratch.size_for(group, D);
+    }
+#else
     scratch.size_for(group, D);
+#endif
     for (int64_t t = next.fetch_add(1); t < count; t = next.fetch_add(1)) {
       const Task& task = tasks[t];
       const int64_t r1 = std::min(ext_lens[task.b], task.r0 + cpu_kernels::kExtendRows);
+#ifdef CPU_KERNELS_AVX2
+      if constexpr (bf16_kv) {
+        if (bf16_dots) {
+          cpu_kernels::extend_attention_task_bf16(qp, q_stride, kp, vp, Hkv * D, ip + task.b * stride_idx,
+                                                  starts[task.b], prefix_lens[task.b], task.r0, r1, task.g, group, H,
+                                                  D, scale, op, bf16_scratch);
+          continue;
+        }
+      }
+#endif
       cpu_kernels::extend_attention_task(qp, q_stride, kp, vp, Hkv * D, ip + task.b * stride_idx, starts[task.b],
                                          prefix_lens[task.b], task.r0, r1, task.g, group, H, D, scale, op, scratch);
     }
@@ -372,4 +396,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("on"));
   m.def("has_decode_attention_avx512", &cpu_kernels::has_decode_attention_avx512,
         "whether bf16 decode attention can take the AVX512 path on this CPU in this build");
+  m.def("set_extend_attention_bf16", &cpu_kernels::set_extend_attention_bf16,
+        "turn bf16 dot products in extend attention over bf16 K/V on (where the CPU has AVX512-BF16) or off; "
+        "returns whether they were on",
+        py::arg("on"));
+  m.def("has_extend_attention_bf16", &cpu_kernels::has_extend_attention_bf16,
+        "whether extend attention over bf16 K/V can use AVX512-BF16 dot products on this CPU in this build");
 }
