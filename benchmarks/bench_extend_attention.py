@@ -3,6 +3,8 @@
 `PYTHONPATH=. python benchmarks/bench_extend_attention.py` times one layer's attention (9 query / 3 KV heads, 64
 channels, float32 K/V in scattered pool slots) for a few batch shapes: the kernel over the whole batch, and SDPA
 per sequence on K/V gathered with index_select (what torch_sdpa_backend.forward_extend runs without the kernel).
+Then, over bf16 K/V, the kernel's float32 path against its AVX512-BF16 dot products (where the CPU has them),
+alternated six times per shape; medians.
 """
 
 from __future__ import annotations
@@ -54,6 +56,27 @@ def main() -> None:
         sdpa = timed(lambda: sdpa_per_sequence(q, k_cache, v_cache, rows, extend_lens, prefix_lens, 0.125))
         print(f"{n} x {ext} new tokens after {pre} cached: kernel {kernel:.2f} ms, SDPA per sequence {sdpa:.2f} ms "
               f"({sdpa / kernel:.2f}x)")
+    bf16_paths()
+
+
+def bf16_paths() -> None:
+    if not cpu_ops.has_extend_attention_bf16():
+        print("bf16 K/V: this CPU has no AVX512-BF16 dot products")
+        return
+    previous = cpu_ops.set_extend_attention_bf16(True)
+    for ext, pre, n in SHAPES + [(2048, 0, 1)]:
+        extend_lens, prefix_lens = [ext] * n, [pre] * n
+        q, k_cache, v_cache, rows = make_batch(9, 3, 64, extend_lens, prefix_lens, kv_dtype=torch.bfloat16)
+        times: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(6):
+            for on in (False, True):
+                cpu_ops.set_extend_attention_bf16(on)
+                times[on].append(timed(lambda: run_kernel(q, k_cache, v_cache, rows, extend_lens, prefix_lens,
+                                                          0.125), reps=10))
+        f32, bf16 = (sorted(times[on])[3] for on in (False, True))
+        print(f"bf16 K/V, {n} x {ext} new tokens after {pre} cached: float32 kernel {f32:.2f} ms, bf16 dot products "
+              f"{bf16:.2f} ms ({f32 / bf16:.2f}x)")
+    cpu_ops.set_extend_attention_bf16(previous)
 
 
 if __name__ == "__main__":

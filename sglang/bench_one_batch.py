@@ -110,12 +110,15 @@ def main() -> None:
                         help="activations of the GGUF block kernels (see --gguf-activations of the server)")
     parser.add_argument("--small-batch-quantization", default="auto", choices=["auto", "none", "q8_0"],
                         help="Q8_0 blocks for the small batches of a checkpoint without GGUF blocks (see the server)")
+    parser.add_argument("--prefill-attention", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="prefill attention over bf16 K/V (see --prefill-attention of the server)")
     args = parser.parse_args()
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     server_args = ServerArgs(model_path=args.model_path, dtype=args.dtype, cpu_gemm=args.cpu_gemm,
                              gguf_activations=args.gguf_activations,
-                             small_batch_quantization=args.small_batch_quantization)
+                             small_batch_quantization=args.small_batch_quantization,
+                             prefill_attention=args.prefill_attention)
     info = load_model_info(server_args)
     need = max(args.batch_size) * (args.input_len + args.output_len) + 16
     runner, mem = build_runner(info, server_args.device, need, max(args.batch_size), args.gguf_kernel_max_rows)
@@ -124,7 +127,9 @@ def main() -> None:
         gemm = info.arithmetic.large_batch_gemm if info.arithmetic is not None else ""
         act = info.arithmetic.gguf_activations if info.arithmetic is not None else ""
         small = info.arithmetic.small_batch_quantization if info.arithmetic is not None else ""
+        attention = info.arithmetic.prefill_attention if info.arithmetic is not None else ""
         result = {"dtype": str(info.dtype), "large_batch_gemm": gemm, "gguf_activations": act,
+                  "prefill_attention": attention,
                   "small_batch_quantization": small, "gguf": bool(info.gguf_path),
                   "threads": torch.get_num_threads(),
                   **run_once(runner, mem, bs, args.input_len, args.output_len)}

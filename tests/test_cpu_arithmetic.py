@@ -112,6 +112,17 @@ def test_prefill_attention_per_cpu_class_and_plan():
     assert choose_arithmetic("cuda", "bfloat16", "auto", AMX_FLAGS).prefill_attention == "float32"
     plan = choose_arithmetic("cpu", "auto", "auto", BF16_VNNI_FLAGS)
     assert plan.to_dict()["prefill_attention"] == "bfloat16" and "prefill attention bfloat16" in plan.describe()
+    # --prefill-attention: float32 everywhere; bfloat16 wherever the dot products can run, float32 GEMMs included
+    off = choose_arithmetic("cpu", "auto", "auto", BF16_VNNI_FLAGS, prefill_attention="float32")
+    assert (off.prefill_attention, off.prefill_attention_reason) == ("float32", "--prefill-attention float32")
+    on = choose_arithmetic("cpu", "auto", "float32", BF16_VNNI_FLAGS, kv_cache_dtype="bfloat16",
+                           prefill_attention="bfloat16")
+    assert (on.prefill_attention, on.prefill_attention_reason) == ("bfloat16", "--prefill-attention bfloat16")
+    for flags, kv in [(AVX2_FLAGS, "bfloat16"), (BF16_VNNI_FLAGS, "float32")]:
+        plan = choose_arithmetic("cpu", "auto", "auto", flags, kv_cache_dtype=kv, prefill_attention="bfloat16")
+        assert plan.prefill_attention == "float32"
+    with pytest.raises(ValueError, match="--prefill-attention"):
+        choose_arithmetic("cpu", "auto", "auto", BF16_VNNI_FLAGS, prefill_attention="int8")
 
 
 @pytest.mark.parametrize("flags", [AVX2_FLAGS, BF16_VNNI_FLAGS, AMX_FLAGS])

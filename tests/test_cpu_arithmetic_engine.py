@@ -63,7 +63,8 @@ def test_bf16_prefill_then_quantized_decode_keeps_greedy_tokens(bf16_engine, ref
 
 
 def test_server_reports_plan():
-    with running_server("--cpu-gemm", "float32", "--gguf-kernel-max-rows", "16") as url:
+    with running_server("--cpu-gemm", "float32", "--gguf-kernel-max-rows", "16", "--prefill-attention",
+                        "float32") as url:
         info = requests.get(f"{url}/get_server_info", timeout=30).json()
     assert info["arithmetic"]["large_batch_gemm"] == "float32"
     assert info["arithmetic"]["small_batch_max_rows"] == 16  # the flag overrides the plan's 64
@@ -71,6 +72,8 @@ def test_server_reports_plan():
     assert info["arithmetic"]["weight_dtype"] == "float32"
     assert info["arithmetic"]["gguf_activations"] == "float32"  # --cpu-gemm float32: float32 throughout
     assert info["arithmetic"]["gguf_activations_reason"] == "--cpu-gemm float32 asks for float32 arithmetic"
+    assert info["arithmetic"]["prefill_attention"] == "float32"
+    assert info["arithmetic"]["prefill_attention_reason"] == "--prefill-attention float32"
 
 
 def test_bf16_prefill_attention_keeps_greedy_tokens(reference, smollm2_hf, smollm2_tokenizer):  # noqa: F811

@@ -144,6 +144,9 @@ class ServerArgs:
     # Q8_0 blocks quantized at load for the small batches of a checkpoint without GGUF blocks (plain safetensors),
     # which gives it the fused CPU decode step: auto = where large batches run a bf16 GEMM; see layers/arithmetic.py.
     small_batch_quantization: str = "auto"
+    # Prefill / extend attention over bf16 K/V on CPU: auto = AVX512-BF16 dot products where the CPU has them and
+    # the plan is not float32, float32 otherwise; see sglang/srt/layers/arithmetic.py.
+    prefill_attention: str = "auto"
     enable_tokenizer_batch_encode: bool = False
     enable_custom_logit_processor: bool = False
     enable_return_hidden_states: bool = False
@@ -262,6 +265,7 @@ _CHOICES = {
     "cpu_gemm": ["auto", "float32", "bfloat16", "int8"],
     "gguf_activations": ["auto", "float32", "int8"],
     "small_batch_quantization": ["auto", "none", "q8_0"],
+    "prefill_attention": ["auto", "float32", "bfloat16"],
     "tokenizer_mode": ["auto", "slow"],
     "schedule_policy": list(SCHEDULE_POLICIES),
     "grammar_backend": ["xgrammar", "outlines", "llguidance", "none"],

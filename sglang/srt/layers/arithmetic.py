@@ -26,9 +26,9 @@ float32 plan stays float32 everywhere; `q8_0` asks for it on any CPU.
 generation K/V are most of the bytes a decode step reads), in the model dtype elsewhere (`choose_kv_cache_dtype`).
 
 Prefill and extend attention over bf16 K/V multiplies with AVX512-BF16 dot products where the CPU has them and the
-plan is not float32 (`prefill_attention`, layers/csrc/extend_attention_bf16.h): the scaled queries and the softmax
-weights are rounded to bf16 like a bf16 GEMM's inputs, 1.7-2x faster than the float32 kernel (benchmarks/RESULTS.md,
-2026-11-25). Elsewhere the kernel computes in float32.
+plan is not float32 (`prefill_attention`, layers/csrc/extend_attention_bf16.h; `--prefill-attention` overrides): the
+scaled queries and the softmax weights are rounded to bf16 like a bf16 GEMM's inputs, 1.7-2x faster than the float32
+kernel (benchmarks/RESULTS.md, 2026-11-25). Elsewhere the kernel computes in float32.
 
 `choose_arithmetic` is a pure function of its inputs so every CPU class can be tested on any machine;
 `read_cpu_flags` (model_loader/dtype.py) is the one place that reads /proc/cpuinfo.
@@ -50,6 +50,7 @@ from sglang.srt.model_loader.dtype import read_cpu_flags, resolve_dtype
 CPU_GEMMS = ("auto", "float32", "bfloat16", "int8")
 GGUF_ACTIVATIONS = ("auto", "float32", "int8")
 SMALL_BATCH_QUANTIZATIONS = ("auto", "none", "q8_0")
+PREFILL_ATTENTIONS = ("auto", "float32", "bfloat16")
 # What the int8-activation kernels need (names as in /proc/cpuinfo).
 VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
 # What the bf16 dot products of prefill attention need.
@@ -155,6 +156,7 @@ def choose_arithmetic(
     gguf_activations: str = "auto",
     small_batch_quantization: str = "auto",
     kv_cache_dtype: str = "auto",
+    prefill_attention: str = "auto",
 ) -> ArithmeticPlan:
     """The arithmetic for a server: model dtype, the large-batch GEMM, the GGUF kernels' activations, the blocks
     made for a checkpoint without GGUF blocks and the KV cache dtype.
@@ -164,6 +166,8 @@ def choose_arithmetic(
     """
     if gguf_activations not in GGUF_ACTIVATIONS:
         raise ValueError(f"--gguf-activations must be one of {GGUF_ACTIVATIONS}, got {gguf_activations!r}")
+    if prefill_attention not in PREFILL_ATTENTIONS:
+        raise ValueError(f"--prefill-attention must be one of {PREFILL_ATTENTIONS}, got {prefill_attention!r}")
     if small_batch_quantization not in SMALL_BATCH_QUANTIZATIONS:
         raise ValueError(f"--small-batch-quantization must be one of {SMALL_BATCH_QUANTIZATIONS}, "
                          f"got {small_batch_quantization!r}")
@@ -192,21 +196,27 @@ def choose_arithmetic(
                                small_batch_quantization=small_batch_quantization,
                                small_batch_max_rows=small_batch_rows(plan), kv_cache_dtype=kv,
                                kv_cache_dtype_reason=kv_why)
-    attention, attention_why = choose_prefill_attention(plan, flags, machine)
+    attention, attention_why = choose_prefill_attention(plan, flags, machine, prefill_attention)
     return dataclasses.replace(plan, prefill_attention=attention, prefill_attention_reason=attention_why)
 
 
-def choose_prefill_attention(plan: ArithmeticPlan, flags: frozenset[str], machine: str) -> tuple[str, str]:
+def choose_prefill_attention(plan: ArithmeticPlan, flags: frozenset[str], machine: str,
+                             requested: str = "auto") -> tuple[str, str]:
     """bfloat16 where the compiled CPU kernel can multiply bf16 K/V with AVX512-BF16 dot products and nothing asked
-    for float32 arithmetic; float32 otherwise."""
+    for float32 arithmetic; float32 otherwise. `--prefill-attention float32` keeps float32; `bfloat16` asks for the
+    dot products wherever they can run."""
+    if requested == "float32":
+        return "float32", "--prefill-attention float32"
     if plan.cpu_class == "":
         return "float32", "accelerators run SDPA in the model dtype"
     if plan.kv_dtype != torch.bfloat16:
         return "float32", f"K/V are {str(plan.kv_dtype).removeprefix('torch.')}"
-    if plan.large_batch_gemm == "float32":
+    if plan.large_batch_gemm == "float32" and requested == "auto":
         return "float32", "float32 GEMMs: float32 arithmetic"
     if machine.lower() not in ("x86_64", "amd64") or not BF16_DOT_FLAGS <= flags:
         return "float32", "no AVX512-BF16 dot products on this CPU"
+    if requested == "bfloat16":
+        return "bfloat16", "--prefill-attention bfloat16"
     return "bfloat16", "bf16 K/V and AVX512-BF16 dot products (queries and softmax weights rounded to bf16)"
 
 
@@ -318,7 +328,7 @@ def measure_cpu_gemms(rows: int = 256, k: int = 576, n: int = 1536, repeats: int
 def plan_for_this_machine(device: str, dtype: str, cpu_gemm: str,
                           config_dtype: Union[str, torch.dtype, None] = None,
                           gguf_activations: str = "auto", small_batch_quantization: str = "auto",
-                          kv_cache_dtype: str = "auto") -> ArithmeticPlan:
+                          kv_cache_dtype: str = "auto", prefill_attention: str = "auto") -> ArithmeticPlan:
     """`choose_arithmetic` with this machine's CPU flags, measuring only where the flags do not settle it."""
     flags = read_cpu_flags()
     machine = platform.machine()
@@ -326,4 +336,4 @@ def plan_for_this_machine(device: str, dtype: str, cpu_gemm: str,
     if torch.device(device).type == "cpu" and _automatic(dtype, cpu_gemm) and cpu_class(flags, machine) == OTHER:
         measurements = measure_cpu_gemms()
     return choose_arithmetic(device, dtype, cpu_gemm, flags, machine, measurements, config_dtype, gguf_activations,
-                             small_batch_quantization, kv_cache_dtype)
+                             small_batch_quantization, kv_cache_dtype, prefill_attention)

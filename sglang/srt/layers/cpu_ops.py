@@ -58,7 +58,7 @@ def has_decode_attention_avx512() -> bool:
 
 def set_extend_attention_bf16(on: bool) -> bool:
     """Turn AVX512-BF16 dot products in extend attention over bf16 K/V on (only where the CPU has them) or off;
-    returns whether they were on. SGLANG_EXTEND_ATTENTION_FLOAT32=1 starts every process with them off."""
+    returns whether they were on. The model runner sets them from the arithmetic plan (`prefill_attention`)."""
     return bool(_EXTENSION.module().set_extend_attention_bf16(on))
 
 

@@ -19,7 +19,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -39,10 +38,10 @@ inline bool has_extend_attention_bf16() {
 #endif
 }
 
-// On where available, unless SGLANG_EXTEND_ATTENTION_FLOAT32=1 (or set_extend_attention_bf16(false)). The setting
-// is per extension module.
+// On where available until set_extend_attention_bf16 says otherwise (the model runner sets it from the arithmetic
+// plan's prefill_attention). The setting is per extension module.
 inline std::atomic<bool>& extend_attention_bf16_flag() {
-  static std::atomic<bool> on{has_extend_attention_bf16() && std::getenv("SGLANG_EXTEND_ATTENTION_FLOAT32") == nullptr};
+  static std::atomic<bool> on{has_extend_attention_bf16()};
   return on;
 }
 
