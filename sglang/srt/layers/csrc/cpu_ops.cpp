@@ -9,7 +9,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -114,31 +113,39 @@ void extend_attention_tasks(const float* qp, int64_t q_stride, const torch::Tens
                             const int64_t* ext_lens, const int64_t* prefix_lens, int64_t N, float* op, int64_t H,
                             int64_t Hkv, int64_t D, float scale) {
   const int64_t group = H / Hkv;
-  // One task per (sequence, KV head, block of query rows). A causal task's work grows with the keys its rows see,
-  // so the tasks of a long prompt differ several-fold: they are claimed dynamically, most expensive first (a static
-  // split of the task list gave one thread the later, longer rows of a single long prompt).
+  // One task per (sequence, KV head, block of query rows), in that order. A causal task's work grows with the keys
+  // its rows see, so the tasks of a long prompt differ several-fold: each thread takes a contiguous run of tasks of
+  // equal estimated work (an equal count gave one thread the later, longer rows of a long prompt), and contiguous
+  // runs keep a sequence's heads, whose K/V rows share cache lines, on one core.
   struct Task {
-    int64_t cost, b, g, r0;
+    int64_t b, g, r0;
   };
   std::vector<Task> tasks;
+  std::vector<int64_t> work_before{0};  // estimated work of the tasks before each one
   for (int64_t b = 0; b < N; ++b)
     for (int64_t g = 0; g < Hkv; ++g)
       for (int64_t r = 0; r < ext_lens[b]; r += cpu_kernels::kExtendRows) {
         const int64_t rows = std::min(ext_lens[b] - r, cpu_kernels::kExtendRows);
-        // keys read (gathered once per task) plus query-key pairs scored: prefix + r .. prefix + r + rows - 1
+        // keys gathered (prefix + r + rows) and query-key pairs scored
         const int64_t keys = prefix_lens[b] + r + rows;
-        tasks.push_back({keys * (8 + group * rows) - group * rows * rows / 2, b, g, r});
+        tasks.push_back({b, g, r});
+        work_before.push_back(work_before.back() + keys * (8 + group * rows) - group * rows * rows / 2);
       }
-  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
   const KV* kp = static_cast<const KV*>(k_cache.data_ptr());
   const KV* vp = static_cast<const KV*>(v_cache.data_ptr());
   const int64_t count = static_cast<int64_t>(tasks.size());
-  std::atomic<int64_t> next{0};
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count));
+  // Thread k runs tasks run_start[k] .. run_start[k + 1] - 1: those whose midpoint of work falls in its share.
+  std::vector<int64_t> run_start(threads + 1, count);
+  for (int64_t k = 0, t = 0; k < threads; ++k) {
+    while (t < count && 2 * threads * (work_before[t] + work_before[t + 1]) < 4 * k * work_before.back()) ++t;
+    run_start[k] = t;
+  }
 #ifdef CPU_KERNELS_AVX2
   constexpr bool bf16_kv = std::is_same_v<KV, kv_types::bf16>;
   const bool bf16_dots = bf16_kv && cpu_kernels::extend_attention_bf16_enabled(D);
 #endif
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), count), 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, threads, 1, [&](int64_t k_begin, int64_t k_end) {
     cpu_kernels::ExtendScratch scratch;
 #ifdef CPU_KERNELS_AVX2
     cpu_kernels::ExtendBf16Scratch bf16_scratch;
@@ -150,7 +157,7 @@ void extend_attention_tasks(const float* qp, int64_t q_stride, const torch::Tens
 #else
     scratch.size_for(group, D);
 #endif
-    for (int64_t t = next.fetch_add(1); t < count; t = next.fetch_add(1)) {
+    for (int64_t t = run_start[k_begin]; t < run_start[k_end]; ++t) {
       const Task& task = tasks[t];
       const int64_t r1 = std::min(ext_lens[task.b], task.r0 + cpu_kernels::kExtendRows);
 #ifdef CPU_KERNELS_AVX2
