@@ -4,7 +4,8 @@
 #   benchmarks/serving_compare.sh OUT_DIR [BEFORE_CHECKOUT] [SERVER FLAGS...]
 # BEFORE_CHECKOUT defaults to /work/main; "after" is this checkout. BEFORE_FLAGS (environment) adds flags to the
 # "before" server only (e.g. "--dtype float32", its fastest flags). One JSON line per workload in
-# OUT_DIR/{before,after}.jsonl, the server logs next to them.
+# OUT_DIR/{before,after}.jsonl, the server logs next to them. WORKLOADS (environment) names the function of
+# issue_workloads.sh to run: issue_workloads (default) or long_prompt_workloads.
 set -euo pipefail
 mkdir -p "$1"; out=$(cd "$1" && pwd); before=${2:-/work/main}; shift $(( $# >= 2 ? 2 : 1 ))
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -23,7 +24,7 @@ for label in before after; do
   until curl -sf "$url/health" > /dev/null; do sleep 2; done
   curl -s "$url/get_server_info" > "$out/$label.server_info.json"
   uptime > "$out/$label.uptime"
-  issue_workloads "$py" "$here" sglang-oai "$url" "$out/$label.jsonl"
+  "${WORKLOADS:-issue_workloads}" "$py" "$here" sglang-oai "$url" "$out/$label.jsonl"
   uptime >> "$out/$label.uptime"
   pkill -TERM -P "$server" || true; kill "$server" 2> /dev/null || true; wait "$server" 2> /dev/null || true
   sleep 3

@@ -8,8 +8,9 @@
 // against 16 keys are 16 accumulators; each takes the tile's query pair (q[2p], q[2p + 1]) against a broadcast pair
 // of the key's channels, so K rows are read in their stored order. The softmax weights of two keys are paired per
 // lane and multiply a broadcast pair (v[j][c], v[j + 1][c]) into the output accumulator of channel c; the value
-// pairs of a key block are interleaved once per task with two unpacks per 32 channels, which permutes the channels
-// inside each 32 (position u holds channel perm_channel(u)); the output is written back in channel order.
+// pairs of a key block are interleaved once per task-block with two unpacks per 32 channels, which permutes the
+// channels inside each 32 (position 4L + k holds channel 8L + k, position 16 + 4L + k channel 8L + 4 + k, L < 4,
+// k < 4); the output goes back to rows and channel order through two 16 x 16 transposes and a permute per 16.
 //
 // The queries (scaled) and the softmax weights are rounded to bf16 (the K/V operands already are): scores and
 // outputs differ from the float32 kernel by about 2^-9 relative, the rounding a bf16 GEMM applies to its inputs.
@@ -23,6 +24,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "extend_attention.h"
 #include "kv_types.h"
 
 namespace cpu_kernels {
@@ -67,7 +69,7 @@ constexpr int64_t kLanes = 16;
 // Scratch of one thread for tasks of `group` query heads of D channels.
 struct ExtendBf16Scratch {
   std::vector<uint32_t> qw, kblk, vpair, pw;
-  std::vector<float> o, m, l, s, row;
+  std::vector<float> o, m, l, s;
   std::vector<int32_t> pos;
   void size_for(int64_t group, int64_t D) {
     const int64_t tiles = (kExtendRows * group + kLanes - 1) / kLanes;
@@ -80,7 +82,6 @@ struct ExtendBf16Scratch {
     vpair.resize(kKeyBlock / 2 * D);
     s.resize(kKeyBlock * kLanes);
     pw.resize(kKeyBlock / 2 * kLanes);
-    row.resize(D);
   }
 };
 
@@ -115,20 +116,17 @@ CPU_KERNELS_BF16_TARGET inline void transpose16(__m512* r) {
   }
 }
 
-// exp(x) for 16 floats (exp8's polynomial); 0 below -87.3 (masked scores are -inf).
+// exp(x) for 16 floats (exp8's polynomial, cpu_kernels.h); 0 below kMin (masked scores are -inf).
 CPU_KERNELS_BF16_TARGET inline __m512 exp16(__m512 x) {
-  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_GE_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  using namespace exp_poly;
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kMin), _CMP_GE_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(kMin)), _mm512_set1_ps(kMax));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kP[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP[i]));
   const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_maskz_mul_ps(keep, y, _mm512_castsi512_ps(e));
@@ -254,7 +252,10 @@ CPU_KERNELS_BF16_TARGET void extend_attention_task_bf16(const float* q, int64_t 
       _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), alpha, sum));
       _mm512_storeu_ps(w.m.data() + t * kLanes, mx);
       float* o = w.o.data() + t * D * kLanes;
-      for (int64_t c = 0; c < D; ++c) _mm512_storeu_ps(o + c * kLanes, _mm512_mul_ps(_mm512_loadu_ps(o + c * kLanes), alpha));
+      if (_mm512_cmp_ps_mask(alpha, _mm512_set1_ps(1.f), _CMP_NEQ_UQ) != 0) {  // some lane's max moved
+        for (int64_t c = 0; c < D; ++c)
+          _mm512_storeu_ps(o + c * kLanes, _mm512_mul_ps(_mm512_loadu_ps(o + c * kLanes), alpha));
+      }
       for (int64_t c0 = 0; c0 < D; c0 += 16) values16<D>(w.pw.data(), w.vpair.data(), (n + 1) / 2, c0, o);
     }
   }
