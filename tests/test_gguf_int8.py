@@ -35,16 +35,13 @@ BATCHES = [1, 2, 5, 8, 13]  # one tile, a partial tile, two tiles
 
 
 def round_terms(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernels see it: per 32-value block, int8 rounding plus the int8 rounding of the remainder."""
+    """x as the kernels see it: per 32-value block, int8 rounding with scale d = max|x| / 127, plus the remainder
+    rounded in steps of d / 256 (saturated to int8)."""
     blocks = x.reshape(x.shape[0], -1, 32)
-
-    def rnd(v: torch.Tensor) -> torch.Tensor:
-        d = v.abs().amax(-1, keepdim=True) / 127
-        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-        return torch.round(v * inv) * d
-
-    first = rnd(blocks)
-    second = rnd(blocks - first)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    first = torch.round(blocks * inv) * d
+    second = torch.clamp(torch.round((blocks - first) * (inv * 256)), -128, 127) * (d / 256)
     return (first.double() + second.double()).reshape(x.shape)
 
 
@@ -135,13 +132,14 @@ def decode_terms(words: torch.Tensor, q4: bool) -> torch.Tensor:
 @pytest.mark.parametrize("q4", [True, False])
 def test_int8_quantizer_rounds_and_lays_out_the_terms(q4):
     """The words, scales and sums the kernels read: the first term is round-half-even(x / d1) with d1 = max|x| / 127,
-    both terms together give x back to ~1e-4 of a block's max, the sums are d1 * sum(q1) + d2 * sum(q2)."""
+    the second term's scale is d1 / 256, both terms together give x back to ~1e-4 of a block's max, the sums are
+    d1 * sum(q1) + d2 * sum(q2)."""
     x = quantizer_inputs()
     words, dx, sx = gb.kernel_module().int8_quantize(x, q4, False)
     q = decode_terms(words, q4).to(torch.float32)
     blocks = x.reshape(x.shape[0], -1, 32)
     d1 = blocks.abs().amax(-1) / 127
-    assert torch.equal(dx[..., 0], d1)
+    assert torch.equal(dx[..., 0], d1) and torch.equal(dx[..., 1], d1 / 256)
     inv = torch.where(d1 > 0, 1 / d1, torch.zeros_like(d1))
     assert torch.equal(q[:, :, 0], torch.round(blocks * inv[..., None]))
     assert torch.equal(q[2, 1, 0, :8], torch.tensor([-16.0, -14, -14, -12, -12, -10, -10, -8]))  # ties to even

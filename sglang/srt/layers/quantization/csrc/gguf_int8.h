@@ -4,8 +4,11 @@
 // integer sums (slowly: on CPUs without VNNI the float32 kernels are the fast choice).
 //
 // Each 32-value block of a row of x is written as two int8 terms, x ~ dx1 * q1 + dx2 * q2: q1 = round(x / dx1)
-// with dx1 = max|x| / 127 (llama.cpp's Q8 activations), and q2 the same rounding of the remainder x - dx1 * q1
-// with its own scale. One int8 term alone leaves ~1% relative error in a layer's output on SmolLM2 (blocks that
+// with dx1 = max|x| / 127 (llama.cpp's Q8 activations), and q2 = round((x - dx1 * q1) / dx2) with dx2 = dx1 / 256
+// (saturated to int8: the remainder is at most dx1 / 2, 128 steps of dx2, so only a remainder within a rounding of
+// dx1 / 2 saturates, and then by one step). With dx2 a power-of-two fraction of dx1 the two terms' integer sums
+// combine into one exactly, 256 * sum1 + sum2, so a block costs one conversion and one scale per row of x, not two.
+// One int8 term alone leaves ~1% relative error in a layer's output on SmolLM2 (blocks that
 // hold one of its large activations quantize the rest coarsely), enough to move greedy tokens; with the second
 // term the error is ~3e-5, below that of a bf16 GEMM (~4e-3). The dot products of both terms with the 16 rows of a
 // row group are formed by VPDPBUSD, which multiplies 4 unsigned by 4 signed bytes and adds them into a 32-bit lane:
@@ -14,12 +17,13 @@
 // the packed stream).
 //   Q4_1: the nibbles are the unsigned operand: lane bytes & 0x0F hold q[8j + 2t], (lane >> 4) & 0x0F hold
 //         q[8j + 2t + 1], so each term of x is packed into matching "low" and "high" words. A block is
-//         d * (dx1 * sum(q * q1) + dx2 * sum(q * q2)) + m * (dx1 * sum(q1) + dx2 * sum(q2)): every sum over the
+//         d * dx2 * (256 * sum(q * q1) + sum(q * q2)) + m * (dx1 * sum(q1) + dx2 * sum(q2)): every sum over the
 //         same rounded x, so the result is the exact dot product of the dequantized weights with that x (with sum(x)
-//         from the float x instead, the rounding error of x would meet d * q, whose mean is far from zero).
+//         from the float x instead, the rounding error of x would meet d * q, whose mean is far from zero). The
+//         combined sum stays below 2^24, so its conversion to float32 is exact.
 //   Q8_0: the weights are signed, so each term is shifted to unsigned (q + 128) and 128 * sum(weights) is
 //         subtracted, with that sum formed by one more VPDPBUSD against a vector of ones (shared by every row of x).
-// Integer sums are exact (|sum| < 2^20); the only error against the float kernels is the rounding of x.
+// Integer sums are exact (|sum| < 2^28); the only error against the float kernels is the rounding of x.
 #pragma once
 
 #include <algorithm>
@@ -104,13 +108,19 @@ struct QuantizedBlock {
   float sum() const { return std::fma(d[0], static_cast<float>(qsum[0]), d[1] * static_cast<float>(qsum[1])); }
 };
 
+// The scale of the second term: dx1 / 256, so the terms' integer sums combine exactly (256 * sum1 + sum2).
+constexpr float kSecondTermSteps = 256.0f;
+
 inline void quantize_block_portable(bool q4, const float* v, QuantizedBlock& out) {
   int8_t q[2][32];
   float rest[32];
   out.d[0] = round_block(v, q[0]);
-  // The remainder rounded once (fma), as the vector path computes it.
+  // The remainder rounded once (fma), as the vector path computes it, then in steps of dx1 / 256, saturated.
   for (int64_t k = 0; k < 32; ++k) rest[k] = std::fma(-out.d[0], static_cast<float>(q[0][k]), v[k]);
-  out.d[1] = round_block(rest, q[1]);
+  const float id2 = (out.d[0] > 0.0f ? 1.0f / out.d[0] : 0.0f) * kSecondTermSteps;
+  for (int64_t k = 0; k < 32; ++k)
+    q[1][k] = static_cast<int8_t>(std::clamp(std::nearbyint(rest[k] * id2), -128.0f, 127.0f));
+  out.d[1] = out.d[0] / kSecondTermSteps;
   out.qsum[0] = out.qsum[1] = 0;
   for (int64_t k = 0; k < 32; ++k) {
     out.qsum[0] += q[0][k];
@@ -139,11 +149,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) inline void quantize_bl
   const __m256i order = _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15,  //
                                          0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
   __m512 x0 = _mm512_loadu_ps(v), x1 = _mm512_loadu_ps(v + 16);
-  for (int s = 0; s < 2; ++s) {
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-    const float d = amax / 127.0f;
-    const __m512 id = _mm512_set1_ps(d > 0.0f ? 1.0f / d : 0.0f);
-    const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, id));
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+  const float d1 = amax / 127.0f, id1 = d1 > 0.0f ? 1.0f / d1 : 0.0f;
+  for (int s = 0; s < 2; ++s) {  // the second term: the remainder in steps of d1 / 256, saturated
+    const float d = s == 0 ? d1 : d1 / kSecondTermSteps;
+    const __m512 id = _mm512_set1_ps(s == 0 ? id1 : id1 * kSecondTermSteps);
+    const __m512i lo = _mm512_set1_epi32(-128), hi = _mm512_set1_epi32(127);
+    const __m512i i0 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), lo), hi);
+    const __m512i i1 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(x1, id)), lo), hi);
     __m256i bytes = _mm256_set_m128i(_mm512_cvtsepi32_epi8(i1), _mm512_cvtsepi32_epi8(i0));
     bytes = q4 ? _mm256_shuffle_epi8(bytes, order) : _mm256_xor_si256(bytes, _mm256_set1_epi8(static_cast<char>(0x80)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.words[s]), bytes);
@@ -226,8 +239,8 @@ inline void group_portable(bool q4, const uint8_t* gp, int64_t nb, int64_t mt, c
         }
         const float d = fp16_to_fp32(bp + (q4 ? Q41Layout::d(h) : Q80Layout::d(h)) + 2 * r);
         const float* bdx = dx + b * 2 * mt;
-        acc[row] += static_cast<float>(dot[0]) * (d * bdx[m]);
-        acc[row] += static_cast<float>(dot[1]) * (d * bdx[mt + m]);
+        const int32_t dot_both = dot[0] * 256 + dot[1];  // dx2 = dx1 / 256
+        acc[row] = std::fma(static_cast<float>(dot_both), d * bdx[mt + m], acc[row]);
         if (q4) acc[row] += fp16_to_fp32(bp + Q41Layout::m(h) + 2 * r) * sx[b * mt + m];
       }
     }
@@ -252,13 +265,13 @@ GGUF_VNNI_TARGET inline __m512i bcast_word(const int32_t* p) {
   return _mm512_set1_epi32(*p);
 }
 
-// acc[m] += (i1[m] * dx1[m] + i2[m] * dx2[m]) * d for the block's two terms (bdx: the block's scales).
+// acc[m] += (256 * i1[m] + i2[m]) * dx2[m] * d for the block's two terms (bdx: the block's scales; dx2 = dx1 / 256).
 template <int MT>
 GGUF_VNNI_TARGET inline void add_terms(__m512* acc, const __m512i* i1, const __m512i* i2, __m512 d,
                                        const float* bdx) {
   for (int m = 0; m < MT; ++m) {
-    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1[m]), _mm512_mul_ps(d, _mm512_set1_ps(bdx[m])), acc[m]);
-    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i2[m]), _mm512_mul_ps(d, _mm512_set1_ps(bdx[MT + m])), acc[m]);
+    const __m512i i = _mm512_add_epi32(_mm512_slli_epi32(i1[m], 8), i2[m]);
+    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(d, _mm512_set1_ps(bdx[MT + m])), acc[m]);
   }
 }
 
