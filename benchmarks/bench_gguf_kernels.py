@@ -2,8 +2,8 @@
 
 Prints two tables:
 
-1. Per call, for the SmolLM2-135M layer shapes and the lm_head, at M (rows of x) in 1, 2, 4, 8, 16, 32. The same
-   weight is reused call after call, so weights that fit stay in the caches (L2 512 KiB per core, L3 32 MiB).
+1. Per call, for the SmolLM2-135M layer shapes and the lm_head, at M (rows of x) in 1, 2, 4, 8, 16, 32, with float32
+   and with int8 activations. The same weight is reused call after call, so weights that fit stay in the caches.
 2. A full batch-M decode step of matmuls: 30 layers x (qkv, o, gate_up, down) + lm_head, every layer with its own
    weights (about 60 MB of Q4_1 + 30 MB of Q8_0, or 540 MB of float32), so weights stream from DRAM as in a real
    forward pass.
@@ -126,8 +126,9 @@ def fmt_ms(t: tuple[float, float]) -> str:
 
 def per_call_table(layers, head, batches, min_reps, min_seconds) -> None:
     print("\n## Per call (same weight each call; median (min) in microseconds)\n")
-    print("| shape [N, K] | M | float32 F.linear | Q4_1 kernel | Q8_0 kernel | speed-up vs float32 |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| shape [N, K] | M | float32 F.linear | Q4_1 kernel | Q8_0 kernel | speed-up vs float32 "
+          "| Q4_1, int8 activations | Q8_0, int8 activations |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     gen = torch.Generator().manual_seed(0)
     for name, (n, k) in SHAPES.items():
         if name == "lm_head":
@@ -143,9 +144,12 @@ def per_call_table(layers, head, batches, min_reps, min_seconds) -> None:
             t_q4 = timed(lambda: q4.linear(x), min_reps, min_seconds)
             t_q8 = timed(lambda: q8.linear(x), min_reps, min_seconds) if q8 is not None else None
             best = min(t_q4[0], t_q8[0]) if t_q8 else t_q4[0]
+            t_q4i = timed(lambda: q4.linear(x, int8=True), min_reps, min_seconds)
+            t_q8i = timed(lambda: q8.linear(x, int8=True), min_reps, min_seconds) if q8 is not None else None
             print(
                 f"| {name} [{n}, {k}] | {m} | {fmt_us(t_dense)} | {fmt_us(t_q4)} | "
-                f"{fmt_us(t_q8) if t_q8 else '-'} | {t_dense[0] / best:.2f}x |"
+                f"{fmt_us(t_q8) if t_q8 else '-'} | {t_dense[0] / best:.2f}x | {fmt_us(t_q4i)} | "
+                f"{fmt_us(t_q8i) if t_q8i else '-'} |"
             )
 
 
