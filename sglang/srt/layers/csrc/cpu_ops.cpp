@@ -141,22 +141,16 @@ void extend_attention_tasks(const float* qp, int64_t q_stride, const torch::Tens
     while (t < count && 2 * threads * (work_before[t] + work_before[t + 1]) < 4 * k * work_before.back()) ++t;
     run_start[k] = t;
   }
-#ifdef CPU_KERNELS_AVX2
   constexpr bool bf16_kv = std::is_same_v<KV, kv_types::bf16>;
   const bool bf16_dots = bf16_kv && cpu_kernels::extend_attention_bf16_enabled(D);
-#endif
   at::parallel_for(0, threads, 1, [&](int64_t k_begin, int64_t k_end) {
     cpu_kernels::ExtendScratch scratch;
-#ifdef CPU_KERNELS_AVX2
     cpu_kernels::ExtendBf16Scratch bf16_scratch;
     if (bf16_dots) {
       bf16_scratch.size_for(group, D);
     } else {
       scratch.size_for(group, D);
     }
-#else
-    scratch.size_for(group, D);
-#endif
     for (int64_t t = run_start[k_begin]; t < run_start[k_end]; ++t) {
       const Task& task = tasks[t];
       const int64_t r1 = std::min(ext_lens[task.b], task.r0 + cpu_kernels::kExtendRows);

@@ -24,16 +24,16 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "decode_attention.h"
 #include "extend_attention.h"
 #include "kv_types.h"
 
 namespace cpu_kernels {
 
-// Whether this CPU (and this build) can take the path.
+// Whether this CPU (and this build) can take the path: the AVX512 decode attention's F/BW/VL, plus BF16.
 inline bool has_extend_attention_bf16() {
 #ifdef CPU_KERNELS_AVX2
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
+  static const bool ok = avx512_attention_available() && __builtin_cpu_supports("avx512bf16");
   return ok;
 #else
   return false;
@@ -56,14 +56,6 @@ inline bool extend_attention_bf16_enabled(int64_t D) {
   return D % 32 == 0 && D <= 256 && extend_attention_bf16_flag().load(std::memory_order_relaxed);
 }
 
-}  // namespace cpu_kernels
-
-#ifdef CPU_KERNELS_AVX2
-
-namespace cpu_kernels {
-
-#define CPU_KERNELS_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
-
 constexpr int64_t kLanes = 16;
 
 // Scratch of one thread for tasks of `group` query heads of D channels.
@@ -84,6 +76,14 @@ struct ExtendBf16Scratch {
     pw.resize(kKeyBlock / 2 * kLanes);
   }
 };
+
+}  // namespace cpu_kernels
+
+#ifdef CPU_KERNELS_AVX2
+
+namespace cpu_kernels {
+
+#define CPU_KERNELS_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
 
 CPU_KERNELS_BF16_TARGET inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 
