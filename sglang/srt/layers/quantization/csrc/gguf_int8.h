@@ -108,8 +108,9 @@ struct QuantizedBlock {
   float sum() const { return std::fma(d[0], static_cast<float>(qsum[0]), d[1] * static_cast<float>(qsum[1])); }
 };
 
-// The scale of the second term: dx1 / 256, so the terms' integer sums combine exactly (256 * sum1 + sum2).
-constexpr float kSecondTermSteps = 256.0f;
+// The scale of the second term: dx1 / 256, so the terms' integer sums combine exactly (256 * sum1 + sum2, a shift).
+constexpr int kSecondTermShift = 8;
+constexpr float kSecondTermSteps = 1 << kSecondTermShift;
 
 inline void quantize_block_portable(bool q4, const float* v, QuantizedBlock& out) {
   int8_t q[2][32];
@@ -239,7 +240,7 @@ inline void group_portable(bool q4, const uint8_t* gp, int64_t nb, int64_t mt, c
         }
         const float d = fp16_to_fp32(bp + (q4 ? Q41Layout::d(h) : Q80Layout::d(h)) + 2 * r);
         const float* bdx = dx + b * 2 * mt;
-        const int32_t dot_both = dot[0] * 256 + dot[1];  // dx2 = dx1 / 256
+        const int32_t dot_both = dot[0] * (1 << kSecondTermShift) + dot[1];  // dx2 = dx1 / 256
         acc[row] = std::fma(static_cast<float>(dot_both), d * bdx[mt + m], acc[row]);
         if (q4) acc[row] += fp16_to_fp32(bp + Q41Layout::m(h) + 2 * r) * sx[b * mt + m];
       }
@@ -270,7 +271,7 @@ template <int MT>
 GGUF_VNNI_TARGET inline void add_terms(__m512* acc, const __m512i* i1, const __m512i* i2, __m512 d,
                                        const float* bdx) {
   for (int m = 0; m < MT; ++m) {
-    const __m512i i = _mm512_add_epi32(_mm512_slli_epi32(i1[m], 8), i2[m]);
+    const __m512i i = _mm512_add_epi32(_mm512_slli_epi32(i1[m], kSecondTermShift), i2[m]);
     acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(d, _mm512_set1_ps(bdx[MT + m])), acc[m]);
   }
 }
