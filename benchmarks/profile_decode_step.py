@@ -8,7 +8,8 @@ batch building, forward inputs, the forward (model + sampling), result processin
 pickling. `--cprofile` prints the functions (and compiled kernels) by own time. `--stack-only` instead times the
 fused decode step's layer stack alone (one compiled call, no embedding, LM head or sampling) for --seconds, the same
 decode batch over and over (a loop to attach `perf record -p` to); with `--attention-paths` it alternates the
-AVX512 and AVX2 paths of bf16 attention every 10 calls and reports each (where the CPU has AVX512). OMP_WAIT_POLICY
+AVX512 and AVX2 paths of bf16 attention every 10 calls and reports each (where the CPU has AVX512), and with
+`--shared-input` each matmul's input built once for the team and in every thread. OMP_WAIT_POLICY
 defaults to PASSIVE, as the server sets it, unless the environment sets it or GOMP_SPINCOUNT.
 """
 
@@ -49,14 +50,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--gguf-activations", choices=["auto", "float32", "int8"], default="auto")
     parser.add_argument("--cprofile", action="store_true")
     parser.add_argument("--stack-only", action="store_true")
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--attention-paths", action="store_true",
                         help="with --stack-only: the AVX512 and AVX2 attention paths interleaved")
+    parser.add_argument("--shared-input", action="store_true",
+                        help="with --stack-only: matmul inputs built once for the team and per thread, interleaved")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    server_args = ServerArgs(model_path=args.model_path)
+    server_args = ServerArgs(model_path=args.model_path, gguf_activations=args.gguf_activations)
     server_args.validate()
     ports = PortArgs.init_new()
     sched = Scheduler(server_args, ports, load_model_info(server_args), load_tokenizer_for(server_args))
@@ -72,7 +76,7 @@ def main() -> None:
         forward_batch, sampling = batch.forward_inputs(sched.mem, sched.runner.vocab_size, sched.runner.device)
         process_result(sched, batch, sched.runner.forward(forward_batch, sampling))
     if args.stack_only:
-        time_stack(sched, args.seconds, args.attention_paths)
+        time_stack(sched, args.seconds, args.attention_paths, args.shared_input)
         return
     totals = dict.fromkeys(PARTS, 0.0)
 
@@ -113,8 +117,8 @@ def main() -> None:
     print(sched.runner.decode_plan.description if sched.runner.decode_plan is not None else "no decode plan")
 
 
-def time_stack(sched: Scheduler, seconds: float, attention_paths: bool) -> None:
-    """Mean and median time of the fused layer stack on the scheduler's next decode batch (per attention path)."""
+def time_stack(sched: Scheduler, seconds: float, attention_paths: bool, shared_input: bool) -> None:
+    """Mean and median time of the fused layer stack on the scheduler's next decode batch (per variant)."""
     fused = sched.runner.decode_plan.fused if sched.runner.decode_plan is not None else None
     batch = sched.get_next_batch()
     assert fused is not None and batch is not None and batch.is_decode, "no fused decode step for this batch"
@@ -124,20 +128,31 @@ def time_stack(sched: Scheduler, seconds: float, attention_paths: bool) -> None:
     rows = hidden.shape[0]
     call_args = (hidden, cos.view(rows, -1), sin.view(rows, -1), fb.out_cache_loc,
                  fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens)
-    paths = {"": None}
+
+    def attention(avx512: bool):  # -> a function that puts the previous path back
+        previous = fused_cpu_decode.set_decode_attention_avx512(avx512)
+        return lambda: fused_cpu_decode.set_decode_attention_avx512(previous)
+
+    def share(on: bool):
+        previous = fused.stack.shared_input()
+        fused.stack.set_shared_input(on)
+        return lambda: fused.stack.set_shared_input(previous)
+
+    variants: dict = {"": lambda: (lambda: None)}
     if attention_paths and cpu_ops.has_decode_attention_avx512():
-        paths = {" (attention avx512)": True, " (attention avx2)": False}
-    times: dict[str, list[float]] = {label: [] for label in paths}
+        variants = {" (attention avx512)": lambda: attention(True), " (attention avx2)": lambda: attention(False)}
+    elif shared_input:
+        variants = {" (input built once)": lambda: share(True), " (input built per thread)": lambda: share(False)}
+    times: dict[str, list[float]] = {label: [] for label in variants}
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
-        for label, avx512 in paths.items():
-            previous = None if avx512 is None else fused_cpu_decode.set_decode_attention_avx512(avx512)
+        for label, apply in variants.items():
+            restore = apply()
             for _ in range(10):
                 t0 = time.perf_counter()
                 fused.stack.forward(*call_args)
                 times[label].append(time.perf_counter() - t0)
-            if previous is not None:
-                fused_cpu_decode.set_decode_attention_avx512(previous)
+            restore()
     for label, calls in times.items():
         calls = sorted(calls[len(calls) // 10:])  # the first tenth warms up
         print(f"{rows} sequences, fused layer stack alone{label}: mean {sum(calls) / len(calls) * 1e3:.3f} ms, "

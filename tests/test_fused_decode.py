@@ -46,10 +46,14 @@ def make_fused(model, cache: PagedCache, max_rows: int = MAX_ROWS):
     return fused
 
 
-def decode_run(model, config, fused: bool, prompts: list[list[int]], steps: int) -> tuple[list, PagedCache]:
-    """Prefill `prompts` (rows 0..n-1), then decode `steps` greedy steps with the rows in a shuffled order."""
-    cache = PagedCache(config, torch.float32)
-    cache.decode_strategy = make_fused(model, cache) if fused else None
+def decode_run(model, config, fused: bool, prompts: list[list[int]], steps: int, max_rows: int = MAX_ROWS,
+               configure=None) -> tuple[list, PagedCache]:
+    """Prefill `prompts` (rows 0..n-1), then decode `steps` greedy steps with the rows in a shuffled order.
+    `configure(stack)` sets switches of the fused step before it runs."""
+    cache = PagedCache(config, torch.float32, size=1024, rows=max(8, len(prompts)))
+    cache.decode_strategy = make_fused(model, cache, max_rows) if fused else None
+    if configure is not None:
+        configure(cache.decode_strategy.stack)
     cache.forward(model, [(row, prompt) for row, prompt in enumerate(prompts)])
     rows = list(range(len(prompts)))[::-1]
     next_tokens = {row: prompt[-1] for row, prompt in enumerate(prompts)}
@@ -122,6 +126,47 @@ def test_fused_decode_same_result_with_any_thread_count(tmp_path):
     for other in results[1:]:
         for a, b in zip(results[0], other):
             assert torch.equal(a, b)
+
+
+def test_shared_input_only_for_int8_with_a_tile_for_every_thread(tmp_path):
+    config = tiny_config("llama")
+    _, ours = build_models(tmp_path, config)
+    quantize_linears(ours)
+    stack = make_fused(ours, PagedCache(config, torch.float32)).stack
+    stack.set_int8_activations(True)
+    assert stack.shared_input()
+    assert stack.shares_input_for(16, 2) and stack.shares_input_for(19, 2) and stack.shares_input_for(64, 8)
+    assert not stack.shares_input_for(8, 2) and not stack.shares_input_for(19, 4) and not stack.shares_input_for(64, 1)
+    stack.set_int8_activations(False)  # float panels are a copy: each thread builds its own
+    assert not stack.shares_input_for(64, 2)
+    stack.set_int8_activations(True)
+    stack.set_shared_input(False)
+    assert not stack.shared_input() and not stack.shares_input_for(64, 2)
+
+
+def test_shared_int8_input_gives_the_same_bits(tmp_path):
+    """With int8 activations and a tile of 8 rows for every thread the team builds each matmul's input once, a tile
+    per work item (norm, residual update, SiLU, int8 quantization); that must give exactly what every thread building
+    the whole input gives. 19 sequences on 2 threads: three tiles, the last one partial."""
+    config = tiny_config("qwen2")
+    _, ours = build_models(tmp_path, config)
+    quantize_linears(ours, max_rows=32)
+    prompts = [prompt_of(3 + i, 10 + i) for i in range(19)]
+    before = torch.get_num_threads()
+    results = []
+    try:
+        torch.set_num_threads(2)
+        for shared in (True, False):
+            def configure(stack, shared=shared):
+                stack.set_int8_activations(True)
+                stack.set_shared_input(shared)
+                assert stack.shares_input_for(len(prompts), 2) == shared
+
+            results.append(decode_run(ours, config, True, prompts, steps=3, max_rows=32, configure=configure)[0])
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 def test_fused_decode_rejects_bad_arguments(tmp_path):

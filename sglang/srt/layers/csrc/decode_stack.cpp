@@ -15,8 +15,10 @@
 // threads claim from a shared counter; a thread moves on to the next phase once every item of this one is done.
 // So there is no barrier that needs every thread: when the OS preempts one thread (the tokenizer and detokenizer
 // processes share the cores), the others finish its share of the phase instead of waiting for it to come back.
-// Each thread builds the small input of a matmul phase (norms, residual adds, SiLU) itself, after claiming its
-// first item of that phase (so the input cannot change underneath it); the residual stream is double-buffered.
+// With int8 activations and a tile of 8 rows for every thread, the input of a matmul phase (norms, residual adds,
+// SiLU, the int8 quantization) is built once by the team, one work item per tile. Otherwise each thread builds it
+// itself, after claiming its first item of that phase (so the input cannot change underneath it). The residual
+// stream is double-buffered.
 #include <torch/extension.h>
 
 #include <atomic>
@@ -187,6 +189,16 @@ class DecodeStack {
   void set_int8_activations(bool on) { int8_ = on; }
   bool int8_activations() const { return int8_; }
 
+  // Whether the team builds each int8 matmul input once (where there are enough rows; see shares_input_for) or
+  // every thread builds it whole. Both give the same bits; the switch is for tests and benchmarks.
+  void set_shared_input(bool on) { share_input_ = on; }
+  bool shared_input_enabled() const { return share_input_; }
+  // Only the int8 input is worth sharing: quantizing it is most of building it, while the float panels are a
+  // copy, which measured no faster built once (the wait for the other tiles costs as much as the copy).
+  bool shares_input_for(int64_t batch, int64_t threads) const {
+    return share_input_ && int8_ && threads > 1 && tiles(batch) >= threads;
+  }
+
   // x [B, hidden]: the embeddings of the new tokens; cos/sin [B, rotary_dim] (RotaryEmbedding.lookup rows);
   // out_loc [B]: the KV slot of each new token; req_to_token [R, C] with the slots of each sequence in row
   // req_pool_indices[b]; seq_lens [B] including the new token. Returns the final normed hidden states [B, hidden].
@@ -251,6 +263,14 @@ class DecodeStack {
 
 #ifdef _OPENMP
     if (!omp_in_parallel()) s.threads = std::max(1, at::get_num_threads());
+#endif
+    if (shared_input(s)) {
+      const int64_t max_k = std::max({hidden_, inter_, heads_ * head_dim_});
+      s.xin.resize(static_cast<size_t>(B * max_k));
+      s.panels.resize(static_cast<size_t>(gguf_kernels::panel_floats(B, max_k)));
+      s.sums.resize(static_cast<size_t>(gguf_kernels::sum_floats(B, max_k)));
+    }
+#ifdef _OPENMP
     if (s.threads > 1) {
 #pragma omp parallel num_threads(s.threads)
       run(s);
@@ -280,6 +300,8 @@ class DecodeStack {
     int threads = 1;  // the team size asked for: sizes the matmul chunks identically in every thread
     std::unique_ptr<Phase[]> phases;
     std::unique_ptr<attention_split::Plan> split;
+    // The input of the current matmul phase and its prepared form, when the team builds it once (shared_input).
+    std::vector<float> xin, panels, sums;
   };
 
   static int64_t matmul_chunk(const Step& s, const QuantLinear& lin) {
@@ -293,23 +315,22 @@ class DecodeStack {
 
   // y = input @ W.T (+ bias) for the chunks of row groups this thread claims, starting with `item` (-1: none).
   // Matmul items are numbered from `first` (the caller handles the items below it before calling this);
-  // `make_input` builds the input rows once, after the first successful claim.
-  template <typename MakeInput>
+  // `prepare` gives the input as the kernels read it, called once, after the first successful claim.
+  template <typename Prepare>
   void matmul_items_loop(const Step& s, Phase& ph, int64_t n_items, int64_t first, const QuantLinear& lin,
-                         MakeInput&& make_input, Scratch& sc, float* y, int64_t item) const {
+                         Prepare&& prepare, float* y, int64_t item) const {
     const int64_t M = s.B;
     const int64_t groups = gguf_kernels::row_groups(lin.n);
     const int64_t chunk = matmul_chunk(s, lin);
     const uint8_t* w = lin.packed.data_ptr<uint8_t>();
     const float* bias = lin.bias.defined() ? lin.bias.data_ptr<float>() : nullptr;
-    const float* input = nullptr;
+    bool ready = false;
     gguf_kernels::PreparedInput in{nullptr, nullptr};
+    const float* input = nullptr;
     for (; item >= 0; item = ph.claim(n_items)) {
-      if (input == nullptr) {
-        input = make_input();
-        sc.panels.resize(static_cast<size_t>(gguf_kernels::panel_floats(M, lin.k)));
-        sc.sums.resize(static_cast<size_t>(gguf_kernels::sum_floats(M, lin.k)));
-        in = gguf_kernels::prepare_input(lin.q4, input, M, lin.k, sc.panels.data(), sc.sums.data(), int8_);
+      if (!ready) {
+        input = prepare(in);
+        ready = true;
       }
       const int64_t g0 = (item - first) * chunk, g1 = std::min(groups, g0 + chunk);
       gguf_kernels::matmul_groups(lin.q4, w, lin.n, lin.k, M, input, in, y, lin.n, g0, g1);
@@ -322,41 +343,97 @@ class DecodeStack {
     }
   }
 
-  // A matmul phase whose input needs no residual update.
-  template <typename MakeInput>
-  void matmul_phase(const Step& s, Phase& ph, const QuantLinear& lin, MakeInput&& make_input, Scratch& sc,
-                    float* y) const {
-    const int64_t n = matmul_items(s, lin);
-    matmul_items_loop(s, ph, n, 0, lin, make_input, sc, y, ph.claim(n));
-    ph.wait(n);
-  }
+  // Whether a matmul phase builds its input once, shared by the team (one item per tile of rows), instead of in
+  // every thread.
+  bool shared_input(const Step& s) const { return shares_input_for(s.B, s.threads); }
 
-  // A phase that first updates the residual (item 0: res_out = res + add) and then runs `lin` on
-  // RMSNorm(res + add) (every other item). With add == nullptr there is no update and the input is RMSNorm(res).
-  void norm_matmul_phase(const Step& s, Phase& ph, const float* res, const float* add, float* res_out,
-                         const torch::Tensor& norm, const QuantLinear& lin, Scratch& sc, float* y) const {
-    const int64_t rows = s.B * hidden_;
-    const int64_t first = add != nullptr ? 1 : 0;
-    const int64_t n = first + matmul_items(s, lin);
-    auto make_input = [&]() -> const float* {
-      sc.x.resize(static_cast<size_t>(rows));
-      float* xin = sc.x.data();
-      if (add != nullptr) {
-        for (int64_t i = 0; i < rows; ++i) xin[i] = res[i] + add[i];
-      } else {
-        std::copy(res, res + rows, xin);
+  static int64_t tiles(int64_t B) { return (B + gguf_kernels::kPrepareTile - 1) / gguf_kernels::kPrepareTile; }
+
+  // A matmul phase y = input @ W.T, where `build_rows(m0, mt, xin)` writes rows [m0, m0 + mt) of the input into
+  // xin (row stride lin.k) and returns the full input (xin, or a matrix it leaves as it is).
+  //  - shared (shared_input): items [0, tiles) each build a tile of rows and lay it out for the kernels in the
+  //    step's buffers; a thread that claims a matmul item waits until every tile is done (no matmul item can finish
+  //    before that, so `done` reaching the tile count says so). Quantizing a 64-row input in every thread was 7%
+  //    of the step.
+  //  - otherwise every thread builds the whole input into its own scratch once it has claimed a matmul item, and
+  //    `item0` (when given) is one more item, first, that the phase runs (the residual update).
+  template <typename BuildRows, typename Item0>
+  void input_matmul_phase(Step& s, Phase& ph, const QuantLinear& lin, BuildRows&& build_rows, Item0&& item0,
+                          bool has_item0, Scratch& sc, float* y) const {
+    const int64_t B = s.B, K = lin.k;
+    if (shared_input(s)) {
+      const int64_t T = tiles(B), n = T + matmul_items(s, lin);
+      float* xin = s.xin.data();
+      float* panels = s.panels.data();
+      float* sums = s.sums.data();
+      int64_t item = ph.claim(n);
+      const float* input = nullptr;
+      for (; item >= 0 && item < T; item = ph.claim(n)) {
+        const int64_t m0 = item * gguf_kernels::kPrepareTile;
+        input = build_rows(m0, std::min(gguf_kernels::kPrepareTile, B - m0), xin);
+        gguf_kernels::prepare_tile(lin.q4, input, B, K, m0, panels, sums, int8_);
+        ph.finish();
       }
-      cpu_kernels::rms_norm_rows(xin, norm.data_ptr<float>(), xin, s.B, hidden_, eps_);
-      return xin;
-    };
+      auto prepare = [&](gguf_kernels::PreparedInput& in) -> const float* {
+        ph.wait(T);
+        if (input == nullptr) input = build_rows(0, 0, xin);  // no rows: just where the input lives
+        in = gguf_kernels::prepared_view(lin.q4, input, B, K, panels, sums, int8_);
+        return input;
+      };
+      matmul_items_loop(s, ph, n, T, lin, prepare, y, item);
+      ph.wait(n);
+      return;
+    }
+    const int64_t first = has_item0 ? 1 : 0;
+    const int64_t n = first + matmul_items(s, lin);
     int64_t item = ph.claim(n);
-    if (item == 0 && first == 1) {
-      for (int64_t i = 0; i < rows; ++i) res_out[i] = res[i] + add[i];
+    if (item == 0 && has_item0) {
+      item0();
       ph.finish();
       item = ph.claim(n);
     }
-    matmul_items_loop(s, ph, n, first, lin, make_input, sc, y, item);
+    auto prepare = [&](gguf_kernels::PreparedInput& in) -> const float* {
+      sc.x.resize(static_cast<size_t>(B * K));
+      const float* input = build_rows(0, B, sc.x.data());
+      sc.panels.resize(static_cast<size_t>(gguf_kernels::panel_floats(B, K)));
+      sc.sums.resize(static_cast<size_t>(gguf_kernels::sum_floats(B, K)));
+      in = gguf_kernels::prepare_input(lin.q4, input, B, K, sc.panels.data(), sc.sums.data(), int8_);
+      return input;
+    };
+    matmul_items_loop(s, ph, n, first, lin, prepare, y, item);
     ph.wait(n);
+  }
+
+  // A matmul phase on an input that is there already (or built per row by `build_rows`, see input_matmul_phase).
+  template <typename BuildRows>
+  void matmul_phase(Step& s, Phase& ph, const QuantLinear& lin, BuildRows&& build_rows, Scratch& sc,
+                    float* y) const {
+    input_matmul_phase(s, ph, lin, build_rows, [] {}, false, sc, y);
+  }
+
+  // A phase on RMSNorm(res + add) with the residual updated on the way (res_out = res + add); with add == nullptr
+  // there is no update and the input is RMSNorm(res). The shared form updates the residual tile by tile, the
+  // per-thread form as one item of its own.
+  void norm_matmul_phase(Step& s, Phase& ph, const float* res, const float* add, float* res_out,
+                         const torch::Tensor& norm, const QuantLinear& lin, Scratch& sc, float* y) const {
+    const bool shared = shared_input(s);
+    auto build_rows = [&](int64_t m0, int64_t mt, float* xin) -> const float* {
+      const int64_t i0 = m0 * hidden_, i1 = (m0 + mt) * hidden_;
+      float* x = xin + i0;
+      if (add != nullptr) {
+        for (int64_t i = i0; i < i1; ++i) xin[i] = res[i] + add[i];
+        if (shared) std::copy(xin + i0, xin + i1, res_out + i0);
+      } else {
+        std::copy(res + i0, res + i1, x);
+      }
+      cpu_kernels::rms_norm_rows(x, norm.data_ptr<float>(), x, mt, hidden_, eps_);
+      return xin;
+    };
+    auto update = [&] {
+      const int64_t rows = s.B * hidden_;
+      for (int64_t i = 0; i < rows; ++i) res_out[i] = res[i] + add[i];
+    };
+    input_matmul_phase(s, ph, lin, build_rows, update, add != nullptr, sc, y);
   }
 
   void attention_phase(const Step& s, Phase& ph, const Layer& layer, Scratch& sc) const {
@@ -448,17 +525,16 @@ class DecodeStack {
       // B: attention
       attention_phase(s, s.phases[phase++], layer, sc);
       // C: output projection
-      matmul_phase(s, s.phases[phase++], layer.o, [&]() -> const float* { return attn; }, sc, o);
+      matmul_phase(s, s.phases[phase++], layer.o, [&](int64_t, int64_t, float*) -> const float* { return attn; },
+                   sc, o);
       // D: residual update, norm, gate/up projection
       res_out = s.res[next].data_ptr<float>();
       norm_matmul_phase(s, s.phases[phase++], res, o, res_out, layer.post_norm, layer.gate_up, sc, gate_up);
       res = res_out;
       next ^= 1;
       // E: SwiGLU, down projection
-      auto activation = [&]() -> const float* {
-        sc.x.resize(static_cast<size_t>(B * inter_));
-        float* act = sc.x.data();
-        for (int64_t m = 0; m < B; ++m) {
+      auto activation = [&](int64_t m0, int64_t mt, float* act) -> const float* {
+        for (int64_t m = m0; m < m0 + mt; ++m) {
           const float* gu = gate_up + m * 2 * inter_;
           cpu_kernels::silu_mul(gu, gu + inter_, act + m * inter_, inter_);
         }
@@ -482,6 +558,7 @@ class DecodeStack {
   int64_t hidden_, heads_, kv_heads_, head_dim_, rotary_dim_, inter_;
   float eps_, scale_;
   bool int8_ = false;
+  bool share_input_ = true;
   torch::Tensor final_norm_;
   std::vector<Layer> layers_;
 };
@@ -502,6 +579,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("num_layers", &DecodeStack::num_layers)
       .def("set_int8_activations", &DecodeStack::set_int8_activations, py::arg("on"))
       .def("int8_activations", &DecodeStack::int8_activations)
+      .def("set_shared_input", &DecodeStack::set_shared_input, py::arg("on"))
+      .def("shared_input", &DecodeStack::shared_input_enabled)
+      .def("shares_input_for", &DecodeStack::shares_input_for, py::arg("batch"), py::arg("threads"),
+           "whether a step of `batch` sequences on `threads` threads builds each (int8) matmul input once for the team")
       .def("forward", &DecodeStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("out_loc"),
            py::arg("req_to_token"), py::arg("req_pool_indices"), py::arg("seq_lens"),
            py::call_guard<py::gil_scoped_release>());

@@ -170,42 +170,53 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) inline void quantize_bl
 }
 #endif
 
-// Quantizes rows x[M, K] (see QuantizedInput) into `scratch` (scratch_floats); `vector` picks the AVX512 block
-// quantizer (only where avx512_supported()), which gives the same bits as the portable one.
-inline QuantizedInput quantize_rows(bool q4, const float* x, int64_t M, int64_t K, float* scratch,
-                                    bool vector = avx512_supported()) {
+// Where the quantized rows of x[M, K] live in `scratch` (scratch_floats(M, K)): words, then scales, then sums.
+inline QuantizedInput quantized_view(int64_t M, int64_t K, float* scratch) {
   const int64_t nb = K / 32;
-  int32_t* words = reinterpret_cast<int32_t*>(scratch);
-  float* dx = scratch + M * nb * kWordsPerBlock;
-  float* sx = dx + 2 * M * nb;
-  for (int64_t m0 = 0; m0 < M; m0 += kTile) {
-    const int64_t mt = std::min(kTile, M - m0);
-    int32_t* tw = words + m0 * nb * kWordsPerBlock;
-    float* tdx = dx + 2 * m0 * nb;
-    float* tsx = sx + m0 * nb;
-    for (int64_t m = 0; m < mt; ++m) {
-      const float* row = x + (m0 + m) * K;
-      for (int64_t b = 0; b < nb; ++b) {
-        QuantizedBlock qb;
+  const int32_t* words = reinterpret_cast<const int32_t*>(scratch);
+  const float* dx = scratch + M * nb * kWordsPerBlock;
+  return {words, dx, dx + 2 * M * nb};
+}
+
+// Quantizes the rows [m0, m0 + mt) of x[M, K] (one tile: m0 a multiple of kTile, mt = min(kTile, M - m0)) into
+// their place in `scratch` (quantized_view). Tiles write disjoint parts, so threads can build one each. `vector`
+// picks the AVX512 block quantizer (only where avx512_supported()), which gives the same bits as the portable one.
+inline void quantize_tile(bool q4, const float* x, int64_t M, int64_t K, int64_t m0, float* scratch,
+                          bool vector = avx512_supported()) {
+  const int64_t nb = K / 32;
+  const int64_t mt = std::min(kTile, M - m0);
+  const QuantizedInput view = quantized_view(M, K, scratch);
+  int32_t* tw = const_cast<int32_t*>(view.words) + m0 * nb * kWordsPerBlock;
+  float* tdx = const_cast<float*>(view.dx) + 2 * m0 * nb;
+  float* tsx = const_cast<float*>(view.sx) + m0 * nb;
+  for (int64_t m = 0; m < mt; ++m) {
+    const float* row = x + (m0 + m) * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      QuantizedBlock qb;
 #ifdef GGUF_INT8_VNNI
-        if (vector) {
-          quantize_block_avx512(q4, row + b * 32, qb);
-        } else {
-          quantize_block_portable(q4, row + b * 32, qb);
-        }
-#else
-        (void)vector;
+      if (vector) {
+        quantize_block_avx512(q4, row + b * 32, qb);
+      } else {
         quantize_block_portable(q4, row + b * 32, qb);
-#endif
-        tdx[(b * 2) * mt + m] = qb.d[0];
-        tdx[(b * 2 + 1) * mt + m] = qb.d[1];
-        tsx[b * mt + m] = qb.sum();
-        for (int64_t s = 0; s < 2; ++s)
-          for (int64_t w = 0; w < kTermWords; ++w) tw[(b * kWordsPerBlock + s * kTermWords + w) * mt + m] = qb.words[s][w];
       }
+#else
+      (void)vector;
+      quantize_block_portable(q4, row + b * 32, qb);
+#endif
+      tdx[(b * 2) * mt + m] = qb.d[0];
+      tdx[(b * 2 + 1) * mt + m] = qb.d[1];
+      tsx[b * mt + m] = qb.sum();
+      for (int64_t s = 0; s < 2; ++s)
+        for (int64_t w = 0; w < kTermWords; ++w) tw[(b * kWordsPerBlock + s * kTermWords + w) * mt + m] = qb.words[s][w];
     }
   }
-  return {words, dx, sx};
+}
+
+// Quantizes rows x[M, K] (see QuantizedInput) into `scratch` (scratch_floats), tile by tile.
+inline QuantizedInput quantize_rows(bool q4, const float* x, int64_t M, int64_t K, float* scratch,
+                                    bool vector = avx512_supported()) {
+  for (int64_t m0 = 0; m0 < M; m0 += kTile) quantize_tile(q4, x, M, K, m0, scratch, vector);
+  return quantized_view(M, K, scratch);
 }
 
 // ---- portable path: the same integer sums, one row at a time ----

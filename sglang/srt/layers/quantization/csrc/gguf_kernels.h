@@ -440,30 +440,54 @@ struct PreparedInput {
   int8::QuantizedInput q{nullptr, nullptr, nullptr};
 };
 
-// Lays out rows x[M, K] for matmul_groups, using `panels` (panel_floats) and `sums` (sum_floats) as scratch.
-// With int8_activations x is quantized to int8 per 32-value block instead (into `panels`).
-inline PreparedInput prepare_input(bool q4, const float* x, int64_t M, int64_t K, float* panels, float* sums,
+// Rows of x per tile of prepared input (int8::kTile and kMaxTile: the same 8): prepare_tile builds one.
+constexpr int64_t kPrepareTile = kMaxTile;
+static_assert(kPrepareTile == int8::kTile, "both input layouts are tiled alike");
+
+// Lays out the rows [m0, m0 + min(kPrepareTile, M - m0)) of x[M, K] (m0 a multiple of kPrepareTile) for
+// matmul_groups, into their place in `panels` (panel_floats) and `sums` (sum_floats); with int8_activations
+// quantized to int8 per 32-value block (into `panels`). Tiles write disjoint parts: threads can build one each.
+inline void prepare_tile(bool q4, const float* x, int64_t M, int64_t K, int64_t m0, float* panels, float* sums,
+                         bool int8_activations = false) {
+  if (int8_activations) {
+    int8::quantize_tile(q4, x, M, K, m0, panels);
+    return;
+  }
+#ifdef GGUF_LINEAR_AVX2
+  if (!q4 && M == 1) return;  // a single row of Q8_0 is read as it is
+  float scale[8];
+  for (int64_t i = 0; i < 8; ++i) scale[i] = nibble_x_scale(i);
+  const int64_t mt = std::min(kPrepareTile, M - m0);
+  make_panel(x + m0 * K, K, mt, q4 ? scale : nullptr, panels + m0 * K, q4 ? sums + m0 * (K / kQK) : nullptr);
+#else
+  (void)q4, (void)x, (void)M, (void)K, (void)m0, (void)panels, (void)sums;
+#endif
+}
+
+// The prepared input of x[M, K] once every tile is built (prepare_tile), as matmul_groups reads it.
+inline PreparedInput prepared_view(bool q4, const float* x, int64_t M, int64_t K, float* panels, float* sums,
                                    bool int8_activations = false) {
   if (int8_activations) {
     PreparedInput in{panels, nullptr};
     in.quantized = true;
-    in.q = int8::quantize_rows(q4, x, M, K, panels);
+    in.q = int8::quantized_view(M, K, panels);
     return in;
   }
 #ifdef GGUF_LINEAR_AVX2
-  if (!q4 && M == 1) return {x, nullptr};  // a single row of Q8_0 needs no copy
-  float scale[8];
-  for (int64_t i = 0; i < 8; ++i) scale[i] = nibble_x_scale(i);
-  const int64_t nb = K / kQK;
-  for (int64_t m0 = 0; m0 < M; m0 += kMaxTile) {
-    const int64_t mt = std::min(kMaxTile, M - m0);
-    make_panel(x + m0 * K, K, mt, q4 ? scale : nullptr, panels + m0 * K, q4 ? sums + m0 * nb : nullptr);
-  }
+  if (!q4 && M == 1) return {x, nullptr};
   return {panels, q4 ? sums : nullptr};
 #else
   (void)q4, (void)M, (void)K, (void)panels, (void)sums;
   return {x, nullptr};
 #endif
+}
+
+// Lays out rows x[M, K] for matmul_groups, using `panels` (panel_floats) and `sums` (sum_floats) as scratch.
+// With int8_activations x is quantized to int8 per 32-value block instead (into `panels`).
+inline PreparedInput prepare_input(bool q4, const float* x, int64_t M, int64_t K, float* panels, float* sums,
+                                   bool int8_activations = false) {
+  for (int64_t m0 = 0; m0 < M; m0 += kPrepareTile) prepare_tile(q4, x, M, K, m0, panels, sums, int8_activations);
+  return prepared_view(q4, x, M, K, panels, sums, int8_activations);
 }
 
 // y[:, 16 g0 .. 16 g1) (row stride ldy) = x @ W.T for the row groups [g0, g1) of packed weights W [N, K].
