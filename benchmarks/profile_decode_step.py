@@ -8,8 +8,10 @@ batch building, forward inputs, the forward (model + sampling), result processin
 pickling. `--cprofile` prints the functions (and compiled kernels) by own time. `--stack-only` instead times the
 fused decode step's layer stack alone (one compiled call, no embedding, LM head or sampling) for --seconds, the same
 decode batch over and over (a loop to attach `perf record -p` to); with `--attention-paths` it alternates the
-AVX512 and AVX2 paths of bf16 attention every 10 calls and reports each (where the CPU has AVX512), and with
-`--shared-input` each matmul's input built once for the team and in every thread. OMP_WAIT_POLICY
+AVX512 and AVX2 paths of bf16 attention every 10 calls and reports each (where the CPU has AVX512), with
+`--shared-input` each matmul's input built once for the team and in every thread, and with `--items-per-thread
+1,4` the matmuls cut into that many items per thread; `--with-head` adds the LM head to each call (it evicts the
+layers' weights from L3, as in a real step). OMP_WAIT_POLICY
 defaults to PASSIVE, as the server sets it, unless the environment sets it or GOMP_SPINCOUNT.
 """
 
@@ -58,6 +60,9 @@ def main() -> None:
                         help="with --stack-only: the AVX512 and AVX2 attention paths interleaved")
     parser.add_argument("--shared-input", action="store_true",
                         help="with --stack-only: matmul inputs built once for the team and per thread, interleaved")
+    parser.add_argument("--items-per-thread", default="",
+                        help="with --stack-only: comma-separated matmul items per thread, interleaved")
+    parser.add_argument("--with-head", action="store_true", help="with --stack-only: the LM head after the stack")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     server_args = ServerArgs(model_path=args.model_path, gguf_activations=args.gguf_activations)
@@ -76,7 +81,7 @@ def main() -> None:
         forward_batch, sampling = batch.forward_inputs(sched.mem, sched.runner.vocab_size, sched.runner.device)
         process_result(sched, batch, sched.runner.forward(forward_batch, sampling))
     if args.stack_only:
-        time_stack(sched, args.seconds, args.attention_paths, args.shared_input)
+        time_stack(sched, args)
         return
     totals = dict.fromkeys(PARTS, 0.0)
 
@@ -117,45 +122,59 @@ def main() -> None:
     print(sched.runner.decode_plan.description if sched.runner.decode_plan is not None else "no decode plan")
 
 
-def time_stack(sched: Scheduler, seconds: float, attention_paths: bool, shared_input: bool) -> None:
+def time_stack(sched: Scheduler, args: argparse.Namespace) -> None:
     """Mean and median time of the fused layer stack on the scheduler's next decode batch (per variant)."""
     fused = sched.runner.decode_plan.fused if sched.runner.decode_plan is not None else None
     batch = sched.get_next_batch()
     assert fused is not None and batch is not None and batch.is_decode, "no fused decode step for this batch"
     fb, _ = batch.forward_inputs(sched.mem, sched.runner.vocab_size, sched.runner.device)
     assert fused.accepts(fb), f"{len(batch)} sequences are above the fused step's {fused.max_rows} rows"
-    hidden, (cos, sin) = sched.runner.model.model.embed(fb.input_ids, fb.positions)
+    model = sched.runner.model
+    hidden, (cos, sin) = model.model.embed(fb.input_ids, fb.positions)
     rows = hidden.shape[0]
     call_args = (hidden, cos.view(rows, -1), sin.view(rows, -1), fb.out_cache_loc,
                  fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens)
 
-    def attention(avx512: bool):  # -> a function that puts the previous path back
-        previous = fused_cpu_decode.set_decode_attention_avx512(avx512)
+    def call() -> None:
+        out = fused.stack.forward(*call_args)
+        if args.with_head:
+            model.compute_logits(out, fb)
+
+    def setting(get, put, value):  # -> a function that puts the previous value back
+        previous = get()
+        put(value)
+        return lambda: put(previous)
+
+    def attention(on: bool):  # the setter returns the previous value
+        previous = fused_cpu_decode.set_decode_attention_avx512(on)
         return lambda: fused_cpu_decode.set_decode_attention_avx512(previous)
 
-    def share(on: bool):
-        previous = fused.stack.shared_input()
-        fused.stack.set_shared_input(on)
-        return lambda: fused.stack.set_shared_input(previous)
-
+    stack = fused.stack
     variants: dict = {"": lambda: (lambda: None)}
-    if attention_paths and cpu_ops.has_decode_attention_avx512():
-        variants = {" (attention avx512)": lambda: attention(True), " (attention avx2)": lambda: attention(False)}
-    elif shared_input:
-        variants = {" (input built once)": lambda: share(True), " (input built per thread)": lambda: share(False)}
+    if args.attention_paths and cpu_ops.has_decode_attention_avx512():
+        variants = {f" (attention {name})": (lambda on=on: attention(on))
+                    for name, on in (("avx512", True), ("avx2", False))}
+    elif args.shared_input:
+        variants = {f" (input built {name})": (lambda on=on: setting(stack.shared_input, stack.set_shared_input, on))
+                    for name, on in (("once", True), ("per thread", False))}
+    elif args.items_per_thread:
+        variants = {f" ({n} matmul items per thread)": (lambda n=n: setting(
+            stack.matmul_items_per_thread, stack.set_matmul_items_per_thread, n))
+            for n in (int(v) for v in args.items_per_thread.split(","))}
     times: dict[str, list[float]] = {label: [] for label in variants}
     start = time.perf_counter()
-    while time.perf_counter() - start < seconds:
+    while time.perf_counter() - start < args.seconds:
         for label, apply in variants.items():
             restore = apply()
             for _ in range(10):
                 t0 = time.perf_counter()
-                fused.stack.forward(*call_args)
+                call()
                 times[label].append(time.perf_counter() - t0)
             restore()
     for label, calls in times.items():
         calls = sorted(calls[len(calls) // 10:])  # the first tenth warms up
-        print(f"{rows} sequences, fused layer stack alone{label}: mean {sum(calls) / len(calls) * 1e3:.3f} ms, "
+        what = "fused layer stack and LM head" if args.with_head else "fused layer stack alone"
+        print(f"{rows} sequences, {what}{label}: mean {sum(calls) / len(calls) * 1e3:.3f} ms, "
               f"median {calls[len(calls) // 2] * 1e3:.3f} ms over {len(calls)} calls")
 
 

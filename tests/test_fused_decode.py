@@ -128,6 +128,32 @@ def test_fused_decode_same_result_with_any_thread_count(tmp_path):
             assert torch.equal(a, b)
 
 
+def test_fused_decode_same_result_with_any_matmul_split(tmp_path):
+    """How many row-group chunks each thread's share of a matmul is cut into changes who computes what, never the
+    bits: one contiguous run per thread (the default) and 3 or 4 smaller ones, on 2 threads."""
+    config = tiny_config("llama")
+    _, ours = build_models(tmp_path, config)
+    quantize_linears(ours)
+    prompts = [prompt_of(7, 6), prompt_of(12, 7), prompt_of(2, 8)]
+    before = torch.get_num_threads()
+    results = []
+    try:
+        torch.set_num_threads(2)
+        for items in (1, 3, 4):
+            def configure(stack, items=items):
+                assert stack.matmul_items_per_thread() == 1  # the default
+                stack.set_matmul_items_per_thread(items)
+
+            results.append(decode_run(ours, config, True, prompts, steps=3, configure=configure)[0])
+    finally:
+        torch.set_num_threads(before)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="items per thread"):
+        make_fused(ours, PagedCache(config, torch.float32)).stack.set_matmul_items_per_thread(0)
+
+
 def test_shared_input_only_for_int8_with_a_tile_for_every_thread(tmp_path):
     config = tiny_config("llama")
     _, ours = build_models(tmp_path, config)
