@@ -11,10 +11,10 @@
 //   C  o = attn @ Wo
 //   D  h = residual + o; x = RMSNorm(h);  gate_up = x @ Wgu
 //   E  down = (silu(gate) * up) @ Wdown
-// A phase is a list of work items (chunks of matmul row groups, attention tasks, the residual update) that the
+// A phase is a list of work items (runs of matmul row groups, attention tasks, the residual update) that the
 // threads claim from a shared counter; a thread moves on to the next phase once every item of this one is done.
 // So there is no barrier that needs every thread: when the OS preempts one thread (the tokenizer and detokenizer
-// processes share the cores), the others finish its share of the phase instead of waiting for it to come back.
+// processes share the cores) before it claims its items, the others take them instead of waiting for it.
 // With int8 activations and a tile of 8 rows for every thread, the input of a matmul phase (norms, residual adds,
 // SiLU, the int8 quantization) is built once by the team, one work item per tile. Otherwise each thread builds it
 // itself, after claiming its first item of that phase (so the input cannot change underneath it). The residual
