@@ -171,11 +171,21 @@ __attribute__((target("avx512f,avx512bw,avx512vl,fma"))) inline void quantize_bl
 #endif
 
 // Where the quantized rows of x[M, K] live in `scratch` (scratch_floats(M, K)): words, then scales, then sums.
-inline QuantizedInput quantized_view(int64_t M, int64_t K, float* scratch) {
+struct QuantizedParts {
+  int32_t* words;
+  float* dx;
+  float* sx;
+};
+
+inline QuantizedParts quantized_parts(int64_t M, int64_t K, float* scratch) {
   const int64_t nb = K / 32;
-  const int32_t* words = reinterpret_cast<const int32_t*>(scratch);
-  const float* dx = scratch + M * nb * kWordsPerBlock;
-  return {words, dx, dx + 2 * M * nb};
+  float* dx = scratch + M * nb * kWordsPerBlock;
+  return {reinterpret_cast<int32_t*>(scratch), dx, dx + 2 * M * nb};
+}
+
+inline QuantizedInput quantized_view(int64_t M, int64_t K, float* scratch) {
+  const QuantizedParts parts = quantized_parts(M, K, scratch);
+  return {parts.words, parts.dx, parts.sx};
 }
 
 // Quantizes the rows [m0, m0 + mt) of x[M, K] (one tile: m0 a multiple of kTile, mt = min(kTile, M - m0)) into
@@ -185,10 +195,10 @@ inline void quantize_tile(bool q4, const float* x, int64_t M, int64_t K, int64_t
                           bool vector = avx512_supported()) {
   const int64_t nb = K / 32;
   const int64_t mt = std::min(kTile, M - m0);
-  const QuantizedInput view = quantized_view(M, K, scratch);
-  int32_t* tw = const_cast<int32_t*>(view.words) + m0 * nb * kWordsPerBlock;
-  float* tdx = const_cast<float*>(view.dx) + 2 * m0 * nb;
-  float* tsx = const_cast<float*>(view.sx) + m0 * nb;
+  const QuantizedParts parts = quantized_parts(M, K, scratch);
+  int32_t* tw = parts.words + m0 * nb * kWordsPerBlock;
+  float* tdx = parts.dx + 2 * m0 * nb;
+  float* tsx = parts.sx + m0 * nb;
   for (int64_t m = 0; m < mt; ++m) {
     const float* row = x + (m0 + m) * K;
     for (int64_t b = 0; b < nb; ++b) {
