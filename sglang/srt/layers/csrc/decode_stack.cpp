@@ -336,14 +336,10 @@ class DecodeStack {
     const int64_t chunk = matmul_chunk(s, lin);
     const uint8_t* w = lin.packed.data_ptr<uint8_t>();
     const float* bias = lin.bias.defined() ? lin.bias.data_ptr<float>() : nullptr;
-    bool ready = false;
     gguf_kernels::PreparedInput in{nullptr, nullptr};
-    const float* input = nullptr;
+    const float* input = nullptr;  // never null once prepared
     for (; item >= 0; item = ph.claim(n_items)) {
-      if (!ready) {
-        input = prepare(in);
-        ready = true;
-      }
+      if (input == nullptr) input = prepare(in);
       const int64_t g0 = (item - first) * chunk, g1 = std::min(groups, g0 + chunk);
       gguf_kernels::matmul_groups(lin.q4, w, lin.n, lin.k, M, input, in, y, lin.n, g0, g1);
       if (bias != nullptr) {

@@ -444,6 +444,11 @@ struct PreparedInput {
 constexpr int64_t kPrepareTile = kMaxTile;
 static_assert(kPrepareTile == int8::kTile, "both input layouts are tiled alike");
 
+// Whether the float kernels read x as it is, without panels: a single row of Q8_0.
+inline bool reads_x_as_is(bool q4, int64_t M) {
+  return !q4 && M == 1;
+}
+
 // Lays out the rows [m0, m0 + min(kPrepareTile, M - m0)) of x[M, K] (m0 a multiple of kPrepareTile) for
 // matmul_groups, into their place in `panels` (panel_floats) and `sums` (sum_floats); with int8_activations
 // quantized to int8 per 32-value block (into `panels`). Tiles write disjoint parts: threads can build one each.
@@ -454,7 +459,7 @@ inline void prepare_tile(bool q4, const float* x, int64_t M, int64_t K, int64_t 
     return;
   }
 #ifdef GGUF_LINEAR_AVX2
-  if (!q4 && M == 1) return;  // a single row of Q8_0 is read as it is
+  if (reads_x_as_is(q4, M)) return;
   float scale[8];
   for (int64_t i = 0; i < 8; ++i) scale[i] = nibble_x_scale(i);
   const int64_t mt = std::min(kPrepareTile, M - m0);
@@ -474,7 +479,7 @@ inline PreparedInput prepared_view(bool q4, const float* x, int64_t M, int64_t K
     return in;
   }
 #ifdef GGUF_LINEAR_AVX2
-  if (!q4 && M == 1) return {x, nullptr};
+  if (reads_x_as_is(q4, M)) return {x, nullptr};
   return {panels, q4 ? sums : nullptr};
 #else
   (void)q4, (void)M, (void)K, (void)panels, (void)sums;
