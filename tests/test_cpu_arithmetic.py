@@ -57,11 +57,12 @@ def test_cpu_flags_and_classes():
     assert isinstance(read_cpu_flags(), frozenset)
 
 
-def test_avx2_cpu_keeps_float32_everywhere():
+def test_avx2_cpu_keeps_float32_arithmetic_with_bf16_kv():
     plan = choose_arithmetic("cpu", "auto", "auto", AVX2_FLAGS)
     assert (plan.cpu_class, plan.weight_dtype, plan.kv_dtype, plan.large_batch_gemm) == (
-        AVX2, torch.float32, torch.float32, "float32")
-    assert plan.describe().startswith("Arithmetic: CPU class avx2; weights and KV cache float32")
+        AVX2, torch.float32, torch.bfloat16, "float32")
+    assert (plan.gguf_activations, plan.prefill_attention) == ("float32", "float32")
+    assert plan.describe().startswith("Arithmetic: CPU class avx2; weights float32, KV cache bfloat16 (AVX2 widens")
 
 
 @pytest.mark.parametrize("flags, cls", [(BF16_VNNI_FLAGS, AVX512_BF16), (AMX_FLAGS, AMX)])
@@ -77,9 +78,9 @@ def test_bf16_cpus_keep_float32_weights_with_bf16_large_batches_and_kv(flags, cl
 
 @pytest.mark.parametrize("flags", [AVX2_FLAGS, BF16_VNNI_FLAGS, AMX_FLAGS, ["fpu"]])
 def test_kv_cache_dtype_per_cpu_class_and_flags(flags):
-    native_bf16 = cpu_class(flags) in (AVX512_BF16, AMX)
+    bf16_kv = cpu_class(flags) in (AVX512_BF16, AMX, AVX2)  # x86 with at least AVX2; not flags of no known class
     auto = choose_arithmetic("cpu", "auto", "auto", flags)
-    assert auto.kv_dtype == (torch.bfloat16 if native_bf16 else torch.float32)
+    assert auto.kv_dtype == (torch.bfloat16 if bf16_kv else torch.float32)
     # an explicit --dtype or --cpu-gemm keeps K/V in the model dtype; an explicit --kv-cache-dtype wins everywhere
     assert choose_arithmetic("cpu", "float32", "auto", flags).kv_dtype == torch.float32
     assert choose_arithmetic("cpu", "bfloat16", "auto", flags).kv_dtype == torch.bfloat16

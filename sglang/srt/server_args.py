@@ -34,8 +34,8 @@ class ServerArgs:
     load_format: str = "auto"
     trust_remote_code: bool = False
     dtype: str = "auto"
-    # K/V storage: auto (layers/arithmetic.py: bf16 on CPUs with native bf16 under the automatic plan, else the
-    # model dtype), float32, bfloat16/bf16, fp8_e4m3, fp8_e5m2 (mem_cache/kv_dtype.py).
+    # K/V storage: auto (layers/arithmetic.py: bf16 on x86 CPUs with AVX2 or better under the automatic plan,
+    # else the model dtype), float32, bfloat16/bf16, fp8_e4m3, fp8_e5m2 (mem_cache/kv_dtype.py).
     kv_cache_dtype: str = "auto"
     quantization: Optional[str] = None
     context_length: Optional[int] = None

@@ -222,15 +222,19 @@ def choose_prefill_attention(plan: ArithmeticPlan, flags: frozenset[str], machin
 
 def choose_kv_cache_dtype(requested: str, plan: ArithmeticPlan, dtype: str = "auto",
                           cpu_gemm: str = "auto") -> tuple[torch.dtype, str]:
-    """The K/V element type and why. `--kv-cache-dtype auto` stores bf16 K/V where the whole plan is automatic on a
-    CPU with native bf16 (its prefill GEMMs already round to bf16): late in a long generation decode attention
-    reads more K/V bytes than weights, and the compiled kernels read bf16 at about the same bytes per second as
-    float32, so half the bytes is close to half the time (benchmarks/RESULTS.md, 2026-11-24). Elsewhere, and with
-    an explicit --dtype or --cpu-gemm, K/V keep the model dtype."""
+    """The K/V element type and why. `--kv-cache-dtype auto` stores bf16 K/V where the whole plan is automatic on an
+    x86 CPU with AVX2 or better: late in a long generation, and in every decode batch of many sequences, decode
+    attention reads more K/V bytes than weights, and the compiled kernels read bf16 (widened to float32 in
+    registers, which even AVX2 does with a shift) at about the same bytes per second as float32, so half the bytes
+    is close to half the time (benchmarks/RESULTS.md, 2026-11-24 on AVX512-BF16, 2026-11-25 on AVX2: 1.4x per step
+    at a 3,000-token context, 1.06-1.2x at 16 x 520 and 64 x 130). Elsewhere (other CPUs, accelerators), and with an
+    explicit --dtype or --cpu-gemm, K/V keep the model dtype."""
     if requested != "auto":
         return resolve_kv_cache_dtype(requested, plan.weight_dtype), f"--kv-cache-dtype {requested}"
-    if _automatic(dtype, cpu_gemm) and plan.cpu_class in (AMX, AVX512_BF16) and plan.weight_dtype == torch.float32:
-        return torch.bfloat16, "the CPU has native bf16: bf16 K/V halve the bytes decode attention reads"
+    bf16_kv_classes = (AMX, AVX512_BF16, AVX2)
+    if _automatic(dtype, cpu_gemm) and plan.cpu_class in bf16_kv_classes and plan.weight_dtype == torch.float32:
+        native = "the CPU has native bf16" if plan.cpu_class != AVX2 else "AVX2 widens bf16 K/V in registers"
+        return torch.bfloat16, f"{native}: bf16 K/V halve the bytes decode attention reads"
     return plan.weight_dtype, "the model dtype"
 
 

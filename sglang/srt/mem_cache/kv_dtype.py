@@ -3,7 +3,7 @@
 On CPU a long generation's decode step reads more K/V bytes than weights, so storing K/V in bf16 (half the
 bytes) or fp8 (a quarter) speeds decode up; the compiled kernels (layers/csrc/kv_types.h) read the stored type
 directly and accumulate in float32. "auto" is settled with the rest of the arithmetic (layers/arithmetic.py,
-choose_kv_cache_dtype): bf16 on a CPU with native bf16 under the automatic plan, the model dtype elsewhere
+choose_kv_cache_dtype): bf16 on an x86 CPU with AVX2 or better under the automatic plan, the model dtype elsewhere
 (benchmarks/RESULTS.md has the measurements). fp8 uses a per-tensor scale of 1.0, like upstream's default: values
 are clamped to the format's finite range (float8_e4m3fn has no infinity and would turn overflow into NaN).
 """
