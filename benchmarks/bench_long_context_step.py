@@ -6,6 +6,10 @@ steadier figure on a shared machine (it leaves out steps where a thread was pree
 
     python benchmarks/bench_long_context_step.py --context 3000 --batch-size 1 4 --kv-dtypes float32 bfloat16
     python benchmarks/bench_long_context_step.py --dtype auto --kv-dtypes auto float32
+    python benchmarks/bench_long_context_step.py --dtype auto --context 160 --batch-size 16 --steps 10 --alternate 6
+
+With `--alternate N` one runner per KV dtype is built up front and the dtypes take turns, N rounds of --steps
+steps each (a fresh prefill per round), so that a noisy machine slows every dtype alike.
 """
 
 from __future__ import annotations
@@ -33,20 +37,37 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--kv-dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--dtype", default="float32", help="--dtype of the server (auto: the default arithmetic)")
+    parser.add_argument("--alternate", type=int, default=0, help="rounds of --steps steps, dtypes taking turns")
     args = parser.parse_args()
-    for kv in args.kv_dtypes:
+    need = max(args.batch_size) * (args.context + args.steps + 2) + 64
+
+    def build(kv: str):
         server_args = ServerArgs(model_path=args.model_path, dtype=args.dtype, kv_cache_dtype=kv)
-        info = load_model_info(server_args)
-        need = max(args.batch_size) * (args.context + args.steps + 2) + 64
-        runner, mem = build_runner(info, server_args.device, need, max(args.batch_size),
+        runner, mem = build_runner(load_model_info(server_args), server_args.device, need, max(args.batch_size),
                                    server_args.gguf_kernel_max_rows)
         time_steps(runner, mem, 1, 16, 4)  # warm-up: kernels built, caches touched
+        return runner, mem
+
+    def report(kv: str, bs: int, times: list[float]) -> None:
+        print(json.dumps({"dtype": args.dtype, "kv_cache_dtype": kv, "batch_size": bs, "context": args.context,
+                          "threads": torch.get_num_threads(), "steps": len(times),
+                          "best_step_ms": round(1000 * min(times), 2),
+                          "median_step_ms": round(1000 * statistics.median(times), 2)}), flush=True)
+
+    if args.alternate:
+        runners = {kv: build(kv) for kv in args.kv_dtypes}
         for bs in args.batch_size:
-            times = time_steps(runner, mem, bs, args.context, args.steps)
-            print(json.dumps({"dtype": args.dtype, "kv_cache_dtype": kv, "batch_size": bs, "context": args.context,
-                              "threads": torch.get_num_threads(), "steps": args.steps,
-                              "best_step_ms": round(1000 * min(times), 2),
-                              "median_step_ms": round(1000 * statistics.median(times), 2)}), flush=True)
+            times: dict[str, list[float]] = {kv: [] for kv in runners}
+            for _ in range(args.alternate):
+                for kv, (runner, mem) in runners.items():
+                    times[kv] += time_steps(runner, mem, bs, args.context, args.steps)
+            for kv in runners:
+                report(kv, bs, times[kv])
+        return
+    for kv in args.kv_dtypes:
+        runner, mem = build(kv)
+        for bs in args.batch_size:
+            report(kv, bs, time_steps(runner, mem, bs, args.context, args.steps))
 
 
 if __name__ == "__main__":
