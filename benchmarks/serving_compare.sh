@@ -5,7 +5,8 @@
 # BEFORE_CHECKOUT defaults to /work/main; "after" is this checkout. BEFORE_FLAGS (environment) adds flags to the
 # "before" server only (e.g. "--dtype float32", its fastest flags). One JSON line per workload in
 # OUT_DIR/{before,after}.jsonl, the server logs next to them. WORKLOADS (environment) names the function of
-# issue_workloads.sh to run: issue_workloads (default) or long_prompt_workloads.
+# issue_workloads.sh to run: issue_workloads (default) or long_prompt_workloads. ORDER="after before" starts the
+# "after" server first (on a machine that drifts, alternate the order between rounds).
 set -euo pipefail
 mkdir -p "$1"; out=$(cd "$1" && pwd); before=${2:-/work/main}; shift $(( $# >= 2 ? 2 : 1 ))
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -13,7 +14,7 @@ py=${PYTHON:-/work/main/.venv/bin/python}
 port=${PORT:-31877}
 url=http://127.0.0.1:$port
 source "$here/benchmarks/issue_workloads.sh"
-for label in before after; do
+for label in ${ORDER:-before after}; do
   checkout=$here; extra=()
   if [ "$label" = before ]; then checkout=$before; read -ra extra <<< "${BEFORE_FLAGS:-}"; fi
   # python -m puts the working directory first on sys.path: run each checkout from its own root.
