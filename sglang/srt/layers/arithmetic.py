@@ -226,15 +226,15 @@ def choose_kv_cache_dtype(requested: str, plan: ArithmeticPlan, dtype: str = "au
     x86 CPU with AVX2 or better: late in a long generation, and in every decode batch of many sequences, decode
     attention reads more K/V bytes than weights, and the compiled kernels read bf16 (widened to float32 in
     registers, which even AVX2 does with a shift) at about the same bytes per second as float32, so half the bytes
-    is close to half the time (benchmarks/RESULTS.md, 2026-11-24 on AVX512-BF16, 2026-11-25 on AVX2: 1.4x per step
-    at a 3,000-token context, 1.06-1.2x at 16 x 520 and 64 x 130). Elsewhere (other CPUs, accelerators), and with an
-    explicit --dtype or --cpu-gemm, K/V keep the model dtype."""
+    is close to half the time (benchmarks/RESULTS.md, 2026-11-24 on AVX512-BF16, 2026-11-25 on AVX2: 1.4-1.6x per
+    step at a 3,000-token context, 1.2-1.36x at 16 x 520, 1.07x at 64 x 130, a tie at 16 x 130). Elsewhere (other
+    CPUs, accelerators), and with an explicit --dtype or --cpu-gemm, K/V keep the model dtype."""
     if requested != "auto":
         return resolve_kv_cache_dtype(requested, plan.weight_dtype), f"--kv-cache-dtype {requested}"
     bf16_kv_classes = (AMX, AVX512_BF16, AVX2)
     if _automatic(dtype, cpu_gemm) and plan.cpu_class in bf16_kv_classes and plan.weight_dtype == torch.float32:
-        native = "the CPU has native bf16" if plan.cpu_class != AVX2 else "AVX2 widens bf16 K/V in registers"
-        return torch.bfloat16, f"{native}: bf16 K/V halve the bytes decode attention reads"
+        why = "AVX2 widens bf16 K/V in registers" if plan.cpu_class == AVX2 else "the CPU has native bf16"
+        return torch.bfloat16, f"{why}: bf16 K/V halve the bytes decode attention reads"
     return plan.weight_dtype, "the model dtype"
 
 
