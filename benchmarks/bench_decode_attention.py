@@ -1,9 +1,10 @@
 """Micro-benchmark of the paged decode attention kernel (sglang/srt/layers/csrc/cpu_kernels.h).
 
 One layer of decode attention for `--batch` sequences of `--context` tokens each (SmolLM2-135M heads by default:
-9 query heads sharing 3 KV heads of dimension 64), with the sequences' KV slots laid out contiguously, shuffled,
-or interleaved (as decode steps of concurrent sequences allocate them). Prints the median time per layer and the
-K/V bytes read per second.
+9 query heads sharing 3 KV heads of dimension 64), K/V stored as `--kv-dtype`, with the sequences' KV slots laid out
+contiguously, shuffled, or interleaved (as decode steps of concurrent sequences allocate them), and with
+`--shared-prefix P` also shuffled with the first P slots shared by every sequence (a prefix-cache hit). Prints the
+median time per layer and the K/V bytes read per second (counting a shared slot once per sequence).
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/bench_decode_attention.py [--context 1024] [--batch 16]
 """
@@ -27,14 +28,17 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--shared-prefix", type=int, default=0)
     args = parser.parse_args()
     if not cpu_ops.available():
         raise SystemExit("the CPU kernels are unavailable (no C++ toolchain?)")
     torch.manual_seed(0)
     batch, length = args.batch, args.context
     slots = batch * length + 1
-    k = torch.randn(slots, args.kv_heads, args.head_dim)
-    v = torch.randn(slots, args.kv_heads, args.head_dim)
+    kv_dtype = getattr(torch, args.kv_dtype)
+    k = torch.randn(slots, args.kv_heads, args.head_dim).to(kv_dtype)
+    v = torch.randn(slots, args.kv_heads, args.head_dim).to(kv_dtype)
     q = torch.randn(batch, args.heads, args.head_dim)
     lens = torch.full((batch,), length, dtype=torch.int64)
     layouts = {
@@ -42,9 +46,13 @@ def main() -> None:
         "shuffled": (torch.randperm(slots - 1) + 1).view(batch, length),
         "interleaved": torch.arange(1, slots).view(length, batch).t().contiguous(),
     }
-    kv_bytes = 2 * batch * length * args.kv_heads * args.head_dim * 4
+    if args.shared_prefix:
+        shared = layouts["shuffled"].clone()
+        shared[:, : args.shared_prefix] = shared[0, : args.shared_prefix]
+        layouts[f"shared {args.shared_prefix}"] = shared
+    kv_bytes = 2 * batch * length * args.kv_heads * args.head_dim * k.element_size()
     print(f"batch {batch}, context {length}, heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, "
-          f"threads {torch.get_num_threads()}")
+          f"K/V {args.kv_dtype}, threads {torch.get_num_threads()}")
     for name, idx in layouts.items():
         cpu_ops.paged_decode_attention(q, k, v, idx, lens, args.head_dim**-0.5)
         times = []

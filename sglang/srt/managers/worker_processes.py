@@ -29,6 +29,8 @@ PRELOAD = (
     "sglang.srt.managers.detokenizer_manager",
     "sglang.srt.entrypoints.tp_launch",
     "sglang.srt.tokenizer_utils",
+    # The default grammar backend, which the scheduler builds at start (xgrammar and the pydantic it imports).
+    "sglang.srt.constrained.xgrammar_backend",
     # What unpickling a model's Hugging Face config imports (most of a second).
     "transformers.utils.type_validators",
 )

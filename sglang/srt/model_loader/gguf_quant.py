@@ -55,12 +55,20 @@ def _concat(parts: Sequence[Optional[RawBlocks]]) -> Optional[RawBlocks]:
     return qtype, torch.cat([p[1] for p in full]), sum(p[2] for p in full), k
 
 
-def _dequantizes_to(blocks: RawBlocks, target: torch.Tensor, rows_per_slice: int = 128) -> bool:
+# Weights compared per slice when checking a candidate: a few MB of float32, so the dequantized copy stays in cache,
+# in slices large enough that the per-op overheads of the dequantization stay small. SmolLM2-135M's check took
+# 0.94-1.06 s in slices of 128 rows and 0.45-0.47 s in slices of this many values on 2 AVX2 cores
+# (benchmarks/bench_gguf_load_check.py).
+CHECK_SLICE_VALUES = 1 << 20
+
+
+def _dequantizes_to(blocks: RawBlocks, target: torch.Tensor) -> bool:
     """Whether the blocks dequantize to `target` bit for bit. Compared a slice of rows at a time, so the float copy
     stays in cache and a wrong candidate is rejected at its first slice instead of after the whole weight."""
     qtype, raw, n, k = blocks
     if tuple(target.shape) != (n, k) or target.dtype != torch.float32:
         return False
+    rows_per_slice = max(1, CHECK_SLICE_VALUES // k)
     for start in range(0, n, rows_per_slice):
         rows = raw[start : start + rows_per_slice]
         if not torch.equal(dequantize_raw(qtype, rows, rows.shape[0], k), target[start : start + rows.shape[0]]):
