@@ -62,13 +62,14 @@ def _concat(parts: Sequence[Optional[RawBlocks]]) -> Optional[RawBlocks]:
 CHECK_SLICE_VALUES = 1 << 20
 
 
-def _dequantizes_to(blocks: RawBlocks, target: torch.Tensor) -> bool:
-    """Whether the blocks dequantize to `target` bit for bit. Compared a slice of rows at a time, so the float copy
-    stays in cache and a wrong candidate is rejected at its first slice instead of after the whole weight."""
+def _dequantizes_to(blocks: RawBlocks, target: torch.Tensor, slice_values: Optional[int] = None) -> bool:
+    """Whether the blocks dequantize to `target` bit for bit. Compared a slice of rows (of about `slice_values`
+    values, default CHECK_SLICE_VALUES) at a time, so the float copy stays in cache and a wrong candidate is rejected
+    at its first slice instead of after the whole weight."""
     qtype, raw, n, k = blocks
     if tuple(target.shape) != (n, k) or target.dtype != torch.float32:
         return False
-    rows_per_slice = max(1, CHECK_SLICE_VALUES // k)
+    rows_per_slice = max(1, (slice_values or CHECK_SLICE_VALUES) // k)
     for start in range(0, n, rows_per_slice):
         rows = raw[start : start + rows_per_slice]
         if not torch.equal(dequantize_raw(qtype, rows, rows.shape[0], k), target[start : start + rows.shape[0]]):
