@@ -11,8 +11,9 @@ decode batch over and over (a loop to attach `perf record -p` to); with `--atten
 AVX512 and AVX2 paths of bf16 attention every 10 calls and reports each (where the CPU has AVX512), with
 `--shared-input` each matmul's input built once for the team and in every thread, and with `--items-per-thread
 1,4` the matmuls cut into that many items per thread; `--with-head` adds the LM head to each call (it evicts the
-layers' weights from L3, as in a real step). OMP_WAIT_POLICY
-defaults to PASSIVE, as the server sets it, unless the environment sets it or GOMP_SPINCOUNT.
+layers' weights from L3, as in a real step). `--one-call` times whole scheduler steps with the fused step run in one
+call from token ids to logits and fed from Python (embedding and RoPE rows, then the LM head apart), alternated
+every 10 steps. OMP_WAIT_POLICY defaults to PASSIVE, as the server sets it, unless the environment sets it or GOMP_SPINCOUNT.
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ def main() -> None:
     parser.add_argument("--items-per-thread", default="",
                         help="with --stack-only: comma-separated matmul items per thread, interleaved")
     parser.add_argument("--with-head", action="store_true", help="with --stack-only: the LM head after the stack")
+    parser.add_argument("--one-call", action="store_true",
+                        help="scheduler steps with the fused step fed from token ids and ending with the LM head "
+                             "(one call) and fed from Python (embedding, RoPE rows, head apart), alternated")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     server_args = ServerArgs(model_path=args.model_path, gguf_activations=args.gguf_activations)
@@ -72,7 +76,7 @@ def main() -> None:
     rng = random.Random(0)
     for i in range(args.batch_size):
         ids = [rng.randrange(1000, 40000) for _ in range(args.input_len)]
-        params = SamplingParams(max_new_tokens=args.warmup + args.steps + 2, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_new_tokens=decode_steps(args) + 2, temperature=0.0, ignore_eos=True)
         sched.add_request(TokenizedGenerateReqInput(rid=f"r{i}", input_text=None, input_ids=ids,
                                                     sampling_params=params, stream=True))
     while sched.waiting or sched.chunked_req is not None:  # prefill every request
@@ -82,6 +86,9 @@ def main() -> None:
         process_result(sched, batch, sched.runner.forward(forward_batch, sampling))
     if args.stack_only:
         time_stack(sched, args)
+        return
+    if args.one_call:
+        time_one_call(sched, args)
         return
     totals = dict.fromkeys(PARTS, 0.0)
 
@@ -120,6 +127,39 @@ def main() -> None:
           f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}: step {elapsed / args.steps * 1e3:.2f} ms; "
           + ", ".join(f"{part} {totals[part] / args.steps * 1e3:.3f}" for part in PARTS))
     print(sched.runner.decode_plan.description if sched.runner.decode_plan is not None else "no decode plan")
+
+
+def decode_steps(args: argparse.Namespace) -> int:
+    """Decode steps run after the prefill: --warmup + --steps, a whole number of 20-step rounds with --one-call."""
+    steps = args.warmup + args.steps
+    return -(-steps // 20) * 20 if args.one_call else steps
+
+
+def time_one_call(sched: Scheduler, args: argparse.Namespace) -> None:
+    """Whole scheduler steps (batch, inputs, forward with sampling, results), the fused step in one call from token
+    ids to logits and fed from Python, alternated every 10 steps; the mean and median of each after a warm-up."""
+    fused = sched.runner.decode_plan.fused if sched.runner.decode_plan is not None else None
+    assert fused is not None and fused.from_tokens, "the fused step cannot run from token ids for this model"
+    one_call = (True, fused.with_head)
+    variants = {"one call from token ids": one_call, "fed from Python": (False, False)}
+    times: dict[str, list[float]] = {label: [] for label in variants}
+    try:
+        for i in range(decode_steps(args)):
+            label = list(variants)[(i // 10) % 2]
+            fused.from_tokens, fused.with_head = variants[label]
+            t0 = time.perf_counter()
+            batch = sched.get_next_batch()
+            assert batch is not None and batch.is_decode and len(batch) == args.batch_size
+            forward_batch, sampling = batch.forward_inputs(sched.mem, sched.runner.vocab_size, sched.runner.device)
+            process_result(sched, batch, sched.runner.forward(forward_batch, sampling))
+            times[label].append(time.perf_counter() - t0)
+    finally:
+        fused.from_tokens, fused.with_head = one_call
+    for label, steps in times.items():
+        steps = sorted(steps[len(steps) // 10:])  # the first tenth warms up
+        print(f"{args.batch_size} sequences, scheduler step, fused step {label} ({fused.name.split(' (')[0]}): "
+              f"mean {sum(steps) / len(steps) * 1e3:.3f} ms, median {steps[len(steps) // 2] * 1e3:.3f} ms "
+              f"over {len(steps)} steps")
 
 
 def time_stack(sched: Scheduler, args: argparse.Namespace) -> None:

@@ -40,6 +40,17 @@ def quantize_linears(model, max_rows: int = MAX_ROWS) -> None:
             module.set_linear_method(GGUFLinearMethod(weight, max_rows))
 
 
+def quantize_head(model, max_rows: int = MAX_ROWS, qtype: str = "Q8_0") -> None:
+    """Put the LM head on GGUF blocks (as the loader does for a GGUF checkpoint), its float weight dequantized."""
+    head = model.lm_head.weight
+    n, k = head.shape
+    raw = gguf.quants.quantize(head.detach().numpy(), getattr(gguf.GGMLQuantizationType, qtype))
+    weight = GGUFQuantWeight(qtype, raw, n, k)
+    with torch.no_grad():
+        head.copy_(weight.dequantize())
+    model.logits_processor.set_head_method(GGUFLinearMethod(weight, max_rows))
+
+
 def make_fused(model, cache: PagedCache, max_rows: int = MAX_ROWS):
     fused = fused_decode.build_fused_decode(model, cache.pool.k_buffer, cache.pool.v_buffer, max_rows)
     assert fused is not None
@@ -49,11 +60,11 @@ def make_fused(model, cache: PagedCache, max_rows: int = MAX_ROWS):
 def decode_run(model, config, fused: bool, prompts: list[list[int]], steps: int, max_rows: int = MAX_ROWS,
                configure=None) -> tuple[list, PagedCache]:
     """Prefill `prompts` (rows 0..n-1), then decode `steps` greedy steps with the rows in a shuffled order.
-    `configure(stack)` sets switches of the fused step before it runs."""
+    `configure(strategy)` sets switches of the fused step (a FusedCpuDecode) before it runs."""
     cache = PagedCache(config, torch.float32, size=1024, rows=max(8, len(prompts)))
     cache.decode_strategy = make_fused(model, cache, max_rows) if fused else None
     if configure is not None:
-        configure(cache.decode_strategy.stack)
+        configure(cache.decode_strategy)
     cache.forward(model, [(row, prompt) for row, prompt in enumerate(prompts)])
     rows = list(range(len(prompts)))[::-1]
     next_tokens = {row: prompt[-1] for row, prompt in enumerate(prompts)}
@@ -66,6 +77,14 @@ def decode_run(model, config, fused: bool, prompts: list[list[int]], steps: int,
     return outputs, cache
 
 
+def assert_same_logits(actual: list, expected: list) -> None:
+    """Each step's logits within TOL of the reference's, and the same greedy tokens."""
+    assert len(actual) == len(expected)
+    for step, (a, e) in enumerate(zip(actual, expected)):
+        assert max_diff(a, e) < TOL, f"step {step}: {max_diff(a, e)}"
+        assert torch.equal(a.argmax(-1), e.argmax(-1))
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_fused_decode_matches_layer_by_layer(tmp_path, family):
     config = tiny_config(family, num_hidden_layers=3)
@@ -74,9 +93,7 @@ def test_fused_decode_matches_layer_by_layer(tmp_path, family):
     prompts = [prompt_of(5, 1), prompt_of(17, 2), prompt_of(33, 3)]
     expected, plain_cache = decode_run(ours, config, False, prompts, steps=6)
     actual, fused_cache = decode_run(ours, config, True, prompts, steps=6)
-    for step, (a, e) in enumerate(zip(actual, expected)):
-        assert max_diff(a, e) < TOL, f"step {step}: {max_diff(a, e)}"
-        assert torch.equal(a.argmax(-1), e.argmax(-1))
+    assert_same_logits(actual, expected)
     # The fused step wrote the same K/V into the same slots.
     for layer in range(config.num_hidden_layers):
         for fused_buf, plain_buf in ((fused_cache.pool.k_buffer[layer], plain_cache.pool.k_buffer[layer]),
@@ -84,6 +101,59 @@ def test_fused_decode_matches_layer_by_layer(tmp_path, family):
             used = plain_cache.req_to_token_pool.req_to_token[:3, :40].flatten()
             used = used[used > 0]
             assert max_diff(fused_buf[used], plain_buf[used]) < TOL
+
+
+@pytest.mark.parametrize("family,head_qtype", [("llama", "Q8_0"), ("qwen3", "Q4_1")])
+def test_one_call_from_token_ids_to_logits_matches_layer_by_layer(tmp_path, family, head_qtype):
+    """With the LM head on GGUF blocks the step runs from token ids to logits in one call (embedding and RoPE rows
+    looked up in C++, the head as its last phase). It matches the layer-by-layer path, and gives exactly the bits
+    of the same stack fed from Python (model.embed, then compute_logits with the same head kernel)."""
+    config = tiny_config(family, num_hidden_layers=3)
+    _, ours = build_models(tmp_path, config)
+    quantize_linears(ours)
+    quantize_head(ours, qtype=head_qtype)
+    fused = make_fused(ours, PagedCache(config, torch.float32))
+    assert fused.from_tokens and fused.with_head and fused.stack.has_head()
+    assert fused.name == "fused CPU decode step (token ids to logits)"
+    prompts = [prompt_of(5, 1), prompt_of(17, 2), prompt_of(33, 3)]
+    expected, _ = decode_run(ours, config, False, prompts, steps=5)
+    actual, _ = decode_run(ours, config, True, prompts, steps=5)
+    assert_same_logits(actual, expected)
+
+    def from_python(strategy):
+        strategy.from_tokens = strategy.with_head = False
+
+    python_fed, _ = decode_run(ours, config, True, prompts, steps=5, configure=from_python)
+    for a, b in zip(actual, python_fed):
+        assert torch.equal(a, b)
+
+
+def test_head_and_token_inputs_only_where_they_compute_the_same(tmp_path):
+    """The step ends with the head only when the head's blocks serve every batch it runs and compute like the
+    layers (same int8 switch); it builds its own input only from a plain embedding and RoPE table."""
+    from sglang.srt.layers.mrope import MRotaryEmbedding
+
+    config = tiny_config("llama")
+    _, ours = build_models(tmp_path, config)
+    quantize_linears(ours)
+    cache = PagedCache(config, torch.float32)
+    plain_head = make_fused(ours, cache)
+    assert plain_head.from_tokens and not plain_head.with_head and not plain_head.stack.has_head()
+    quantize_head(ours, max_rows=MAX_ROWS // 2)  # the head's blocks stop below the step's batches
+    assert not make_fused(ours, cache).with_head
+    quantize_head(ours)
+    ours.logits_processor.head_method.int8_activations = True  # the layers compute with float32 activations
+    assert not make_fused(ours, cache).with_head
+    ours.logits_processor.head_method.int8_activations = False
+    assert make_fused(ours, cache).with_head
+    rotary = ours.model.rotary_emb  # M-RoPE rows are not plain table rows: the model's lookup builds them
+    ours.model.rotary_emb = MRotaryEmbedding(rotary.head_dim, 256, {"rope_theta": 10000.0},
+                                             [rotary.rotary_dim // 4, rotary.rotary_dim // 8, rotary.rotary_dim // 8])
+    try:
+        mrope = make_fused(ours, cache)
+        assert not mrope.from_tokens and not mrope.with_head and not mrope.stack.has_token_tables()
+    finally:
+        ours.model.rotary_emb = rotary
 
 
 def test_fused_decode_is_used_only_for_small_decode_batches(tmp_path):
@@ -130,19 +200,24 @@ def test_fused_decode_same_result_with_any_thread_count(tmp_path):
 
 def test_fused_decode_same_result_with_any_matmul_split(tmp_path):
     """How many row-group chunks each thread's share of a matmul is cut into changes who computes what, never the
-    bits: one contiguous run per thread (the default) and 3 or 4 smaller ones, on 2 threads."""
+    bits: one contiguous run per thread (the layers' default) and 3 or 4 smaller ones, and 4, 2 or 1 for the LM
+    head, on 2 threads."""
     config = tiny_config("llama")
     _, ours = build_models(tmp_path, config)
     quantize_linears(ours)
+    quantize_head(ours)
     prompts = [prompt_of(7, 6), prompt_of(12, 7), prompt_of(2, 8)]
     before = torch.get_num_threads()
     results = []
     try:
         torch.set_num_threads(2)
         for items in (1, 3, 4):
-            def configure(stack, items=items):
-                assert stack.matmul_items_per_thread() == 1  # the default
-                stack.set_matmul_items_per_thread(items)
+            def configure(strategy, items=items):
+                assert strategy.with_head
+                assert strategy.stack.matmul_items_per_thread() == 1  # the defaults
+                assert strategy.stack.head_items_per_thread() == 4
+                strategy.stack.set_matmul_items_per_thread(items)
+                strategy.stack.set_head_items_per_thread(5 - items)
 
             results.append(decode_run(ours, config, True, prompts, steps=3, configure=configure)[0])
     finally:
@@ -152,6 +227,8 @@ def test_fused_decode_same_result_with_any_matmul_split(tmp_path):
             assert torch.equal(a, b)
     with pytest.raises(RuntimeError, match="items per thread"):
         make_fused(ours, PagedCache(config, torch.float32)).stack.set_matmul_items_per_thread(0)
+    with pytest.raises(RuntimeError, match="items per thread"):
+        make_fused(ours, PagedCache(config, torch.float32)).stack.set_head_items_per_thread(0)
 
 
 def test_shared_input_only_for_int8_with_a_tile_for_every_thread(tmp_path):
@@ -183,10 +260,10 @@ def test_shared_int8_input_gives_the_same_bits(tmp_path):
     try:
         torch.set_num_threads(2)
         for shared in (True, False):
-            def configure(stack, shared=shared):
-                stack.set_int8_activations(True)
-                stack.set_shared_input(shared)
-                assert stack.shares_input_for(len(prompts), 2) == shared
+            def configure(strategy, shared=shared):
+                strategy.stack.set_int8_activations(True)
+                strategy.stack.set_shared_input(shared)
+                assert strategy.stack.shares_input_for(len(prompts), 2) == shared
 
             results.append(decode_run(ours, config, True, prompts, steps=3, max_rows=32, configure=configure)[0])
     finally:
@@ -220,6 +297,22 @@ def test_fused_decode_rejects_bad_arguments(tmp_path):
         stack.forward(torch.randn(1, hidden + 1), cos, sin, one, table, zero, one)
     with pytest.raises(RuntimeError, match="cos/sin"):
         stack.forward(x, cos[:, :2], sin, one, table, zero, one)
+    logits = stack.forward_tokens(one, zero, one, table, zero, one)
+    assert logits.shape == (1, hidden) and torch.isfinite(logits).all()  # no head: the normed hidden states
+    with pytest.raises(RuntimeError, match="token id out of range"):
+        stack.forward_tokens(one * config.vocab_size, zero, one, table, zero, one)
+    with pytest.raises(RuntimeError, match="position out of range"):
+        stack.forward_tokens(one, one * 10**6, one, table, zero, one)
+    with pytest.raises(RuntimeError, match="differ in length"):
+        stack.forward_tokens(one, torch.zeros(2, dtype=torch.int64), one, table, zero, one)
+    with pytest.raises(RuntimeError, match="cos_half/sin_half"):
+        stack.set_token_tables(ours.model.embed_tokens.weight.detach(), cos, sin)
+    bare = fused_decode.FusedCpuDecode(stack, MAX_ROWS)
+    assert not bare.from_tokens
+    tableless = type(stack)(hidden_size=hidden, num_heads=4, num_kv_heads=2, head_dim=16, rotary_dim=rd,
+                            intermediate_size=128, eps=1e-6, scale=0.25, final_norm=torch.ones(hidden))
+    with pytest.raises(RuntimeError, match="no token tables"):
+        tableless.forward_tokens(one, zero, one, table, zero, one)
 
 
 def test_not_built_without_quantized_weights(tmp_path):

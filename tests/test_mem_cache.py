@@ -108,3 +108,36 @@ def test_req_to_token_rejects_double_free_and_clear_resets():
     pool.clear()
     assert pool.available_size() == 2
     assert pool.alloc() is not None
+
+
+def test_decode_batch_inputs_come_from_one_tensor_and_fill_the_table():
+    """A decode step's ForwardBatch: ids, positions, rows and lengths of every request, each new token's slot written
+    at (row, position) of the request->token table, every row a logits row."""
+    from sglang.bench_one_batch import make_reqs
+    from sglang.srt.forward_batch import ForwardMode
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.mem_cache.memory_pools import KVCacheSpec, build_memory_pools
+
+    mem = build_memory_pools(KVCacheSpec(1, 1, 8, torch.float32), torch.device("cpu"), 64, 128, 0.5, 4, False)
+    reqs = make_reqs(3, 5, 4, 1000)
+    extend = ScheduleBatch(reqs, is_decode=False)
+    extend.prepare_for_extend(mem)
+    for i, req in enumerate(reqs):
+        req.kv_committed_len = len(req.fill_ids)
+        req.output_ids.extend([7 + i] * (i + 1))  # sequences of 6, 7 and 8 tokens: the last one is new
+    batch = ScheduleBatch(reqs, is_decode=True)
+    batch.prepare_for_decode(mem)
+    fb, sampling = batch.forward_inputs(mem, 1000, torch.device("cpu"))
+    assert fb.forward_mode == ForwardMode.DECODE and fb.batch_size == 3
+    assert fb.input_ids.tolist() == [7, 8, 9]
+    assert fb.positions.tolist() == [5, 6, 7] and fb.seq_lens.tolist() == [6, 7, 8] == fb.seq_lens_cpu
+    assert fb.req_pool_indices.tolist() == [r.req_pool_idx for r in reqs]
+    assert fb.logits_indices is None and not fb.return_input_logprobs
+    assert all(t.dtype == torch.int64 and t.is_contiguous() for t in
+               (fb.input_ids, fb.positions, fb.req_pool_indices, fb.seq_lens))
+    table = mem.req_to_token_pool.req_to_token
+    slots = fb.out_cache_loc.tolist()
+    assert len(set(slots)) == 3 and 0 not in slots
+    assert [int(table[r.req_pool_idx, p]) for r, p in zip(reqs, [5, 6, 7])] == slots
+    assert [r.kv_allocated_len for r in reqs] == [6, 7, 8]
+    assert sampling is not None and sampling.logit_rows == [0, 1, 2] and sampling.is_all_greedy

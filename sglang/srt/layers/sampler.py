@@ -99,7 +99,7 @@ class Sampler:
             # Copy: the caller's logits must stay untouched (they may be reused for prompt logprobs).
             logits = logits.to(torch.float32, copy=True)
             info.apply_logit_processing(logits)
-        else:
+        elif logits.dtype != torch.float32:
             logits = logits.float()
 
         if info.is_all_greedy:

@@ -160,6 +160,10 @@ class ScheduleBatch:
         # position that samples the next token (None for a chunk that does not finish the prompt).
         self.logit_positions: list[list[int]] = []
         self.sample_row: list[Optional[int]] = []
+        # A decode step's int64 inputs (input ids, positions, request rows, sequence lengths), the rows of one tensor
+        # built by prepare_for_decode. At batch 1 a step's small tensor ops cost more than its bookkeeping: right
+        # after a forward has streamed the weights through the caches each op costs several times its warm cost.
+        self.decode_inputs: Optional[tuple[torch.Tensor, ...]] = None
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -218,10 +222,6 @@ class ScheduleBatch:
         self.out_cache_loc = mem.alloc_slots(n)
         table = mem.req_to_token_pool.req_to_token
         positions = [req.seqlen - 1 for req in self.reqs]
-        # One indexed write for the batch: an item assignment per request costs microseconds each.
-        index = torch.tensor([[req.req_pool_idx for req in self.reqs], positions], dtype=torch.int64,
-                             device=table.device)
-        table[index[0], index[1]] = self.out_cache_loc
         for req, pos in zip(self.reqs, positions):
             req.kv_allocated_len = pos + 1
         self.input_ids = [req.output_ids[-1] for req in self.reqs]
@@ -230,6 +230,10 @@ class ScheduleBatch:
         self.seq_lens = [pos + 1 for pos in positions]
         self.logit_positions = [[i] for i in range(n)]
         self.sample_row = [0] * n
+        self.decode_inputs = torch.tensor([self.input_ids, positions, [req.req_pool_idx for req in self.reqs],
+                                           self.seq_lens], dtype=torch.int64, device=table.device).unbind(0)
+        # One indexed write for the batch: an item assignment per request costs microseconds each.
+        table[self.decode_inputs[2], self.decode_inputs[1]] = self.out_cache_loc
 
     # ---- what the model runner receives -------------------------------------------------------------------
     def forward_inputs(self, mem: MemoryPools, vocab_size: int, device: torch.device
@@ -238,27 +242,40 @@ class ScheduleBatch:
         return self.forward_batch(mem, device), self.sampling_inputs(vocab_size, device)
 
     def forward_batch(self, mem: MemoryPools, device: torch.device) -> ForwardBatch:
-        flat_positions = [p for rows in self.logit_positions for p in rows]
-        token_type_ids = None
-        if any(req.token_type_ids is not None for req in self.reqs):
-            types = [t for req in self.reqs for t in (req.token_type_ids or [0] * len(req.origin_input_ids))]
-            token_type_ids = torch.tensor(types, dtype=torch.int64, device=device)
+        token_type_ids = logits_indices = None
+        return_input_logprobs = False
+        if self.decode_inputs is not None:
+            # A decode step wants every row's logits (logits_indices None), none of them for input logprobs.
+            input_ids, positions, req_pool_indices, seq_lens = (
+                t if t.device == device else t.to(device) for t in self.decode_inputs)
+        else:
+            input_ids = torch.tensor(self.input_ids, dtype=torch.int64, device=device)
+            positions = build_positions(self.prefix_lens, self.extend_lens, device)
+            req_pool_indices = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64, device=device)
+            seq_lens = torch.tensor(self.seq_lens, dtype=torch.int64, device=device)
+            flat_positions = [p for rows in self.logit_positions for p in rows]
+            logits_indices = torch.tensor(flat_positions, dtype=torch.int64, device=device)
+            return_input_logprobs = any(r.return_logprob and len(rows) > (s is not None) for r, rows, s in
+                                        zip(self.reqs, self.logit_positions, self.sample_row))
+            if any(req.token_type_ids is not None for req in self.reqs):
+                types = [t for req in self.reqs for t in (req.token_type_ids or [0] * len(req.origin_input_ids))]
+                token_type_ids = torch.tensor(types, dtype=torch.int64, device=device)
+        assert self.out_cache_loc is not None
         return ForwardBatch(
             forward_mode=ForwardMode.DECODE if self.is_decode else ForwardMode.EXTEND,
             batch_size=len(self.reqs),
-            input_ids=torch.tensor(self.input_ids, dtype=torch.int64, device=device),
-            positions=build_positions(self.prefix_lens, self.extend_lens, device),
-            req_pool_indices=torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64, device=device),
-            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int64, device=device),
+            input_ids=input_ids,
+            positions=positions,
+            req_pool_indices=req_pool_indices,
+            seq_lens=seq_lens,
             out_cache_loc=self.out_cache_loc.to(device),
             seq_lens_cpu=self.seq_lens,
             extend_prefix_lens_cpu=self.prefix_lens,
             extend_seq_lens_cpu=self.extend_lens,
             req_to_token_pool=mem.req_to_token_pool,
             token_to_kv_pool=mem.kv_pool,
-            logits_indices=torch.tensor(flat_positions, dtype=torch.int64, device=device),
-            return_input_logprobs=any(r.return_logprob and len(rows) > (s is not None) for r, rows, s in
-                                      zip(self.reqs, self.logit_positions, self.sample_row)),
+            logits_indices=logits_indices,
+            return_input_logprobs=return_input_logprobs,
             token_type_ids=token_type_ids,
             multimodal=build_multimodal_forward([r.mm_inputs for r in self.reqs], self.prefix_lens, self.extend_lens),
         )

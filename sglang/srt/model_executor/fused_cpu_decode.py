@@ -4,7 +4,10 @@ Run op by op from Python, a batch-1 decode step of SmolLM2-135M spends more time
 5 kernel calls and a dozen module calls per layer, 30 layers) than in arithmetic. When every linear layer of the
 model carries GGUF blocks (see sglang/srt/model_loader/gguf_quant.py), the decoder layers of a decode batch of at
 most `max_rows` sequences instead run inside one C++ call: one OpenMP team, five phases per layer whose work items
-the threads claim from shared counters. The embeddings, the RoPE table lookup and the LM head stay in Python.
+the threads claim from shared counters. For a plain Llama-family backbone (nn.Embedding, RoPE without M-RoPE) the
+call also looks up the embedding and RoPE rows of the token ids and positions, and when the LM head is on GGUF
+blocks computed like the layers it ends with the head: one call from token ids to logits. Otherwise those stay in
+Python (`model.model.embed`, `model.compute_logits`).
 
 The result equals the layer-by-layer path up to float32 summation order. SGLANG_DISABLE_FUSED_DECODE=1 turns it
 off.
@@ -23,7 +26,9 @@ from sglang.srt.layers.cpu_extension import CpuExtension
 from sglang.srt.layers.cpu_ops import CSRC
 from sglang.srt.layers.quantization.gguf_blocks import KERNEL_HEADERS
 from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
+from sglang.srt.layers.rotary_embedding import RotaryEmbedding
 from sglang.srt.mem_cache.kv_dtype import KERNEL_KV_DTYPES
+from sglang.srt.models.llama import LlamaModel
 
 DISABLE_ENV = "SGLANG_DISABLE_FUSED_DECODE"
 _EXTENSION = CpuExtension("sglang_decode_stack", CSRC / "decode_stack.cpp", "fused CPU decode step", DISABLE_ENV,
@@ -50,16 +55,29 @@ class FusedCpuDecode:
 
     name = "fused CPU decode step"
 
-    def __init__(self, stack: Any, max_rows: int, int8_activations: bool = False) -> None:
+    def __init__(self, stack: Any, max_rows: int, int8_activations: bool = False, from_tokens: bool = False,
+                 with_head: bool = False) -> None:
         self.stack = stack
         self.max_rows = max_rows
-        if int8_activations:
-            self.name = f"{FusedCpuDecode.name} with int8 activations"
+        # Whether the stack builds its input from the token ids (set_token_tables) and ends with the LM head.
+        self.from_tokens = from_tokens
+        self.with_head = from_tokens and with_head
+        reach = ""
+        if from_tokens:
+            reach = " (token ids to logits)" if self.with_head else " (token ids to final hidden states)"
+        self.name = f"{FusedCpuDecode.name}{reach}{' with int8 activations' if int8_activations else ''}"
 
     def accepts(self, forward_batch: ForwardBatch) -> bool:
         return forward_batch.forward_mode.is_decode() and 0 < forward_batch.batch_size <= self.max_rows
 
     def forward(self, model: Any, forward_batch: ForwardBatch) -> torch.Tensor:
+        if self.from_tokens:
+            out = self.stack.forward_tokens(
+                forward_batch.input_ids, forward_batch.positions, forward_batch.out_cache_loc,
+                forward_batch.req_to_token_pool.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
+            )
+            # A decode batch wants the logits of every row.
+            return out if self.with_head else model.compute_logits(out, forward_batch)
         hidden_states, (cos, sin) = model.model.embed(forward_batch.input_ids, forward_batch.positions)
         batch = hidden_states.shape[0]  # cos/sin: [B, 1, rotary_dim]
         hidden_states = self.stack.forward(
@@ -132,4 +150,33 @@ def build_fused_decode(model: Any, k_buffers: list[torch.Tensor], v_buffers: lis
     # The step quantizes activations to int8 when the layers' GGUF methods do (the arithmetic plan sets them all).
     int8 = bool(layers[0].self_attn.qkv_proj.linear_method.int8_activations)
     stack.set_int8_activations(int8)
-    return FusedCpuDecode(stack, max_rows, int8)
+    from_tokens = _plain_token_inputs(backbone)
+    if from_tokens:
+        stack.set_token_tables(backbone.embed_tokens.weight.detach(), rotary.cos_cache, rotary.sin_cache)
+        head = _fusable_head(model, max_rows, int8)
+        if head is not None:
+            stack.set_head(*head)
+    return FusedCpuDecode(stack, max_rows, int8, from_tokens, stack.has_head() if from_tokens else False)
+
+
+def _plain_token_inputs(backbone: Any) -> bool:
+    """Whether the first layer's input is embedding rows and RotaryEmbedding.lookup rows (LlamaModel.embed on an
+    nn.Embedding and a plain RoPE table), so the step can build it from the token ids."""
+    rotary = backbone.rotary_emb
+    return (type(backbone).embed is LlamaModel.embed and type(backbone.embed_tokens) is nn.Embedding
+            and type(rotary) is RotaryEmbedding and rotary.cos_cache.dtype == torch.float32
+            and rotary.cos_cache.is_contiguous() and rotary.sin_cache.is_contiguous())
+
+
+def _fusable_head(model: Any, max_rows: int, int8: bool) -> Optional[tuple[torch.Tensor, int, str]]:
+    """(packed blocks, vocab, qtype) of an LM head the step can end with: GGUF blocks for every batch it runs,
+    computed like the layers (same int8 switch), with logits that need no scaling, bias or unpadding."""
+    processor = getattr(model, "logits_processor", None)
+    method = getattr(processor, "head_method", None)
+    if not isinstance(method, GGUFLinearMethod) or method.max_rows < max_rows or method.int8_activations != int8:
+        return None
+    weight = method.quant_weight
+    if (processor.logit_scale != 1.0 or weight.n != processor.vocab_size or weight.qtype not in ("Q4_1", "Q8_0")
+            or getattr(getattr(model, "lm_head", None), "bias", None) is not None):
+        return None
+    return weight.packed, weight.n, weight.qtype

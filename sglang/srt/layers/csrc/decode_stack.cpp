@@ -19,6 +19,11 @@
 // SiLU, the int8 quantization) is built once by the team, one work item per tile. Otherwise each thread builds it
 // itself, after claiming its first item of that phase (so the input cannot change underneath it). The residual
 // stream is double-buffered.
+//
+// `forward_tokens` also builds the first layer's input (embedding rows, RoPE rows) from the token ids and
+// positions, and, when the stack holds the LM head as GGUF blocks (set_head), ends with the head's matmul as one
+// more phase of the same team: a batch-1 step is then one call from token ids to logits, with no Python and no
+// second thread team between the layers and the head.
 #include <torch/extension.h>
 
 #include <atomic>
@@ -189,6 +194,31 @@ class DecodeStack {
   void set_int8_activations(bool on) { int8_ = on; }
   bool int8_activations() const { return int8_; }
 
+  // The tables forward_tokens builds the first layer's input from: the embedding table [vocab, hidden] and the
+  // half-width RoPE tables [positions, rotary_dim / 2] (RotaryEmbedding.cos_cache / sin_cache), float32.
+  void set_token_tables(const torch::Tensor& embed, const torch::Tensor& cos_half, const torch::Tensor& sin_half) {
+    TORCH_CHECK(embed.device().is_cpu() && embed.scalar_type() == torch::kFloat && embed.is_contiguous() &&
+                    embed.dim() == 2 && embed.size(0) > 0 && embed.size(1) == hidden_,
+                "embed must be a contiguous float32 CPU table [vocab, hidden]");
+    for (const auto* t : {&cos_half, &sin_half}) {
+      TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kFloat && t->is_contiguous() && t->dim() == 2 &&
+                      t->size(0) > 0 && t->size(1) == rotary_dim_ / 2,
+                  "cos_half/sin_half must be contiguous float32 CPU tables [positions, rotary_dim / 2]");
+    }
+    TORCH_CHECK(cos_half.size(0) == sin_half.size(0), "cos_half and sin_half differ in length");
+    embed_ = embed;
+    cos_half_ = cos_half;
+    sin_half_ = sin_half;
+  }
+  bool has_token_tables() const { return embed_.defined(); }
+
+  // The LM head [vocab, hidden] as GGUF Q4_1 / Q8_0 blocks; it computes like the layers' linears (int8 activations
+  // when they have them).
+  void set_head(const torch::Tensor& packed, int64_t vocab, const std::string& qtype) {
+    head_ = make_linear(packed, vocab, hidden_, qtype, c10::nullopt, "lm_head");
+  }
+  bool has_head() const { return head_.packed.defined(); }
+
   // How many items each matmul phase has per thread. One contiguous run of row groups per thread measured fastest
   // at every batch size (2-9% over four smaller ones at 1-64 rows, also served next to the HTTP and detokenizer
   // processes): each item's start waits on DRAM before the prefetches run ahead, and a long run keeps the hardware
@@ -199,6 +229,14 @@ class DecodeStack {
     items_per_thread_ = n;
   }
   int64_t matmul_items_per_thread() const { return items_per_thread_; }
+  // The same for the LM head's phase, 4 by default: the head is a third of a small model's weight bytes, and at 64
+  // rows one run per thread measured ~5% slower than the standalone kernel's dynamically shared chunks, 4 items
+  // per thread as fast (no difference at 1-32 rows).
+  void set_head_items_per_thread(int64_t n) {
+    TORCH_CHECK(n >= 1, "items per thread must be >= 1");
+    head_items_per_thread_ = n;
+  }
+  int64_t head_items_per_thread() const { return head_items_per_thread_; }
 
   // Whether the team builds each int8 matmul input once (where there are enough rows; see shares_input_for) or
   // every thread builds it whole. Both give the same bits; the switch is for tests and benchmarks.
@@ -216,7 +254,6 @@ class DecodeStack {
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& out_loc, const torch::Tensor& req_to_token,
                         const torch::Tensor& req_pool_indices, const torch::Tensor& seq_lens) {
-    TORCH_CHECK(!layers_.empty() && layers_[0].k_cache.defined(), "the decode stack has no layers or KV buffers");
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() == 2 &&
                     x.size(1) == hidden_, "x must be contiguous float32 [B, hidden]");
     const int64_t B = x.size(0);
@@ -224,6 +261,56 @@ class DecodeStack {
       TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == B &&
                       t->size(1) == rotary_dim_, "cos/sin must be contiguous float32 [B, rotary_dim]");
     }
+    return step(x, cos, sin, out_loc, req_to_token, req_pool_indices, seq_lens, false);
+  }
+
+  // As forward, from input_ids [B] and positions [B] (int64) through the tables of set_token_tables: the embedding
+  // rows and the full-width RoPE rows ([cos, cos] and [-sin, sin], as RotaryEmbedding.lookup builds them). Returns
+  // the logits [B, vocab] when the stack has the LM head, otherwise the final normed hidden states.
+  torch::Tensor forward_tokens(const torch::Tensor& input_ids, const torch::Tensor& positions,
+                               const torch::Tensor& out_loc, const torch::Tensor& req_to_token,
+                               const torch::Tensor& req_pool_indices, const torch::Tensor& seq_lens) {
+    TORCH_CHECK(has_token_tables(), "the decode stack has no token tables (set_token_tables)");
+    for (const auto* t : {&input_ids, &positions}) {
+      TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kLong && t->is_contiguous() && t->dim() == 1,
+                  "input_ids and positions must be contiguous int64 CPU vectors");
+    }
+    const int64_t B = input_ids.size(0), half = rotary_dim_ / 2;
+    TORCH_CHECK(positions.size(0) == B, "input_ids and positions differ in length");
+    const int64_t vocab = embed_.size(0), table_len = cos_half_.size(0);
+    const int64_t* ids = input_ids.data_ptr<int64_t>();
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const auto options = embed_.options();
+    auto x = torch::empty({B, hidden_}, options);
+    auto cos = torch::empty({B, rotary_dim_}, options);
+    auto sin = torch::empty({B, rotary_dim_}, options);
+    const float* embed = embed_.data_ptr<float>();
+    const float* ch = cos_half_.data_ptr<float>();
+    const float* sh = sin_half_.data_ptr<float>();
+    float* xp = x.data_ptr<float>();
+    float* cp = cos.data_ptr<float>();
+    float* sp = sin.data_ptr<float>();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(ids[b] >= 0 && ids[b] < vocab, "token id out of range");
+      TORCH_CHECK(pos[b] >= 0 && pos[b] < table_len, "position out of range of the RoPE table");
+      std::copy(embed + ids[b] * hidden_, embed + (ids[b] + 1) * hidden_, xp + b * hidden_);
+      const float* c = ch + pos[b] * half;
+      const float* sn = sh + pos[b] * half;
+      for (int64_t j = 0; j < half; ++j) {
+        cp[b * rotary_dim_ + j] = cp[b * rotary_dim_ + half + j] = c[j];
+        sp[b * rotary_dim_ + j] = -sn[j];
+        sp[b * rotary_dim_ + half + j] = sn[j];
+      }
+    }
+    return step(x, cos, sin, out_loc, req_to_token, req_pool_indices, seq_lens, has_head());
+  }
+
+ private:
+  torch::Tensor step(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                     const torch::Tensor& out_loc, const torch::Tensor& req_to_token,
+                     const torch::Tensor& req_pool_indices, const torch::Tensor& seq_lens, bool with_head) {
+    TORCH_CHECK(!layers_.empty() && layers_[0].k_cache.defined(), "the decode stack has no layers or KV buffers");
+    const int64_t B = x.size(0);
     for (const auto* t : {&out_loc, &req_pool_indices, &seq_lens}) {
       TORCH_CHECK(t->scalar_type() == torch::kLong && t->is_contiguous() && t->dim() == 1 && t->size(0) == B,
                   "out_loc, req_pool_indices and seq_lens must be contiguous int64 [B]");
@@ -231,7 +318,8 @@ class DecodeStack {
     TORCH_CHECK(req_to_token.scalar_type() == torch::kLong && req_to_token.is_contiguous() && req_to_token.dim() == 2,
                 "req_to_token must be a contiguous int64 table");
     auto out = torch::empty({B, hidden_}, x.options());
-    if (B == 0) return out;
+    auto logits = with_head ? torch::empty({B, head_.n}, x.options()) : out;
+    if (B == 0) return logits;
 
     const int64_t num_slots = layers_[0].k_cache.size(0);
     const int64_t table_rows = req_to_token.size(0), table_cols = req_to_token.size(1);
@@ -269,7 +357,8 @@ class DecodeStack {
     s.gate_up = torch::empty({B, 2 * inter_}, x.options());
     s.down = torch::empty({B, hidden_}, x.options());
     s.out = out.data_ptr<float>();
-    s.phases = std::make_unique<Phase[]>(kPhasesPerLayer * layers_.size() + 1);
+    s.logits = with_head ? logits.data_ptr<float>() : nullptr;
+    s.phases = std::make_unique<Phase[]>(kPhasesPerLayer * layers_.size() + 2);
     s.split = std::make_unique<attention_split::Plan>(lens, B, kv_heads_, heads_ / kv_heads_, head_dim_, num_layers());
 
 #ifdef _OPENMP
@@ -285,14 +374,13 @@ class DecodeStack {
     if (s.threads > 1) {
 #pragma omp parallel num_threads(s.threads)
       run(s);
-      return out;
+      return logits;
     }
 #endif
     run(s);
-    return out;
+    return logits;
   }
 
- private:
   static constexpr size_t kPhasesPerLayer = 5;
 
   struct Step {
@@ -308,6 +396,7 @@ class DecodeStack {
     int64_t max_len = 1;
     torch::Tensor res[2], qkv, attn, o, gate_up, down;
     float* out = nullptr;
+    float* logits = nullptr;  // the LM head's output, when the step ends with it
     int threads = 1;  // the team size asked for: sizes the matmul chunks identically in every thread
     std::unique_ptr<Phase[]> phases;
     std::unique_ptr<attention_split::Plan> split;
@@ -315,9 +404,10 @@ class DecodeStack {
     std::vector<float> xin, panels, sums;
   };
 
-  // Row groups per matmul item: items_per_thread_ items per thread.
+  // Row groups per matmul item: items_per_thread_ items per thread (head_items_per_thread_ for the LM head).
   int64_t matmul_chunk(const Step& s, const QuantLinear& lin) const {
-    return std::max<int64_t>(1, gguf_kernels::row_groups(lin.n) / (items_per_thread_ * s.threads));
+    const int64_t items = &lin == &head_ ? head_items_per_thread_ : items_per_thread_;
+    return std::max<int64_t>(1, gguf_kernels::row_groups(lin.n) / (items * s.threads));
   }
 
   int64_t matmul_items(const Step& s, const QuantLinear& lin) const {
@@ -561,6 +651,10 @@ class DecodeStack {
       ph.finish();
     }
     ph.wait(B);
+    if (s.logits != nullptr) {
+      matmul_phase(s, s.phases[phase + 1], head_, [&](int64_t, int64_t, float*) -> const float* { return s.out; },
+                   sc, s.logits);
+    }
   }
 
   int64_t hidden_, heads_, kv_heads_, head_dim_, rotary_dim_, inter_;
@@ -568,8 +662,11 @@ class DecodeStack {
   bool int8_ = false;
   bool share_input_ = true;
   int64_t items_per_thread_ = 1;
+  int64_t head_items_per_thread_ = 4;
   torch::Tensor final_norm_;
   std::vector<Layer> layers_;
+  torch::Tensor embed_, cos_half_, sin_half_;  // forward_tokens' tables (undefined until set_token_tables)
+  QuantLinear head_;                           // the LM head (packed undefined until set_head)
 };
 
 }  // namespace
@@ -590,12 +687,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("int8_activations", &DecodeStack::int8_activations)
       .def("set_matmul_items_per_thread", &DecodeStack::set_matmul_items_per_thread, py::arg("n"))
       .def("matmul_items_per_thread", &DecodeStack::matmul_items_per_thread)
+      .def("set_head_items_per_thread", &DecodeStack::set_head_items_per_thread, py::arg("n"))
+      .def("head_items_per_thread", &DecodeStack::head_items_per_thread)
       .def("set_shared_input", &DecodeStack::set_shared_input, py::arg("on"))
       .def("shared_input", &DecodeStack::shared_input_enabled)
       .def("shares_input_for", &DecodeStack::shares_input_for, py::arg("batch"), py::arg("threads"),
            "whether a step of `batch` sequences on `threads` threads builds each (int8) matmul input once for the team")
       .def("forward", &DecodeStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("out_loc"),
            py::arg("req_to_token"), py::arg("req_pool_indices"), py::arg("seq_lens"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("set_token_tables", &DecodeStack::set_token_tables, py::arg("embed"), py::arg("cos_half"),
+           py::arg("sin_half"))
+      .def("has_token_tables", &DecodeStack::has_token_tables)
+      .def("set_head", &DecodeStack::set_head, py::arg("packed"), py::arg("vocab"), py::arg("qtype"))
+      .def("has_head", &DecodeStack::has_head)
+      .def("forward_tokens", &DecodeStack::forward_tokens, py::arg("input_ids"), py::arg("positions"),
+           py::arg("out_loc"), py::arg("req_to_token"), py::arg("req_pool_indices"), py::arg("seq_lens"),
            py::call_guard<py::gil_scoped_release>());
   m.def("set_decode_attention_avx512", &cpu_kernels::set_decode_attention_avx512,
         "turn the AVX512 path of bf16 attention in the step on (where the CPU has it) or off; returns whether it was on",
