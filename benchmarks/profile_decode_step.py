@@ -10,7 +10,8 @@ fused decode step's layer stack alone (one compiled call, no embedding, LM head 
 decode batch over and over (a loop to attach `perf record -p` to); with `--attention-paths` it alternates the
 AVX512 and AVX2 paths of bf16 attention every 10 calls and reports each (where the CPU has AVX512), with
 `--shared-input` each matmul's input built once for the team and in every thread, and with `--items-per-thread
-1,4` the matmuls cut into that many items per thread; `--with-head` adds the LM head to each call (it evicts the
+1,4` the matmuls cut into that many items per thread, with `--dequant-min-rows 0,16` the float32 matmuls' row
+groups converted once for all rows from that many rows on (0: never); `--with-head` adds the LM head to each call (it evicts the
 layers' weights from L3, as in a real step). `--one-call` times whole scheduler steps with the fused step run in one
 call from token ids to logits and fed from Python (embedding and RoPE rows, then the LM head apart), alternated
 every 10 steps. OMP_WAIT_POLICY defaults to PASSIVE, as the server sets it, unless the environment sets it or GOMP_SPINCOUNT.
@@ -64,6 +65,9 @@ def main() -> None:
     parser.add_argument("--items-per-thread", default="",
                         help="with --stack-only: comma-separated matmul items per thread, interleaved")
     parser.add_argument("--with-head", action="store_true", help="with --stack-only: the LM head after the stack")
+    parser.add_argument("--dequant-min-rows", default="",
+                        help="with --stack-only: comma-separated settings of the step's float32 matmuls' row count "
+                             "from which each row group is converted once (0: never), interleaved")
     parser.add_argument("--one-call", action="store_true",
                         help="scheduler steps with the fused step fed from token ids and ending with the LM head "
                              "(one call) and fed from Python (embedding, RoPE rows, head apart), alternated")
@@ -189,6 +193,10 @@ def time_stack(sched: Scheduler, args: argparse.Namespace) -> None:
         previous = fused_cpu_decode.set_decode_attention_avx512(on)
         return lambda: fused_cpu_decode.set_decode_attention_avx512(previous)
 
+    def dequant_rows(n: int):  # the setter returns the previous value
+        previous = fused_cpu_decode.set_dequant_min_rows(n)
+        return lambda: fused_cpu_decode.set_dequant_min_rows(previous)
+
     stack = fused.stack
     variants: dict = {"": lambda: (lambda: None)}
     if args.attention_paths and cpu_ops.has_decode_attention_avx512():
@@ -197,6 +205,9 @@ def time_stack(sched: Scheduler, args: argparse.Namespace) -> None:
     elif args.shared_input:
         variants = {f" (input built {name})": (lambda on=on: setting(stack.shared_input, stack.set_shared_input, on))
                     for name, on in (("once", True), ("per thread", False))}
+    elif args.dequant_min_rows:
+        variants = {f" (row groups converted once from {n} rows)": (lambda n=n: dequant_rows(n))
+                    for n in (int(v) for v in args.dequant_min_rows.split(","))}
     elif args.items_per_thread:
         variants = {f" ({n} matmul items per thread)": (lambda n=n: setting(
             stack.matmul_items_per_thread, stack.set_matmul_items_per_thread, n))

@@ -198,6 +198,24 @@ def test_fused_decode_same_result_with_any_thread_count(tmp_path):
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("convert_from", [10, 0], ids=["groups-converted-once", "tile-kernels"])
+def test_twelve_rows_match_layer_by_layer_with_either_float_kernel(tmp_path, convert_from):
+    """A 12-row step, with the LM head in it: the float32 matmuls convert each row group once for all rows (the
+    AVX2 default from 10 rows) or per tile of 8 rows (switch at 0); either way it matches the layer-by-layer path."""
+    config = tiny_config("llama")
+    _, ours = build_models(tmp_path, config)
+    quantize_linears(ours, max_rows=16)
+    quantize_head(ours, max_rows=16)
+    prompts = [prompt_of(3 + 2 * i, 20 + i) for i in range(12)]
+    expected, _ = decode_run(ours, config, False, prompts, steps=3, max_rows=16)
+    previous = fused_decode.set_dequant_min_rows(convert_from)
+    try:
+        actual, _ = decode_run(ours, config, True, prompts, steps=3, max_rows=16)
+    finally:
+        fused_decode.set_dequant_min_rows(previous)
+    assert_same_logits(actual, expected)
+
+
 def test_fused_decode_same_result_with_any_matmul_split(tmp_path):
     """How many row-group chunks each thread's share of a matmul is cut into changes who computes what, never the
     bits: one contiguous run per thread (the layers' default) and 3 or 4 smaller ones, and 4, 2 or 1 for the LM

@@ -217,10 +217,11 @@ def test_kernel_input_handling():
 
 
 @requires_kernels
-def test_kernel_thread_counts_agree():
+@pytest.mark.parametrize("m", [5, 17])
+def test_kernel_thread_counts_agree(m):
     n, k = 960, 576
     w = gb.GGUFQuantWeight("Q4_1", random_raw("Q4_1", n, k, seed=9), n, k)
-    x = torch.randn(5, k)
+    x = torch.randn(m, k)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -230,6 +231,36 @@ def test_kernel_thread_counts_agree():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(y1, y2)  # each output is computed by one thread in a fixed order
+
+
+@requires_kernels
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n,k", [(13, 576), (40, 128), (960, 576), (17, 1536)])
+def test_row_groups_converted_once_match_the_tile_kernels(qtype, n, k):
+    """From 10 rows of x on (AVX2) each row group is converted to floats once for all rows and the rows run through
+    a register-blocked kernel of 6 rows; below, or with the switch at 0, the tile kernels convert per 8 rows. Both
+    are within float32 summation order of the dense product, at row counts with partial blocks of 6 and partial
+    row groups of 16."""
+    w = gb.GGUFQuantWeight(qtype, random_raw(qtype, n, k, seed=3), n, k)
+    dense = w.dequantize()
+    gen = torch.Generator().manual_seed(k)
+    previous = gb.set_dequant_min_rows(10)
+    assert previous == 10  # the default
+    try:
+        for m in (9, 10, 17, 64):
+            x = torch.randn(m, k, generator=gen)
+            converted = w.linear(x)
+            gb.set_dequant_min_rows(0)
+            tiles = w.linear(x)
+            gb.set_dequant_min_rows(10)
+            assert_close_to_dense(converted, x, dense)
+            assert_close_to_dense(tiles, x, dense)
+            if m < 10:  # the same kernels either way
+                assert torch.equal(converted, tiles)
+    finally:
+        gb.set_dequant_min_rows(previous)
+    with pytest.raises(ValueError, match="rows"):
+        gb.set_dequant_min_rows(-1)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -50,6 +50,14 @@ def set_decode_attention_avx512(on: bool) -> bool:
     return bool(_EXTENSION.module().set_decode_attention_avx512(on))
 
 
+def set_dequant_min_rows(rows: int) -> int:
+    """The step's switch for when its float32 matmuls convert each row group once for all rows (as
+    gguf_blocks.set_dequant_min_rows, which sets the standalone kernels' own); returns the previous value."""
+    if rows < 0:
+        raise ValueError("rows must be >= 0")
+    return int(_EXTENSION.module().set_dequant_min_rows(int(rows)))
+
+
 class FusedCpuDecode:
     """Runs decode batches of up to `max_rows` sequences: embeddings, the fused layer stack, then the LM head."""
 

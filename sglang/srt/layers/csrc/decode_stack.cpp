@@ -704,6 +704,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward_tokens", &DecodeStack::forward_tokens, py::arg("input_ids"), py::arg("positions"),
            py::arg("out_loc"), py::arg("req_to_token"), py::arg("req_pool_indices"), py::arg("seq_lens"),
            py::call_guard<py::gil_scoped_release>());
+  m.def("set_dequant_min_rows", &gguf_kernels::set_dequant_min_rows,
+        "from how many rows the step's float32 matmuls convert each row group once (AVX2; 0: never); returns the "
+        "previous value",
+        py::arg("rows"));
   m.def("set_decode_attention_avx512", &cpu_kernels::set_decode_attention_avx512,
         "turn the AVX512 path of bf16 attention in the step on (where the CPU has it) or off; returns whether it was on",
         py::arg("on"));

@@ -52,7 +52,8 @@ SUPPORTED_QTYPES = tuple(BLOCK_BYTES)
 DISABLE_ENV = "SGLANG_DISABLE_GGUF_KERNELS"
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "gguf_linear.cpp"
 # The headers of the kernels (decode_stack.cpp includes them too): part of each extension's build hash.
-KERNEL_HEADERS = [_SOURCE.parent / name for name in ("gguf_kernels.h", "gguf_int8.h", "gguf_layout.h")]
+KERNEL_HEADERS = [_SOURCE.parent / name
+                  for name in ("gguf_kernels.h", "gguf_int8.h", "gguf_layout.h", "gguf_dequant_gemm.h")]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -83,6 +84,17 @@ def set_min_thread_bytes(nbytes: int) -> int | None:
     (default 128 KiB; 0 splits every call). Returns the previous value, or None without the kernels."""
     ext = kernel_module()
     return None if ext is None else int(ext.set_min_thread_bytes(int(nbytes)))
+
+
+def set_dequant_min_rows(rows: int) -> int | None:
+    """From how many rows of x the float32 matmuls convert each row group of weights once for all the rows, instead
+    of once per tile of 8 rows (AVX2 kernels; default 10; 0 never). For tests and benchmarks; the fused decode step
+    has its own switch (fused_cpu_decode.set_dequant_min_rows). Returns the previous value, or None without the
+    kernels."""
+    if rows < 0:
+        raise ValueError("rows must be >= 0")
+    ext = kernel_module()
+    return None if ext is None else int(ext.set_dequant_min_rows(int(rows)))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -25,6 +25,8 @@
 // Rows of x are processed in tiles of up to 8: each block's weights are converted once into registers and used
 // for every row of the tile, so a small batch costs about the same memory traffic as a single row. x is copied
 // once per call into "panels" (one per tile, element [k][m]) so that every broadcast uses a fixed offset.
+// From 10 rows of x on (g_dequant_min_rows), each row group is instead converted once into floats for all the rows
+// and x is read as it is (gguf_dequant_gemm.h): 1.1-1.4x faster at 10-64 rows with AVX2.
 
 //
 // This header holds the kernels themselves, with a raw-pointer API (prepare_input + matmul_groups) shared by
@@ -44,6 +46,7 @@
 #include <immintrin.h>
 #endif
 
+#include "gguf_dequant_gemm.h"
 #include "gguf_int8.h"
 #include "gguf_layout.h"
 
@@ -438,14 +441,19 @@ struct PreparedInput {
   const float* sxt;  // per-block sums of x (Q4_1 with AVX2), else null
   bool quantized = false;  // x quantized to int8 per 32-value block (gguf_int8.h), held in q
   int8::QuantizedInput q{nullptr, nullptr, nullptr};
+  bool dequantized_groups = false;  // xt is x itself, and each row group is converted once (gguf_dequant_gemm.h)
 };
 
 // Rows of x per tile of prepared input (int8::kTile and kMaxTile: the same 8): prepare_tile builds one.
 constexpr int64_t kPrepareTile = kMaxTile;
 static_assert(kPrepareTile == int8::kTile, "both input layouts are tiled alike");
 
-// Whether the float kernels read x as it is, without panels: a single row of Q8_0.
+// Whether the float kernels read x as it is, without panels: a single row of Q8_0, or enough rows that each row
+// group is converted once for all of them (AVX2; dequantizes_group).
 inline bool reads_x_as_is(bool q4, int64_t M) {
+#ifdef GGUF_LINEAR_AVX2
+  if (dequantizes_group(M)) return true;
+#endif
   return !q4 && M == 1;
 }
 
@@ -479,7 +487,11 @@ inline PreparedInput prepared_view(bool q4, const float* x, int64_t M, int64_t K
     return in;
   }
 #ifdef GGUF_LINEAR_AVX2
-  if (reads_x_as_is(q4, M)) return {x, nullptr};
+  if (reads_x_as_is(q4, M)) {
+    PreparedInput in{x, nullptr};
+    in.dequantized_groups = dequantizes_group(M);
+    return in;
+  }
   return {panels, q4 ? sums : nullptr};
 #else
   (void)q4, (void)M, (void)K, (void)panels, (void)sums;
@@ -507,6 +519,13 @@ inline void matmul_groups(bool q4, const uint8_t* packed, int64_t N, int64_t K, 
     return;
   }
 #ifdef GGUF_LINEAR_AVX2
+  if (in.dequantized_groups) {
+    for (int64_t g = g0; g < g1; ++g) {
+      dequant_group_rows(q4, packed + g * group_bytes, nb, K, M, in.xt, y + g * kRows, ldy,
+                         std::min(kRows, N - g * kRows));
+    }
+    return;
+  }
   (void)x;
   for (int64_t g = g0; g < g1; ++g) {
     group_avx2(q4, packed + g * group_bytes, nb, K, M, in.xt, in.sxt, y + g * kRows, ldy,

@@ -160,6 +160,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "minimum weight bytes per thread before a call is split between threads; returns the previous value",
         py::arg("bytes"));
   m.def("get_min_thread_bytes", &get_min_thread_bytes, "current minimum weight bytes per thread");
+  m.def("set_dequant_min_rows", &gguf_kernels::set_dequant_min_rows,
+        "from how many rows of x a float32 matmul converts each row group once (AVX2; 0: never); returns the "
+        "previous value",
+        py::arg("rows"));
   m.def("has_avx2_path", &has_avx2_path, "whether the AVX2/FMA/F16C kernels were compiled in");
   m.def("has_int8_vnni_path", &has_int8_vnni_path,
         "whether int8 activations run on the AVX512-VNNI kernels (otherwise on a portable loop)");
