@@ -3,7 +3,9 @@
 Prints two tables:
 
 1. Per call, for the SmolLM2-135M layer shapes and the lm_head, at M (rows of x) in 1, 2, 4, 8, 16, 32, with float32
-   and with int8 activations. The same weight is reused call after call, so weights that fit stay in the caches.
+   and with int8 activations (`--tile-columns`: instead of int8, float32 with the row groups converted per tile of
+   8 rows rather than once for all rows). The same weight is reused call after call, so weights that fit stay in
+   the caches.
 2. A full batch-M decode step of matmuls: 30 layers x (qkv, o, gate_up, down) + lm_head, every layer with its own
    weights (about 60 MB of Q4_1 + 30 MB of Q8_0, or 540 MB of float32), so weights stream from DRAM as in a real
    forward pass.
@@ -124,10 +126,22 @@ def fmt_ms(t: tuple[float, float]) -> str:
     return f"{t[0] * 1e3:8.2f} ({t[1] * 1e3:6.2f})"
 
 
-def per_call_table(layers, head, batches, min_reps, min_seconds) -> None:
+def per_tile(fn):
+    """fn with the float32 kernels' row groups converted per tile of 8 rows (not once for all rows)."""
+    def call():
+        previous = gb.set_dequant_min_rows(0)
+        try:
+            return fn()
+        finally:
+            gb.set_dequant_min_rows(previous)
+    return call
+
+
+def per_call_table(layers, head, batches, min_reps, min_seconds, tile_columns: bool = False) -> None:
     print("\n## Per call (same weight each call; median (min) in microseconds)\n")
-    print("| shape [N, K] | M | float32 F.linear | Q4_1 kernel | Q8_0 kernel | speed-up vs float32 "
-          "| Q4_1, int8 activations | Q8_0, int8 activations |")
+    last = ("Q4_1, converted per tile | Q8_0, converted per tile" if tile_columns else
+            "Q4_1, int8 activations | Q8_0, int8 activations")
+    print(f"| shape [N, K] | M | float32 F.linear | Q4_1 kernel | Q8_0 kernel | speed-up vs float32 | {last} |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     gen = torch.Generator().manual_seed(0)
     for name, (n, k) in SHAPES.items():
@@ -144,8 +158,12 @@ def per_call_table(layers, head, batches, min_reps, min_seconds) -> None:
             t_q4 = timed(lambda: q4.linear(x), min_reps, min_seconds)
             t_q8 = timed(lambda: q8.linear(x), min_reps, min_seconds) if q8 is not None else None
             best = min(t_q4[0], t_q8[0]) if t_q8 else t_q4[0]
-            t_q4i = timed(lambda: q4.linear(x, int8=True), min_reps, min_seconds)
-            t_q8i = timed(lambda: q8.linear(x, int8=True), min_reps, min_seconds) if q8 is not None else None
+            if tile_columns:
+                t_q4i = timed(per_tile(lambda: q4.linear(x)), min_reps, min_seconds)
+                t_q8i = timed(per_tile(lambda: q8.linear(x)), min_reps, min_seconds) if q8 is not None else None
+            else:
+                t_q4i = timed(lambda: q4.linear(x, int8=True), min_reps, min_seconds)
+                t_q8i = timed(lambda: q8.linear(x, int8=True), min_reps, min_seconds) if q8 is not None else None
             print(
                 f"| {name} [{n}, {k}] | {m} | {fmt_us(t_dense)} | {fmt_us(t_q4)} | "
                 f"{fmt_us(t_q8) if t_q8 else '-'} | {t_dense[0] / best:.2f}x | {fmt_us(t_q4i)} | "
@@ -218,6 +236,9 @@ def main() -> None:
     parser.add_argument("--min-seconds", type=float, default=0.3)
     parser.add_argument("--skip-per-call", action="store_true")
     parser.add_argument("--skip-step", action="store_true")
+    parser.add_argument("--tile-columns", action="store_true",
+                        help="per call: the float32 kernels with row groups converted per tile of 8 rows instead of "
+                             "the int8-activation columns")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -233,7 +254,7 @@ def main() -> None:
     )
     print(f"# {source}: layers {q_bytes / 1e6:.1f} MB Q4_1, lm_head {head.nbytes / 1e6:.1f} MB Q8_0")
     if not args.skip_per_call:
-        per_call_table(layers, head, args.batches, args.min_reps, args.min_seconds)
+        per_call_table(layers, head, args.batches, args.min_reps, args.min_seconds, args.tile_columns)
     if not args.skip_step:
         results = full_step_table(layers, head, args.step_batches, args.min_reps, args.min_seconds)
         slower = [m for m, t_dense, t_quant in results if t_dense < t_quant]

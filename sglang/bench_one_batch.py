@@ -131,7 +131,7 @@ def main() -> None:
         result = {"dtype": str(info.dtype), "large_batch_gemm": gemm, "gguf_activations": act,
                   "prefill_attention": attention,
                   "small_batch_quantization": small, "gguf": bool(info.gguf_path),
-                  "threads": torch.get_num_threads(),
+                  "gguf_kernel_max_rows": runner.gguf_kernel_max_rows, "threads": torch.get_num_threads(),
                   **run_once(runner, mem, bs, args.input_len, args.output_len)}
         print(json.dumps(result))
         if args.result_file:

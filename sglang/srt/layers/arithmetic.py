@@ -194,7 +194,7 @@ def choose_arithmetic(
     kv, kv_why = choose_kv_cache_dtype(kv_cache_dtype, plan, dtype, cpu_gemm)
     plan = dataclasses.replace(plan, gguf_activations=act, gguf_activations_reason=why,
                                small_batch_quantization=small_batch_quantization,
-                               small_batch_max_rows=small_batch_rows(plan), kv_cache_dtype=kv,
+                               small_batch_max_rows=small_batch_rows(plan, flags, act), kv_cache_dtype=kv,
                                kv_cache_dtype_reason=kv_why)
     attention, attention_why = choose_prefill_attention(plan, flags, machine, prefill_attention)
     return dataclasses.replace(plan, prefill_attention=attention, prefill_attention_reason=attention_why)
@@ -241,16 +241,25 @@ def choose_kv_cache_dtype(requested: str, plan: ArithmeticPlan, dtype: str = "au
 # How many rows the quantized blocks (and the fused decode step) serve before the large-batch GEMM takes over.
 # Measured on an AVX512-BF16 / VNNI CPU (benchmarks/RESULTS.md, 2026-11-25): since the int8 activation quantizer
 # runs in AVX512, the fused int8 decode step beats the layer-by-layer bf16 GEMM path at 40, 48 and 64 sequences of
-# 130 tokens (1.1-1.3x) and at 48 and 64 of 400 (1.05-1.2x); at 128-256 the two tie. Where large batches run float32
-# (AVX2-only CPUs), the blocks were already faster up to 64 rows. A CPU with AMX multiplies bf16 in its tile unit,
-# several times faster than these AVX512 dot products, so there the bf16 GEMM keeps the batches above 32 rows (not
-# measured on AMX: the limit it had before).
+# 130 tokens (1.1-1.3x) and at 48 and 64 of 400 (1.05-1.2x); at 128-256 the two tie. A CPU with AMX multiplies
+# bf16 in its tile unit, several times faster than these AVX512 dot products, so there the bf16 GEMM keeps the
+# batches above 32 rows (not measured on AMX: the limit it had before).
 SMALL_BATCH_ROWS = 64
 AMX_SMALL_BATCH_ROWS = 32
+# Where large batches run float32 GEMMs on a CPU whose widest FMAs are AVX2's (no AVX512F), the blocks with float32
+# activations convert each row group once for many rows (gguf_dequant_gemm.h) and then beat the float32 GEMM up to
+# about 512 rows (benchmarks/RESULTS.md, 2026-11-25 evening: decode steps of 96 and 128 sequences 1.4-1.8x faster
+# on the fused step; per call 1.1-1.5x at 64-256 rows, a tie at 512; the GEMM 0-5% ahead at 1,024-4,096).
+AVX2_SMALL_BATCH_ROWS = 512
 
 
-def small_batch_rows(plan: ArithmeticPlan) -> int:
-    return AMX_SMALL_BATCH_ROWS if plan.cpu_class == AMX and plan.large_batch_gemm == "bfloat16" else SMALL_BATCH_ROWS
+def small_batch_rows(plan: ArithmeticPlan, flags: frozenset[str] = frozenset(), activations: str = "float32") -> int:
+    if plan.cpu_class == AMX and plan.large_batch_gemm == "bfloat16":
+        return AMX_SMALL_BATCH_ROWS
+    if (plan.cpu_class == AVX2 and "avx512f" not in flags and plan.large_batch_gemm == "float32"
+            and activations == "float32"):
+        return AVX2_SMALL_BATCH_ROWS
+    return SMALL_BATCH_ROWS
 
 
 # The LM head is one matmul outside the fused step, so it takes whichever kernel is faster at its row count: its
