@@ -198,19 +198,21 @@ def test_fused_decode_same_result_with_any_thread_count(tmp_path):
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("convert_from", [10, 0], ids=["groups-converted-once", "tile-kernels"])
-def test_twelve_rows_match_layer_by_layer_with_either_float_kernel(tmp_path, convert_from):
-    """A 12-row step, with the LM head in it: the float32 matmuls convert each row group once for all rows (the
-    AVX2 default from 10 rows) or per tile of 8 rows (switch at 0); either way it matches the layer-by-layer path."""
+@pytest.mark.parametrize("rows,convert_from", [(12, 10), (12, 0), (70, 10)],
+                         ids=["12-groups-converted-once", "12-tile-kernels", "70-groups-converted-once"])
+def test_many_rows_match_layer_by_layer_with_either_float_kernel(tmp_path, rows, convert_from):
+    """A step of 12 or 70 rows (AVX2 CPUs run the fused step up to 512), with the LM head in it: the float32
+    matmuls convert each row group once for all rows (the AVX2 default from 10 rows) or per tile of 8 rows (switch
+    at 0); either way it matches the layer-by-layer path."""
     config = tiny_config("llama")
     _, ours = build_models(tmp_path, config)
-    quantize_linears(ours, max_rows=16)
-    quantize_head(ours, max_rows=16)
-    prompts = [prompt_of(3 + 2 * i, 20 + i) for i in range(12)]
-    expected, _ = decode_run(ours, config, False, prompts, steps=3, max_rows=16)
+    quantize_linears(ours, max_rows=128)
+    quantize_head(ours, max_rows=128)
+    prompts = [prompt_of(3 + i % 11, 20 + i) for i in range(rows)]
+    expected, _ = decode_run(ours, config, False, prompts, steps=3, max_rows=128)
     previous = fused_decode.set_dequant_min_rows(convert_from)
     try:
-        actual, _ = decode_run(ours, config, True, prompts, steps=3, max_rows=16)
+        actual, _ = decode_run(ours, config, True, prompts, steps=3, max_rows=128)
     finally:
         fused_decode.set_dequant_min_rows(previous)
     assert_same_logits(actual, expected)
