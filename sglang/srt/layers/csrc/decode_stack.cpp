@@ -493,9 +493,12 @@ class DecodeStack {
     auto prepare = [&](gguf_kernels::PreparedInput& in) -> const float* {
       sc.x.resize(static_cast<size_t>(B * K));
       const float* input = build_rows(0, B, sc.x.data());
-      sc.panels.resize(static_cast<size_t>(gguf_kernels::panel_floats(B, K)));
-      sc.sums.resize(static_cast<size_t>(gguf_kernels::sum_floats(B, K)));
-      in = gguf_kernels::prepare_input(lin.q4, input, B, K, sc.panels.data(), sc.sums.data(), int8_);
+      const bool convert = gguf_kernels::converts_groups(B, int8_);
+      if (!convert) {
+        sc.panels.resize(static_cast<size_t>(gguf_kernels::panel_floats(B, K)));
+        sc.sums.resize(static_cast<size_t>(gguf_kernels::sum_floats(B, K)));
+      }
+      in = gguf_kernels::prepare_input(lin.q4, input, B, K, sc.panels.data(), sc.sums.data(), int8_, convert);
       return input;
     };
     matmul_items_loop(s, ph, n, first, lin, prepare, y, item);

@@ -448,13 +448,20 @@ struct PreparedInput {
 constexpr int64_t kPrepareTile = kMaxTile;
 static_assert(kPrepareTile == int8::kTile, "both input layouts are tiled alike");
 
-// Whether the float kernels read x as it is, without panels: a single row of Q8_0, or enough rows that each row
-// group is converted once for all of them (AVX2; dequantizes_group).
+// Whether the float kernels read x as it is, without panels: a single row of Q8_0.
 inline bool reads_x_as_is(bool q4, int64_t M) {
-#ifdef GGUF_LINEAR_AVX2
-  if (dequantizes_group(M)) return true;
-#endif
   return !q4 && M == 1;
+}
+
+// Whether a matmul of M rows of float32 x converts each row group once for all rows (AVX2, gguf_dequant_gemm.h),
+// reading x as it is. The caller reads it once per call and passes it to prepare_input.
+inline bool converts_groups(int64_t M, bool int8_activations) {
+#ifdef GGUF_LINEAR_AVX2
+  return !int8_activations && dequantizes_group(M);
+#else
+  (void)M, (void)int8_activations;
+  return false;
+#endif
 }
 
 // Lays out the rows [m0, m0 + min(kPrepareTile, M - m0)) of x[M, K] (m0 a multiple of kPrepareTile) for
@@ -487,11 +494,7 @@ inline PreparedInput prepared_view(bool q4, const float* x, int64_t M, int64_t K
     return in;
   }
 #ifdef GGUF_LINEAR_AVX2
-  if (reads_x_as_is(q4, M)) {
-    PreparedInput in{x, nullptr};
-    in.dequantized_groups = dequantizes_group(M);
-    return in;
-  }
+  if (reads_x_as_is(q4, M)) return {x, nullptr};
   return {panels, q4 ? sums : nullptr};
 #else
   (void)q4, (void)M, (void)K, (void)panels, (void)sums;
@@ -500,9 +503,15 @@ inline PreparedInput prepared_view(bool q4, const float* x, int64_t M, int64_t K
 }
 
 // Lays out rows x[M, K] for matmul_groups, using `panels` (panel_floats) and `sums` (sum_floats) as scratch.
-// With int8_activations x is quantized to int8 per 32-value block instead (into `panels`).
+// With int8_activations x is quantized to int8 per 32-value block instead (into `panels`); with convert_groups
+// (converts_groups) x is read as it is and the scratch is not used.
 inline PreparedInput prepare_input(bool q4, const float* x, int64_t M, int64_t K, float* panels, float* sums,
-                                   bool int8_activations = false) {
+                                   bool int8_activations = false, bool convert_groups = false) {
+  if (convert_groups) {
+    PreparedInput in{x, nullptr};
+    in.dequantized_groups = true;
+    return in;
+  }
   for (int64_t m0 = 0; m0 < M; m0 += kPrepareTile) prepare_tile(q4, x, M, K, m0, panels, sums, int8_activations);
   return prepared_view(q4, x, M, K, panels, sums, int8_activations);
 }

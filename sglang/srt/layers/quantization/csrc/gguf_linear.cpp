@@ -67,11 +67,11 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& packed, 
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  // Scratch for the prepared input, unless the kernels read x as it is (a prefill of hundreds of rows on AVX2).
-  const bool scratch = int8_activations || !reads_x_as_is(q4, M);
-  std::vector<float> panels(scratch ? static_cast<size_t>(panel_floats(M, K)) : 0);
-  std::vector<float> sums(scratch ? static_cast<size_t>(sum_floats(M, K)) : 0);
-  const PreparedInput in = prepare_input(q4, xp, M, K, panels.data(), sums.data(), int8_activations);
+  // Scratch for the prepared input, unless each row group is converted once and x read as it is (AVX2, 10+ rows).
+  const bool convert = converts_groups(M, int8_activations);
+  std::vector<float> panels(convert ? 0 : static_cast<size_t>(panel_floats(M, K)));
+  std::vector<float> sums(convert ? 0 : static_cast<size_t>(sum_floats(M, K)));
+  const PreparedInput in = prepare_input(q4, xp, M, K, panels.data(), sums.data(), int8_activations, convert);
   const int64_t group_bytes = K / kQK * group_block_bytes(q4);
   for_each_group_range(row_groups(N), group_bytes, M, [&](int64_t g0, int64_t g1) {
     matmul_groups(q4, wp, N, K, M, xp, in, yp, N, g0, g1);
