@@ -248,8 +248,9 @@ SMALL_BATCH_ROWS = 64
 AMX_SMALL_BATCH_ROWS = 32
 # Where large batches run float32 GEMMs on a CPU whose widest FMAs are AVX2's (no AVX512F), the blocks with float32
 # activations convert each row group once for many rows (gguf_dequant_gemm.h) and then beat the float32 GEMM up to
-# about 512 rows (benchmarks/RESULTS.md, 2026-11-25 evening: decode steps of 96 and 128 sequences 1.4-1.8x faster
-# on the fused step; per call 1.1-1.5x at 64-256 rows, a tie at 512; the GEMM 0-5% ahead at 1,024-4,096).
+# about 512 rows (benchmarks/RESULTS.md, 2026-11-25 late evening: decode steps of 96 and 128 sequences 1.3-1.56x
+# faster on the fused step; per call 1.05-1.7x up to 512 rows, a tie at 1,024; prefill of 4,096 rows 0-5% faster on
+# the GEMM).
 AVX2_SMALL_BATCH_ROWS = 512
 
 

@@ -15,13 +15,9 @@
 
 #include "gguf_layout.h"
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#endif
-
 namespace gguf_kernels {
 
-// From how many rows of x a float32 matmul converts each row group once (dequant_group_rows) instead of once per
+// From how many rows of x a float32 matmul converts each row group once (converts_groups) instead of once per
 // tile; 0 never. Settable for tests and benchmarks (each compiled extension holds its own).
 inline std::atomic<int64_t> g_dequant_min_rows{10};
 
@@ -30,20 +26,23 @@ inline int64_t set_dequant_min_rows(int64_t rows) {
   return g_dequant_min_rows.exchange(rows);
 }
 
-inline bool dequantizes_group(int64_t M) {
+// Whether a matmul of M rows of float32 x converts each row group once for all rows (dequant_group_rows), reading x
+// as it is. The caller reads it once per call and passes it to prepare_input.
+inline bool converts_groups(int64_t M, bool int8_activations) {
+#ifdef GGUF_LINEAR_AVX2
   const int64_t min_rows = g_dequant_min_rows.load(std::memory_order_relaxed);
-  return min_rows > 0 && M >= min_rows;
+  return !int8_activations && min_rows > 0 && M >= min_rows;
+#else
+  (void)M, (void)int8_activations;
+  return false;
+#endif
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#ifdef GGUF_LINEAR_AVX2
 
 namespace dequant {
 
 constexpr int64_t kMaxRows = 6;  // rows of x per register block
-
-inline __m256 half8(const uint8_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
 
 // w[k * 16 + row] = d * q + m for the nb blocks of a Q4_1 row group (rows past the matrix's end are zero padding).
 inline void q4_1_group(const uint8_t* gp, int64_t nb, float* w) {
@@ -53,10 +52,10 @@ inline void q4_1_group(const uint8_t* gp, int64_t nb, float* w) {
     const uint8_t* bp = gp + b * L::kBlockBytes;
     float* wb = w + b * kQK * kRows;
     for (int64_t h = 0; h < 2; ++h) {
-      const __m256 d = half8(bp + L::d(h));
-      const __m256 m = half8(bp + L::m(h));
+      const __m256 d = load_half8(bp + L::d(h));
+      const __m256 m = load_half8(bp + L::m(h));
       for (int64_t j = 0; j < 4; ++j) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + L::vec(j, h)));
+        const __m256i v = load_vec(bp + L::vec(j, h));
         for (int i = 0; i < 8; ++i) {
           const __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 4 * i), low));
           _mm256_storeu_ps(wb + (8 * j + i) * kRows + h * kHalf, _mm256_fmadd_ps(q, d, m));
@@ -73,9 +72,9 @@ inline void q8_0_group(const uint8_t* gp, int64_t nb, float* w) {
     const uint8_t* bp = gp + b * L::kBlockBytes;
     float* wb = w + b * kQK * kRows;
     for (int64_t h = 0; h < 2; ++h) {
-      const __m256 d = half8(bp + L::d(h));
+      const __m256 d = load_half8(bp + L::d(h));
       for (int64_t j = 0; j < 8; ++j) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bp + L::vec(j, h)));
+        const __m256i v = load_vec(bp + L::vec(j, h));
         const __m256i bytes[4] = {_mm256_srai_epi32(_mm256_slli_epi32(v, 24), 24),
                                   _mm256_srai_epi32(_mm256_slli_epi32(v, 16), 24),
                                   _mm256_srai_epi32(_mm256_slli_epi32(v, 8), 24), _mm256_srai_epi32(v, 24)};
@@ -104,21 +103,13 @@ inline void rows_x16(const float* x, int64_t ldx, const float* w, int64_t K, flo
       hi[r] = _mm256_fmadd_ps(w1, xv, hi[r]);
     }
   }
-  if (nvalid == kRows) {
+  // Stored from copies: handing the accumulators' own addresses to store_rows makes GCC keep them in memory,
+  // storing all 12 on every k.
+  __m256 out[2][MR];
 #pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) {
-      _mm256_storeu_ps(y + r * ldy, lo[r]);
-      _mm256_storeu_ps(y + r * ldy + kHalf, hi[r]);
-    }
-    return;
-  }
-  alignas(32) float tmp[kRows];
-#pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r) {
-    _mm256_store_ps(tmp, lo[r]);
-    _mm256_store_ps(tmp + kHalf, hi[r]);
-    std::copy(tmp, tmp + nvalid, y + r * ldy);
-  }
+  for (int r = 0; r < MR; ++r) out[0][r] = lo[r], out[1][r] = hi[r];
+  store_rows<MR>(out[0], y, ldy, nvalid);
+  store_rows<MR>(out[1], y + kHalf, ldy, nvalid - kHalf);
 }
 
 using RowsFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);

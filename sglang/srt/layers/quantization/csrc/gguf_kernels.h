@@ -41,11 +41,6 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define GGUF_LINEAR_AVX2 1
-#include <immintrin.h>
-#endif
-
 #include "gguf_dequant_gemm.h"
 #include "gguf_int8.h"
 #include "gguf_layout.h"
@@ -82,14 +77,6 @@ inline void make_panel(const float* x, int64_t K, int64_t mt, const float* scale
 
 inline __m256 bcast(const float* p) {
   return _mm256_broadcast_ss(p);
-}
-
-inline __m256 load_half8(const uint8_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-inline __m256i load_vec(const uint8_t* p) {
-  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
 
 // Nibble i of every lane, as an exact float q * 16^i (q for i == 7).
@@ -130,20 +117,6 @@ inline void unroll(F&& f) {
   if constexpr (S < N) {
     f(std::integral_constant<int, S>{});
     unroll<S + 1, N>(f);
-  }
-}
-
-// Stores MT vectors of 8 outputs (rows of x m = 0..MT-1, row stride ldy), only the first nvalid of each.
-template <int MT>
-inline void store_rows(const __m256* acc, float* y, int64_t ldy, int64_t nvalid) {
-  if (nvalid >= kHalf) {
-    for (int m = 0; m < MT; ++m) _mm256_storeu_ps(y + m * ldy, acc[m]);
-  } else if (nvalid > 0) {
-    alignas(32) float tmp[kHalf];
-    for (int m = 0; m < MT; ++m) {
-      _mm256_store_ps(tmp, acc[m]);
-      for (int64_t r = 0; r < nvalid; ++r) y[m * ldy + r] = tmp[r];
-    }
   }
 }
 
@@ -453,16 +426,6 @@ inline bool reads_x_as_is(bool q4, int64_t M) {
   return !q4 && M == 1;
 }
 
-// Whether a matmul of M rows of float32 x converts each row group once for all rows (AVX2, gguf_dequant_gemm.h),
-// reading x as it is. The caller reads it once per call and passes it to prepare_input.
-inline bool converts_groups(int64_t M, bool int8_activations) {
-#ifdef GGUF_LINEAR_AVX2
-  return !int8_activations && dequantizes_group(M);
-#else
-  (void)M, (void)int8_activations;
-  return false;
-#endif
-}
 
 // Lays out the rows [m0, m0 + min(kPrepareTile, M - m0)) of x[M, K] (m0 a multiple of kPrepareTile) for
 // matmul_groups, into their place in `panels` (panel_floats) and `sums` (sum_floats); with int8_activations

@@ -1,5 +1,5 @@
 // The packed layout of GGUF Q4_1 / Q8_0 row groups (see gguf_kernels.h) and small helpers shared by the float32
-// kernels (gguf_kernels.h) and the int8-activation kernels (gguf_int8.h).
+// kernels (gguf_kernels.h, gguf_dequant_gemm.h) and the int8-activation kernels (gguf_int8.h).
 #pragma once
 
 #include <cstdint>
@@ -7,6 +7,11 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define GGUF_LINEAR_AVX2 1
+#include <immintrin.h>
 #endif
 
 namespace gguf_kernels {
@@ -40,6 +45,31 @@ inline void prefetch_ahead(const uint8_t* bp) {
   }
 }
 
+#endif
+
+#ifdef GGUF_LINEAR_AVX2
+// Eight fp16 values at p, as float32.
+inline __m256 load_half8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256i load_vec(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// Stores MT vectors of 8 outputs (rows of x m = 0..MT-1, row stride ldy), only the first nvalid of each.
+template <int MT>
+inline void store_rows(const __m256* acc, float* y, int64_t ldy, int64_t nvalid) {
+  if (nvalid >= kHalf) {
+    for (int m = 0; m < MT; ++m) _mm256_storeu_ps(y + m * ldy, acc[m]);
+  } else if (nvalid > 0) {
+    alignas(32) float tmp[kHalf];
+    for (int m = 0; m < MT; ++m) {
+      _mm256_store_ps(tmp, acc[m]);
+      for (int64_t r = 0; r < nvalid; ++r) y[m * ldy + r] = tmp[r];
+    }
+  }
+}
 #endif
 
 // An fp16 value stored little-endian at p, as float32 (exact; no F16C needed).
