@@ -7,6 +7,14 @@ SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture
+def killed_process_env(tmp_path_factory) -> dict[str, str]:
+    """The environment for a server (or other process tree) that a test kills with SIGKILL: a killed process
+    cannot remove its temporary folders (the IPC socket folder, the fork server's), so they go under a short
+    folder of this test's (Unix socket paths stay short) instead of the system's /tmp."""
+    return {**os.environ, "TMPDIR": str(tmp_path_factory.mktemp("tmp"))}
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:
     from sglang.srt.model_loader.resolve import resolve_model_path

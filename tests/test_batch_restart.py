@@ -30,7 +30,7 @@ LINES = 200
 class Server:
     """A server in its own session, so `kill -9` can take its whole process group and nothing else."""
 
-    def __init__(self, storage: str, log_path: str) -> None:
+    def __init__(self, storage: str, log_path: str, env: dict[str, str]) -> None:
         self.port = find_free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -38,7 +38,8 @@ class Server:
                "--port", str(self.port), "--file-storage-path", storage, "--batch-max-inflight", "8",
                "--log-requests", "--max-total-tokens", "8192"]
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=env)
         self.pgid = self.proc.pid  # leader of the new session's process group
         try:
             wait_until_healthy(self.url, 300, lambda: None if self.proc.poll() is None
@@ -83,9 +84,9 @@ def servers():
         s.stop()
 
 
-def test_kill_9_mid_batch_then_resume(tmp_path, servers):
+def test_kill_9_mid_batch_then_resume(tmp_path, servers, killed_process_env):
     storage = str(tmp_path / "storage")
-    first = Server(storage, str(tmp_path / "run1.log"))
+    first = Server(storage, str(tmp_path / "run1.log"), killed_process_env)
     servers.append(first)
     client = openai.Client(base_url=f"{first.url}/v1", api_key="None", max_retries=0)
     lines = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
@@ -102,7 +103,7 @@ def test_kill_9_mid_batch_then_resume(tmp_path, servers):
     finished_before = {i for i, (_a, outcome) in at_kill.items() if outcome is not None}
     assert 40 <= len(finished_before) < LINES, "the kill must land mid-batch"
 
-    second = Server(storage, str(tmp_path / "run2.log"))
+    second = Server(storage, str(tmp_path / "run2.log"), killed_process_env)
     servers.append(second)
     client = openai.Client(base_url=f"{second.url}/v1", api_key="None", max_retries=0)
     assert client.files.retrieve(f.id).bytes == len(data)  # the input file survived

@@ -89,10 +89,10 @@ def _assert_transformers_greedy(model_dir: str, outputs: list[dict]) -> None:
         assert out["output_ids"] == _transformers_greedy(model_dir, prompt_ids, GREEDY["max_new_tokens"])
 
 
-def test_two_node_server_equals_tp1_and_a_dead_node_1_stops_node_0(tiny_models, tp1_texts):
+def test_two_node_server_equals_tp1_and_a_dead_node_1_stops_node_0(tiny_models, tp1_texts, killed_process_env):
     """TP=2 over two loopback "nodes" through the HTTP server: the TP=1 texts (TP=2 in one node gives them
     too, test above); then node 1 dies and node 0's server exits non-zero within --dist-timeout."""
-    node0, node1, base_url = start_two_nodes(tiny_models["llama"])
+    node0, node1, base_url = start_two_nodes(tiny_models["llama"], killed_process_env)
     try:
         assert server_texts(base_url) == tp1_texts["llama"]
         node1.kill()  # its ranks follow it (they watch their parent); node 0's rank 0 loses its group

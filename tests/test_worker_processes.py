@@ -120,12 +120,13 @@ _CREATOR = textwrap.dedent("""
 """)
 
 
-def test_a_forked_worker_exits_when_its_creator_dies_even_unreaped(tmp_path):
+def test_a_forked_worker_exits_when_its_creator_dies_even_unreaped(tmp_path, killed_process_env):
     """The worker's parent is the fork server, which lives on while any worker does: the worker watches the
     process that created it instead, and a killed creator counts as dead while it is still a zombie."""
     script = tmp_path / "creator.py"
     script.write_text(_CREATOR)
-    creator = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path)
+    creator = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=tmp_path,
+                               env=killed_process_env)
     try:
         worker = psutil.Process(int(creator.stdout.readline()))
         assert worker.ppid() != creator.pid  # forked by the fork server

@@ -83,23 +83,26 @@ def log_file() -> str:
     return tempfile.NamedTemporaryFile(dir=_LOG_DIR, suffix=".log", delete=False).name
 
 
-def start_node(model: str, node_rank: int, init_port: int, log: str) -> subprocess.Popen:
+def start_node(model: str, node_rank: int, init_port: int, log: str, env: dict[str, str] | None = None
+               ) -> subprocess.Popen:
     """A node other than 0: scheduler ranks only, no HTTP server."""
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--tp-size", "2", "--nnodes", "2",
            "--node-rank", str(node_rank), "--dist-init-addr", f"127.0.0.1:{init_port}",
            "--dist-timeout", str(DIST_TIMEOUT_S), *FLOAT32_FLAGS]
-    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
 
 
-def start_two_nodes(model: str) -> tuple[subprocess.Popen, subprocess.Popen, str]:
+def start_two_nodes(model: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, subprocess.Popen, str]:
+    """Node 1, then node 0 with the HTTP server; `env` for both (killed_process_env where a test kills one)."""
     init_port, http_port = find_free_port(), find_free_port()
-    node1 = start_node(model, 1, init_port, log_file())
+    node1 = start_node(model, 1, init_port, log_file(), env)
     base_url = f"http://127.0.0.1:{http_port}"
     try:
         node0 = popen_launch_server(
             model, base_url, timeout=120, log_path=log_file(),
             other_args=["--tp-size", "2", "--nnodes", "2", "--node-rank", "0", "--dist-init-addr",
                         f"127.0.0.1:{init_port}", "--dist-timeout", str(DIST_TIMEOUT_S), *FLOAT32_FLAGS],
+            env=env,
         )
     except BaseException:
         terminate_process(node1)

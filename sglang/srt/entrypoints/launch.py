@@ -66,24 +66,28 @@ def launch_subprocesses(server_args: ServerArgs) -> Subprocesses:
     model_info = load_model_info(server_args)
     port_args = PortArgs.init_new()
     logger.info("Worker sockets in %s", port_args.ipc_dir)
-    ctx = worker_context()
-    replica_args = replica_server_args(server_args)
-    replica_ports = [replica_port_args(port_args, r, server_args.dp_size) for r in range(server_args.dp_size)]
-    groups = [start_scheduler_group(ctx, replica_args, ports, model_info, r) for r, ports in enumerate(replica_ports)]
-    detokenizer = ctx.Process(
-        target=run_detokenizer_process, args=(server_args, port_args), name="sglang-detokenizer", daemon=True,
-    )
-    detokenizer.start()
-    procs = [p for g in groups for p in g.procs] + [detokenizer]
-    try:
+    procs: list = []
+    try:  # whatever fails from here on (a refused --tp-size too) stops what started and removes the socket folder
+        ctx = worker_context()
+        replica_args = replica_server_args(server_args)
+        replica_ports = [replica_port_args(port_args, r, server_args.dp_size) for r in range(server_args.dp_size)]
+        groups = []
+        for r, ports in enumerate(replica_ports):
+            groups.append(start_scheduler_group(ctx, replica_args, ports, model_info, r))
+            procs.extend(groups[-1].procs)
+        detokenizer = ctx.Process(
+            target=run_detokenizer_process, args=(server_args, port_args), name="sglang-detokenizer", daemon=True,
+        )
+        detokenizer.start()
+        procs.append(detokenizer)
         tokenizer = load_tokenizer_for(server_args)  # while the schedulers start
         info = merge_infos(wait_started(groups, STARTUP_TIMEOUT_S))
+        manager = TokenizerManager(server_args, replica_ports[0], tokenizer, model_info, info)
+        if server_args.dp_size > 1:
+            attach_dispatcher(manager, server_args, replica_ports)
     except BaseException:
         Subprocesses(None, None, model_info, procs, ipc_dir=port_args.ipc_dir).shutdown()  # type: ignore[arg-type]
         raise
-    manager = TokenizerManager(server_args, replica_ports[0], tokenizer, model_info, info)
-    if server_args.dp_size > 1:
-        attach_dispatcher(manager, server_args, replica_ports)
     return Subprocesses(manager, info, model_info, procs, ipc_dir=port_args.ipc_dir)
 
 
