@@ -33,6 +33,8 @@ def cache_root() -> Path:
 
 
 PORTABLE_ENV = "SGLANG_CPU_KERNELS_PORTABLE"
+# The torch headers every extension source includes (csrc/torch_binding.h).
+BINDING_HEADER = Path(__file__).resolve().parent / "csrc" / "torch_binding.h"
 
 
 def isa_flags() -> list[str]:
@@ -56,7 +58,7 @@ class CpuExtension:
                  headers: Sequence[Path] = ()) -> None:
         self.prefix = prefix
         self.source = Path(source)
-        self.headers = [Path(h) for h in headers]
+        self.headers = [BINDING_HEADER, *(Path(h) for h in headers)]
         self.label = label
         self.disable_env = disable_env
         self._lock = threading.Lock()

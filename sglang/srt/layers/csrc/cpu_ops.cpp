@@ -5,7 +5,7 @@
 //  - the rotary embedding of the query and key heads, in place in the projection's output;
 //  - the SiLU-and-multiply of a fused gate/up output, from float32 or bf16 in one pass;
 //  - RMSNorm, optionally fused with the residual add before it (one pass instead of six aten ops).
-#include <torch/extension.h>
+#include "torch_binding.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

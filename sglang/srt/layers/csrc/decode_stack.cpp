@@ -24,7 +24,7 @@
 // positions, and, when the stack holds the LM head as GGUF blocks (set_head), ends with the head's matmul as one
 // more phase of the same team: a batch-1 step is then one call from token ids to logits, with no Python and no
 // second thread team between the layers and the head.
-#include <torch/extension.h>
+#include "torch_binding.h"
 
 #include <atomic>
 #include <cmath>
