@@ -6,7 +6,14 @@ contiguously, shuffled, or interleaved (as decode steps of concurrent sequences 
 `--shared-prefix P` also shuffled with the first P slots shared by every sequence (a prefix-cache hit). Prints the
 median time per layer and the K/V bytes read per second (counting a shared slot once per sequence).
 
+`--layers N` gives each of N layers its own K/V buffers and times the layers one after the other, so that their K/V
+come from memory once N layers outgrow the last-level cache, as in a decode step (one layer's K/V stays cached
+otherwise). `--head-major` adds the contiguous layout with each KV head's rows in a buffer of their own (the kernel
+called once per KV head), to compare with the pool's layout, where a slot holds the rows of every KV head.
+
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/bench_decode_attention.py [--context 1024] [--batch 16]
+    OMP_NUM_THREADS=1 python benchmarks/bench_decode_attention.py --batch 1 --context 3000 --kv-dtype bfloat16 \
+        --layers 30 --head-major
 """
 
 from __future__ import annotations
@@ -30,17 +37,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--shared-prefix", type=int, default=0)
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--head-major", action="store_true")
     args = parser.parse_args()
     if not cpu_ops.available():
         raise SystemExit("the CPU kernels are unavailable (no C++ toolchain?)")
     torch.manual_seed(0)
-    batch, length = args.batch, args.context
+    batch, length, layers = args.batch, args.context, args.layers
     slots = batch * length + 1
     kv_dtype = getattr(torch, args.kv_dtype)
-    k = torch.randn(slots, args.kv_heads, args.head_dim).to(kv_dtype)
-    v = torch.randn(slots, args.kv_heads, args.head_dim).to(kv_dtype)
+    ks = [torch.randn(slots, args.kv_heads, args.head_dim).to(kv_dtype) for _ in range(layers)]
+    vs = [torch.randn(slots, args.kv_heads, args.head_dim).to(kv_dtype) for _ in range(layers)]
     q = torch.randn(batch, args.heads, args.head_dim)
     lens = torch.full((batch,), length, dtype=torch.int64)
+    scale = args.head_dim**-0.5
     layouts = {
         "contiguous": torch.arange(1, slots).view(batch, length),
         "shuffled": (torch.randperm(slots - 1) + 1).view(batch, length),
@@ -50,19 +60,28 @@ def main() -> None:
         shared = layouts["shuffled"].clone()
         shared[:, : args.shared_prefix] = shared[0, : args.shared_prefix]
         layouts[f"shared {args.shared_prefix}"] = shared
-    kv_bytes = 2 * batch * length * args.kv_heads * args.head_dim * k.element_size()
+    runs = {name: (lambda idx=idx: [cpu_ops.paged_decode_attention(q, k, v, idx, lens, scale) for k, v in zip(ks, vs)])
+            for name, idx in layouts.items()}
+    if args.head_major:
+        group = args.heads // args.kv_heads
+        k_heads = [[k[:, g : g + 1].contiguous() for g in range(args.kv_heads)] for k in ks]
+        v_heads = [[v[:, g : g + 1].contiguous() for g in range(args.kv_heads)] for v in vs]
+        q_heads = [q[:, g * group : (g + 1) * group].contiguous() for g in range(args.kv_heads)]
+        idx = layouts["contiguous"]
+        runs["head-major"] = lambda: [cpu_ops.paged_decode_attention(qg, kg, vg, idx, lens, scale)
+                                      for kh, vh in zip(k_heads, v_heads) for qg, kg, vg in zip(q_heads, kh, vh)]
+    kv_bytes = 2 * batch * length * args.kv_heads * args.head_dim * ks[0].element_size()
     print(f"batch {batch}, context {length}, heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, "
-          f"K/V {args.kv_dtype}, threads {torch.get_num_threads()}")
-    for name, idx in layouts.items():
-        cpu_ops.paged_decode_attention(q, k, v, idx, lens, args.head_dim**-0.5)
+          f"K/V {args.kv_dtype}, {layers} layer(s) of {kv_bytes / 1e6:.1f} MB, threads {torch.get_num_threads()}")
+    for name, run in runs.items():
+        run()
         times = []
         for _ in range(args.repeats):
             start = time.perf_counter()
-            cpu_ops.paged_decode_attention(q, k, v, idx, lens, args.head_dim**-0.5)
-            times.append(time.perf_counter() - start)
+            run()
+            times.append((time.perf_counter() - start) / layers)
         ms = statistics.median(times) * 1000
         print(f"{name:12s} {ms:7.3f} ms per layer, {kv_bytes / ms / 1e6:5.1f} GB/s of K/V")
-
 
 if __name__ == "__main__":
     main()
