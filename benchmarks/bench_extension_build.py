@@ -14,16 +14,14 @@ import os
 import tempfile
 from pathlib import Path
 
-from sglang.srt.layers.build_extensions import EXTENSIONS, finish_build, start_build
+from sglang.srt.layers.build_extensions import EXTENSIONS, build_env, finish_build, start_build
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def build_seconds(checkout: Path, name: str, portable: bool) -> float:
     with tempfile.TemporaryDirectory(prefix="ext-build-") as cache:
-        env = {**os.environ, "SGLANG_CACHE_DIR": cache, "PYTHONPATH": str(checkout)}
-        if portable:
-            env["SGLANG_CPU_KERNELS_PORTABLE"] = "1"
+        env = build_env(portable, {**os.environ, "SGLANG_CACHE_DIR": cache, "PYTHONPATH": str(checkout)})
         result = finish_build(name, start_build(EXTENSIONS[name], env, cwd=str(checkout)))
     if not result.ok:
         raise SystemExit(f"{name} did not build in {checkout}: {result.reason}")

@@ -199,9 +199,10 @@ print("portable kernels ok")
 def test_portable_build_without_simd():
     """The kernels compiled without AVX2 (as on a CPU that lacks it) give the same results: extend attention,
     SiLU-and-multiply, rotary embedding, argmax."""
-    env = {**os.environ, "SGLANG_CPU_KERNELS_PORTABLE": "1"}
+    from sglang.srt.layers.build_extensions import build_env
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", PORTABLE_CHECK], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", PORTABLE_CHECK], env=build_env(portable=True), cwd=root,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "portable kernels ok" in proc.stdout

@@ -5,10 +5,11 @@ element-wise kernels' portable build: test_extend_attention.test_portable_build_
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from sglang.srt.layers.build_extensions import build_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,8 +28,8 @@ print("portable build")
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "SGLANG_CPU_KERNELS_PORTABLE": "1"}
-    return subprocess.run([sys.executable, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    return subprocess.run([sys.executable, *args], env=build_env(portable=True), cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
 
 
 def test_gguf_kernels_and_fused_step_without_simd():

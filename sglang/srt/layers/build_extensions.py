@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional
 
+from sglang.srt.layers.cpu_extension import PORTABLE_ENV
+
 # Each extension by the module that holds it (as `_EXTENSION`).
 EXTENSIONS = {
     "cpu_ops": "sglang.srt.layers.cpu_ops",
@@ -58,11 +60,16 @@ def finish_build(name: str, proc: subprocess.Popen) -> BuildResult:
     return BuildResult(name, fields[1] == "True", float(fields[0]), fields[2] if len(fields) > 2 else None)
 
 
-def build_all(portable: bool = False) -> list[BuildResult]:
-    env = dict(os.environ)
+def build_env(portable: bool, base: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """`base` (this process's environment by default), asking for the builds without AVX2 code where `portable`."""
+    env = dict(os.environ if base is None else base)
     if portable:
-        env["SGLANG_CPU_KERNELS_PORTABLE"] = "1"
-    procs = {name: start_build(module, env) for name, module in EXTENSIONS.items()}
+        env[PORTABLE_ENV] = "1"
+    return env
+
+
+def build_all(portable: bool = False) -> list[BuildResult]:
+    procs = {name: start_build(module, build_env(portable)) for name, module in EXTENSIONS.items()}
     return [finish_build(name, proc) for name, proc in procs.items()]
 
 

@@ -6,7 +6,6 @@
 //  - the SiLU-and-multiply of a fused gate/up output, from float32 or bf16 in one pass;
 //  - RMSNorm, optionally fused with the residual add before it (one pass instead of six aten ops).
 #include "torch_binding.h"
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>

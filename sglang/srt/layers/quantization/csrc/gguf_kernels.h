@@ -426,7 +426,6 @@ inline bool reads_x_as_is(bool q4, int64_t M) {
   return !q4 && M == 1;
 }
 
-
 // Lays out the rows [m0, m0 + min(kPrepareTile, M - m0)) of x[M, K] (m0 a multiple of kPrepareTile) for
 // matmul_groups, into their place in `panels` (panel_floats) and `sums` (sum_floats); with int8_activations
 // quantized to int8 per 32-value block (into `panels`). Tiles write disjoint parts: threads can build one each.

@@ -1,8 +1,6 @@
 // Python bindings of the weight-only GGUF Q4_1 / Q8_0 linear kernels (gguf_kernels.h): y = x @ W.T for CPU decode.
 #include "../../csrc/torch_binding.h"
 
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <atomic>
 #include <vector>
