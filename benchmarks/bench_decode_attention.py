@@ -8,12 +8,12 @@ median time per layer and the K/V bytes read per second (counting a shared slot 
 
 `--layers N` gives each of N layers its own K/V buffers and times the layers one after the other, so that their K/V
 come from memory once N layers outgrow the last-level cache, as in a decode step (one layer's K/V stays cached
-otherwise). `--head-major` adds the contiguous layout with each KV head's rows in a buffer of their own (the kernel
-called once per KV head), to compare with the pool's layout, where a slot holds the rows of every KV head.
+otherwise). `--pool-layouts` picks the buffers' layout: head-major (each KV head's rows together, the engine's pool
+on CPU, mem_cache/kv_pool.py) and / or slot-major (a slot holds the rows of every KV head).
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python benchmarks/bench_decode_attention.py [--context 1024] [--batch 16]
     OMP_NUM_THREADS=1 python benchmarks/bench_decode_attention.py --batch 1 --context 3000 --kv-dtype bfloat16 \
-        --layers 30 --head-major
+        --layers 30 --pool-layouts head-major slot-major
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--kv-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--shared-prefix", type=int, default=0)
     parser.add_argument("--layers", type=int, default=1)
-    parser.add_argument("--head-major", action="store_true")
+    parser.add_argument("--pool-layouts", nargs="+", choices=["head-major", "slot-major"], default=["head-major"])
     args = parser.parse_args()
     if not cpu_ops.available():
         raise SystemExit("the CPU kernels are unavailable (no C++ toolchain?)")
@@ -48,6 +48,9 @@ def main() -> None:
     kv_dtype = getattr(torch, args.kv_dtype)
     ks = [torch.randn(slots, args.kv_heads, args.head_dim).to(kv_dtype) for _ in range(layers)]
     vs = [torch.randn(slots, args.kv_heads, args.head_dim).to(kv_dtype) for _ in range(layers)]
+    pools = {"slot-major": (ks, vs)} if "slot-major" in args.pool_layouts else {}
+    if "head-major" in args.pool_layouts:  # [slots, kv_heads, D] views of [kv_heads, slots, D] storage
+        pools["head-major"] = tuple([t.transpose(0, 1).contiguous().transpose(0, 1) for t in ts] for ts in (ks, vs))
     q = torch.randn(batch, args.heads, args.head_dim)
     lens = torch.full((batch,), length, dtype=torch.int64)
     scale = args.head_dim**-0.5
@@ -60,16 +63,9 @@ def main() -> None:
         shared = layouts["shuffled"].clone()
         shared[:, : args.shared_prefix] = shared[0, : args.shared_prefix]
         layouts[f"shared {args.shared_prefix}"] = shared
-    runs = {name: (lambda idx=idx: [cpu_ops.paged_decode_attention(q, k, v, idx, lens, scale) for k, v in zip(ks, vs)])
-            for name, idx in layouts.items()}
-    if args.head_major:
-        group = args.heads // args.kv_heads
-        k_heads = [[k[:, g : g + 1].contiguous() for g in range(args.kv_heads)] for k in ks]
-        v_heads = [[v[:, g : g + 1].contiguous() for g in range(args.kv_heads)] for v in vs]
-        q_heads = [q[:, g * group : (g + 1) * group].contiguous() for g in range(args.kv_heads)]
-        idx = layouts["contiguous"]
-        runs["head-major"] = lambda: [cpu_ops.paged_decode_attention(qg, kg, vg, idx, lens, scale)
-                                      for kh, vh in zip(k_heads, v_heads) for qg, kg, vg in zip(q_heads, kh, vh)]
+    runs = {f"{pool} {name}": (lambda idx=idx, kvs=kvs: [cpu_ops.paged_decode_attention(q, k, v, idx, lens, scale)
+                                                         for k, v in zip(*kvs)])
+            for name, idx in layouts.items() for pool, kvs in pools.items()}
     kv_bytes = 2 * batch * length * args.kv_heads * args.head_dim * ks[0].element_size()
     print(f"batch {batch}, context {length}, heads {args.heads}/{args.kv_heads}, head_dim {args.head_dim}, "
           f"K/V {args.kv_dtype}, {layers} layer(s) of {kv_bytes / 1e6:.1f} MB, threads {torch.get_num_threads()}")
@@ -81,7 +77,7 @@ def main() -> None:
             run()
             times.append((time.perf_counter() - start) / layers)
         ms = statistics.median(times) * 1000
-        print(f"{name:12s} {ms:7.3f} ms per layer, {kv_bytes / ms / 1e6:5.1f} GB/s of K/V")
+        print(f"{name:24s} {ms:7.3f} ms per layer, {kv_bytes / ms / 1e6:5.1f} GB/s of K/V")
 
 if __name__ == "__main__":
     main()

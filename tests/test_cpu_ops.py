@@ -14,6 +14,11 @@ from sglang.srt.mem_cache.kv_pool import KVPool
 pytestmark = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ toolchain for the CPU kernels")
 
 
+def laid_out(t: torch.Tensor, head_major: bool) -> torch.Tensor:
+    """The same [slots, kv_heads, D] values in head-major storage (as the engine's CPU pool) or contiguous."""
+    return t.transpose(0, 1).contiguous().transpose(0, 1) if head_major else t.contiguous()
+
+
 def reference(q, k, v, idx, lens, scale):
     outs = []
     for b in range(q.shape[0]):
@@ -29,10 +34,11 @@ def reference(q, k, v, idx, lens, scale):
 # (groups of 1, 2, 3, 4 = 3 + 1, 5 = 3 + 2, 7 = 3 + 3 + 1, 8 = 3 + 3 + 2) over column chunks of 4-8 vectors with a
 # narrower last one (48, 80 and 128 channels), and scores four tokens at a time with a remainder (the lengths).
 # magnitude 8 makes the scores span hundreds of units, so most softmax weights underflow.
+@pytest.mark.parametrize("head_major", [True, False])
 @pytest.mark.parametrize("heads,kv_heads,dim,magnitude",
                          [(9, 3, 64, 1.0), (4, 4, 32, 1.0), (8, 1, 128, 1.0), (6, 2, 80, 1.0), (2, 1, 36, 1.0),
                           (9, 3, 64, 8.0), (8, 2, 64, 1.0), (5, 1, 48, 1.0), (14, 2, 64, 1.0), (4, 2, 128, 1.0)])
-def test_matches_sdpa(heads, kv_heads, dim, magnitude):
+def test_matches_sdpa(heads, kv_heads, dim, magnitude, head_major):
     gen = torch.Generator().manual_seed(heads * 100 + dim)
     slots, batch, width = 700, 7, 90
     k = magnitude * torch.randn(slots, kv_heads, dim, generator=gen)
@@ -40,17 +46,18 @@ def test_matches_sdpa(heads, kv_heads, dim, magnitude):
     q = torch.randn(batch, heads, dim, generator=gen)
     lens = torch.tensor([1, 90, 33, 2, 64, 17, 89])
     idx = torch.randint(0, slots, (batch, width), generator=gen)
-    out = paged_decode_attention(q, k, v, idx, lens, dim**-0.5)
+    out = paged_decode_attention(q, laid_out(k, head_major), laid_out(v, head_major), idx, lens, dim**-0.5)
     torch.testing.assert_close(out, reference(q, k, v, idx, lens, dim**-0.5), atol=2e-5, rtol=1e-4)
 
 
 # bf16 K/V with a head size that is a multiple of 32 (up to 128) takes the AVX512 path where the CPU has it: query
 # heads tiled by three over the group, four tokens at a time with a remainder, 64-token blocks (the lengths);
 # 80 and 256 channels stay on the AVX2 path. Both paths run on an AVX512 CPU, the AVX2 one alone elsewhere.
+@pytest.mark.parametrize("head_major", [True, False])
 @pytest.mark.parametrize("avx512", [True, False])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 32), (8, 1, 128), (6, 2, 96), (14, 2, 64),
                                                 (5, 1, 64), (2, 1, 80), (4, 1, 256)])
-def test_bf16_paths_match_sdpa(avx512, heads, kv_heads, dim):
+def test_bf16_paths_match_sdpa(avx512, heads, kv_heads, dim, head_major):
     if avx512 and not cpu_ops.has_decode_attention_avx512():
         pytest.skip("this CPU has no AVX512F/BW")
     gen = torch.Generator().manual_seed(heads * 1000 + dim)
@@ -62,7 +69,7 @@ def test_bf16_paths_match_sdpa(avx512, heads, kv_heads, dim):
     idx = torch.randint(0, slots, (lens.numel(), width), generator=gen)
     previous = cpu_ops.set_decode_attention_avx512(avx512)
     try:
-        out = paged_decode_attention(q, k, v, idx, lens, dim**-0.5)
+        out = paged_decode_attention(q, laid_out(k, head_major), laid_out(v, head_major), idx, lens, dim**-0.5)
     finally:
         cpu_ops.set_decode_attention_avx512(previous)
     expected = reference(q, k.float(), v.float(), idx, lens, dim**-0.5)
@@ -78,6 +85,27 @@ def test_rejects_bad_input():
         paged_decode_attention(q, k, k, torch.tensor([[1]]), torch.tensor([2]), 1.0)  # longer than the index row
     with pytest.raises(RuntimeError):
         paged_decode_attention(q.double(), k, k, torch.tensor([[1]]), torch.tensor([1]), 1.0)
+
+
+def test_rejects_kv_layouts_it_cannot_read_or_write():
+    """Any layout with contiguous, non-overlapping rows is read; K and V must share one; rows that overlap (a
+    broadcast head) or channels that are not contiguous are refused, by the stores too."""
+    q, one = torch.randn(1, 4, 8), torch.tensor([1])
+    k = torch.randn(10, 2, 8)
+    idx = torch.tensor([[1, 2, 3]])
+    expected = paged_decode_attention(q, k, k, idx, torch.tensor([3]), 1.0)
+    torch.testing.assert_close(paged_decode_attention(q, laid_out(k, True), laid_out(k, True), idx,
+                                                      torch.tensor([3]), 1.0), expected)
+    bad = {
+        "K and V in different layouts": (laid_out(k, True), k),
+        "overlapping rows": (k[:, :1].expand(10, 2, 8), k[:, :1].expand(10, 2, 8)),
+        "strided channels": (torch.randn(10, 2, 16)[..., ::2], torch.randn(10, 2, 16)[..., ::2]),
+    }
+    for kc, vc in bad.values():
+        with pytest.raises(RuntimeError, match="K/V buffer|K and V buffers"):
+            paged_decode_attention(q, kc, vc, idx, torch.tensor([3]), 1.0)
+        with pytest.raises(RuntimeError, match="K/V buffer|K and V buffers"):
+            cpu_ops.store_kv(kc, vc, one, torch.randn(1, 2, 8), torch.randn(1, 2, 8))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 130])
@@ -120,11 +148,13 @@ def test_rms_norm_kernels_read_and_write_bf16(rows):
         cpu_ops.rms_norm(x, w, 1e-5, torch.float16)
 
 
+@pytest.mark.parametrize("head_major", [True, False])
 @pytest.mark.parametrize("kv_dtype", KERNEL_KV_DTYPES)
 @pytest.mark.parametrize("tokens", [1, 5, 300])
-def test_store_kv_writes_the_pool_bytes(kv_dtype, tokens):
+def test_store_kv_writes_the_pool_bytes(kv_dtype, tokens, head_major):
     """The compiled store converts and scatters k/v (views into a fused qkv output, as the model passes them) to
-    exactly the bytes KVPool.set_kv_buffer writes, for every KV dtype, values beyond fp8's range included."""
+    exactly the bytes KVPool.set_kv_buffer writes, for every KV dtype, values beyond fp8's range included, in either
+    pool layout (the torch store writes a slot-major pool)."""
     gen = torch.Generator().manual_seed(tokens)
     heads, kv_heads, dim, slots = 9, 3, 64, 400
     qkv = 100 * torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen)
@@ -132,9 +162,9 @@ def test_store_kv_writes_the_pool_bytes(kv_dtype, tokens):
     k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
     v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
     loc = torch.randperm(slots, generator=gen)[:tokens] + 1
-    expected = KVPool(slots, 1, kv_heads, dim, kv_dtype)
+    expected = KVPool(slots, 1, kv_heads, dim, kv_dtype, head_major=False)
     expected.set_kv_buffer(0, loc, k, v)
-    actual = KVPool(slots, 1, kv_heads, dim, kv_dtype)
+    actual = KVPool(slots, 1, kv_heads, dim, kv_dtype, head_major=head_major)
     cpu_ops.store_kv(actual.k_buffer[0], actual.v_buffer[0], loc, k, v)
     for a, e in ((actual.k_buffer[0], expected.k_buffer[0]), (actual.v_buffer[0], expected.v_buffer[0])):
         assert torch.equal(a[loc].view(torch.uint8), e[loc].view(torch.uint8))

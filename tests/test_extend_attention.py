@@ -31,8 +31,10 @@ def reference(q, k_cache, v_cache, rows, extend_lens, prefix_lens, scale):
     return out
 
 
-def make_batch(heads, kv_heads, dim, extend_lens, prefix_lens, kv_dtype=torch.float32, magnitude=1.0, seed=0):
-    """Random K/V in scattered slots, q as a strided view of a fused qkv output, as the models pass it."""
+def make_batch(heads, kv_heads, dim, extend_lens, prefix_lens, kv_dtype=torch.float32, magnitude=1.0, seed=0,
+               head_major=False):
+    """Random K/V in scattered slots (head-major storage as in the engine's CPU pool, or contiguous), q as a strided
+    view of a fused qkv output, as the models pass it."""
     gen = torch.Generator().manual_seed(seed)
     total = sum(extend_lens) + sum(prefix_lens)
     slots = total + 9
@@ -46,6 +48,8 @@ def make_batch(heads, kv_heads, dim, extend_lens, prefix_lens, kv_dtype=torch.fl
         rows[b, : ext + pre] = perm[used : used + ext + pre]
         used += ext + pre
     qkv = torch.randn(sum(extend_lens), heads + 2 * kv_heads, dim, generator=gen)
+    if head_major:
+        k_cache, v_cache = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in (k_cache, v_cache))
     return qkv[:, :heads], k_cache, v_cache, rows
 
 
@@ -66,9 +70,11 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("head_major", [True, False])
 @pytest.mark.parametrize("heads,kv_heads,dim,extend_lens,prefix_lens", CASES)
-def test_matches_sdpa(heads, kv_heads, dim, extend_lens, prefix_lens):
-    q, k_cache, v_cache, rows = make_batch(heads, kv_heads, dim, extend_lens, prefix_lens, seed=dim)
+def test_matches_sdpa(heads, kv_heads, dim, extend_lens, prefix_lens, head_major):
+    q, k_cache, v_cache, rows = make_batch(heads, kv_heads, dim, extend_lens, prefix_lens, seed=dim,
+                                           head_major=head_major)
     scale = dim**-0.5
     out = run_kernel(q, k_cache, v_cache, rows, extend_lens, prefix_lens, scale)
     expected = reference(q, k_cache, v_cache, rows, extend_lens, prefix_lens, scale)
@@ -87,10 +93,12 @@ def bf16_dots(request):
 
 
 @pytest.mark.parametrize("bf16_dots", [False], indirect=True)
+@pytest.mark.parametrize("head_major", [True, False])
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2])
-def test_reads_low_precision_kv(kv_dtype, bf16_dots):
+def test_reads_low_precision_kv(kv_dtype, bf16_dots, head_major):
     extend_lens, prefix_lens = [90, 4], [40, 100]
-    q, k_cache, v_cache, rows = make_batch(9, 3, 64, extend_lens, prefix_lens, kv_dtype=kv_dtype)
+    q, k_cache, v_cache, rows = make_batch(9, 3, 64, extend_lens, prefix_lens, kv_dtype=kv_dtype,
+                                           head_major=head_major)
     out = run_kernel(q, k_cache, v_cache, rows, extend_lens, prefix_lens, 0.125)
     expected = reference(q, k_cache, v_cache, rows, extend_lens, prefix_lens, 0.125)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
@@ -113,9 +121,10 @@ BF16_CASES = [
 @pytest.mark.parametrize("magnitude", [1.0, 8.0])
 def test_bf16_dot_products_match_sdpa(heads, kv_heads, dim, extend_lens, prefix_lens, magnitude, bf16_dots):
     """Over bf16 K/V the AVX512-BF16 path rounds the scaled queries and the softmax weights to bf16: against SDPA on
-    the same bf16-rounded queries only the weights' rounding (2^-9 relative) is left."""
+    the same bf16-rounded queries only the weights' rounding (2^-9 relative) is left. Both pool layouts: head-major
+    at magnitude 1, slot-major at 8."""
     q, k_cache, v_cache, rows = make_batch(heads, kv_heads, dim, extend_lens, prefix_lens, kv_dtype=torch.bfloat16,
-                                           magnitude=magnitude, seed=dim)
+                                           magnitude=magnitude, seed=dim, head_major=magnitude == 1.0)
     scale = dim**-0.5
     out = run_kernel(q, k_cache, v_cache, rows, extend_lens, prefix_lens, scale)
     q_rounded = (q * scale).bfloat16().float() / scale

@@ -58,10 +58,11 @@ def make_fused(model, cache: PagedCache, max_rows: int = MAX_ROWS):
 
 
 def decode_run(model, config, fused: bool, prompts: list[list[int]], steps: int, max_rows: int = MAX_ROWS,
-               configure=None) -> tuple[list, PagedCache]:
+               configure=None, head_major: bool | None = None) -> tuple[list, PagedCache]:
     """Prefill `prompts` (rows 0..n-1), then decode `steps` greedy steps with the rows in a shuffled order.
-    `configure(strategy)` sets switches of the fused step (a FusedCpuDecode) before it runs."""
-    cache = PagedCache(config, torch.float32, size=1024, rows=max(8, len(prompts)))
+    `configure(strategy)` sets switches of the fused step (a FusedCpuDecode) before it runs; `head_major` picks the
+    K/V pool's layout (None: the pool's default)."""
+    cache = PagedCache(config, torch.float32, size=1024, rows=max(8, len(prompts)), head_major=head_major)
     cache.decode_strategy = make_fused(model, cache, max_rows) if fused else None
     if configure is not None:
         configure(cache.decode_strategy)
@@ -85,14 +86,18 @@ def assert_same_logits(actual: list, expected: list) -> None:
         assert torch.equal(a.argmax(-1), e.argmax(-1))
 
 
+# The reference runs layer by layer on a slot-major pool; the fused step on either layout (head-major is the pool's
+# default on CPU) computes the same logits and writes the same K/V.
+@pytest.mark.parametrize("head_major", [True, False])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_fused_decode_matches_layer_by_layer(tmp_path, family):
+def test_fused_decode_matches_layer_by_layer(tmp_path, family, head_major):
     config = tiny_config(family, num_hidden_layers=3)
     _, ours = build_models(tmp_path, config)
     quantize_linears(ours)
     prompts = [prompt_of(5, 1), prompt_of(17, 2), prompt_of(33, 3)]
-    expected, plain_cache = decode_run(ours, config, False, prompts, steps=6)
-    actual, fused_cache = decode_run(ours, config, True, prompts, steps=6)
+    expected, plain_cache = decode_run(ours, config, False, prompts, steps=6, head_major=False)
+    actual, fused_cache = decode_run(ours, config, True, prompts, steps=6, head_major=head_major)
+    assert fused_cache.pool.k_buffer[0].is_contiguous() != head_major
     assert_same_logits(actual, expected)
     # The fused step wrote the same K/V into the same slots.
     for layer in range(config.num_hidden_layers):

@@ -36,9 +36,14 @@ def test_resolve_and_validate():
     assert "kv_cache_dtype" not in ServerArgs(model_path=SMOLLM2, kv_cache_dtype="bf16").not_applicable_settings()
 
 
+@pytest.mark.parametrize("head_major", [True, False])
 @pytest.mark.parametrize("dtype", STORED)
-def test_pool_stores_converted_values(dtype):
-    pool = KVPool(8, 1, 2, 16, dtype)
+def test_pool_stores_converted_values(dtype, head_major):
+    pool = KVPool(8, 1, 2, 16, dtype, head_major=head_major)
+    # head-major: [slots, heads, D] views of [heads, slots, D] storage, the dummy slot zeroed in both
+    assert pool.k_buffer[0].transpose(0, 1).is_contiguous() == head_major != pool.k_buffer[0].is_contiguous()
+    assert pool.k_buffer[0].shape == pool.v_buffer[0].shape == (9, 2, 16)
+    assert not pool.k_buffer[0][0].float().any() and not pool.v_buffer[0][0].float().any()
     k = 3 * torch.randn(2, 2, 16)
     k[0, 0, 0] = 1e6  # beyond every format's range: clamped, never inf / NaN
     pool.set_kv_buffer(0, torch.tensor([1, 5]), k, -k)

@@ -141,3 +141,18 @@ def test_decode_batch_inputs_come_from_one_tensor_and_fill_the_table():
     assert [int(table[r.req_pool_idx, p]) for r, p in zip(reqs, [5, 6, 7])] == slots
     assert [r.kv_allocated_len for r in reqs] == [6, 7, 8]
     assert sampling is not None and sampling.logit_rows == [0, 1, 2] and sampling.is_all_greedy
+
+
+def test_kv_pool_is_head_major_on_cpu_only():
+    """On CPU each KV head's rows lie together (decode attention reads one head at a time); other devices keep
+    contiguous slot-major buffers. Both are [slots, kv_heads, head_dim] tensors to every reader."""
+    from sglang.srt.mem_cache.kv_pool import KVPool
+
+    cpu = KVPool(16, 2, 3, 8, torch.float32)
+    assert cpu.head_major
+    k, v = cpu.get_kv_buffer(1)
+    assert k.shape == v.shape == (17, 3, 8) and k.stride() == (8, 17 * 8, 1)
+    other = KVPool(16, 2, 3, 8, torch.float32, device="meta")
+    assert not other.head_major and other.k_buffer[0].is_contiguous()
+    cpu.set_kv_buffer(1, torch.tensor([2, 7]), torch.ones(2, 3, 8), 2 * torch.ones(2, 3, 8))
+    assert torch.equal(k[[2, 7]], torch.ones(2, 3, 8)) and torch.equal(v[[2, 7]], 2 * torch.ones(2, 3, 8))

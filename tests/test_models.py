@@ -81,9 +81,11 @@ def reference_logits(reference, token_ids: list[int]) -> torch.Tensor:
 class PagedCache:
     """A minimal stand-in for the scheduler: owns the KV pool and the request->token table and builds batches."""
 
-    def __init__(self, config, dtype: torch.dtype, size: int = 512, rows: int = 8, context: int = 256) -> None:
+    def __init__(self, config, dtype: torch.dtype, size: int = 512, rows: int = 8, context: int = 256,
+                 head_major: bool | None = None) -> None:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.pool = KVPool(size, config.num_hidden_layers, config.num_key_value_heads, head_dim, dtype)
+        self.pool = KVPool(size, config.num_hidden_layers, config.num_key_value_heads, head_dim, dtype,
+                           head_major=head_major)
         self.req_to_token_pool = types.SimpleNamespace(req_to_token=torch.zeros(rows, context, dtype=torch.int64))
         generator = torch.Generator().manual_seed(1234)
         self.free_slots: list[int] = (torch.randperm(size, generator=generator) + 1).tolist()

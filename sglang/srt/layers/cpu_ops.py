@@ -30,9 +30,9 @@ from sglang.srt.layers.cpu_extension import CpuExtension
 DISABLE_ENV = "SGLANG_DISABLE_CPU_OPS"
 CSRC = Path(__file__).resolve().parent / "csrc"
 _EXTENSION = CpuExtension("sglang_cpu_ops", CSRC / "cpu_ops.cpp", "CPU decode kernels", DISABLE_ENV,
-                          headers=[CSRC / "cpu_kernels.h", CSRC / "kv_types.h", CSRC / "decode_attention.h",
-                                   CSRC / "decode_attention_avx512.h", CSRC / "extend_attention.h",
-                                   CSRC / "extend_attention_bf16.h"])
+                          headers=[CSRC / "cpu_kernels.h", CSRC / "kv_types.h", CSRC / "kv_layout.h",
+                                   CSRC / "decode_attention.h", CSRC / "decode_attention_avx512.h",
+                                   CSRC / "extend_attention.h", CSRC / "extend_attention_bf16.h"])
 
 
 def available() -> bool:

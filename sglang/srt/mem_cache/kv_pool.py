@@ -12,6 +12,13 @@ class KVPool:
 
     Slot 0 is a reserved dummy slot (padded tokens may write there); the allocator hands out
     slots 1..size.
+
+    On CPU the buffers are head-major: views `[size + 1, kv_heads, head_dim]` of `[kv_heads, size + 1, head_dim]`
+    storage, so one KV head's rows of a sequence lie together. Decode attention reads one KV head at a time and is
+    bound by memory late in a long generation; with slot-major storage each of its passes would fetch every slot's
+    rows of all heads to use one head's share (benchmarks/RESULTS.md). Every reader and writer indexes the view
+    (the compiled kernels take its strides, layers/csrc/kv_layout.h), so the layout is invisible above the pool.
+    `head_major=False` keeps contiguous slot-major buffers (the default on other devices).
     """
 
     def __init__(
@@ -23,6 +30,7 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         v_head_dim: int | None = None,
+        head_major: bool | None = None,
     ) -> None:
         self.size = size
         self.num_layers = num_layers
@@ -31,6 +39,7 @@ class KVPool:
         self.v_head_dim = v_head_dim or head_dim
         self.dtype = dtype
         self.device = torch.device(device)
+        self.head_major = self.device.type == "cpu" if head_major is None else head_major
         # Uninitialised memory: a slot is always written before it is read, so zero-filling gigabytes at
         # startup would only cost time (and commit RAM the OS would otherwise hand out lazily). The dummy
         # slot is read by padded attention and must hold finite values.
@@ -38,7 +47,10 @@ class KVPool:
         self.v_buffer = [self._buffer(size, num_kv_heads, self.v_head_dim) for _ in range(num_layers)]
 
     def _buffer(self, size: int, heads: int, dim: int) -> torch.Tensor:
-        buf = torch.empty(size + 1, heads, dim, dtype=self.dtype, device=self.device)
+        if self.head_major:
+            buf = torch.empty(heads, size + 1, dim, dtype=self.dtype, device=self.device).transpose(0, 1)
+        else:
+            buf = torch.empty(size + 1, heads, dim, dtype=self.dtype, device=self.device)
         buf[0].zero_()
         return buf
 

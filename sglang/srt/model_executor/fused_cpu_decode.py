@@ -32,8 +32,9 @@ from sglang.srt.models.llama import LlamaModel
 
 DISABLE_ENV = "SGLANG_DISABLE_FUSED_DECODE"
 _EXTENSION = CpuExtension("sglang_decode_stack", CSRC / "decode_stack.cpp", "fused CPU decode step", DISABLE_ENV,
-                          headers=[CSRC / "cpu_kernels.h", CSRC / "kv_types.h", CSRC / "decode_attention.h",
-                                   CSRC / "decode_attention_avx512.h", CSRC / "attention_split.h", *KERNEL_HEADERS])
+                          headers=[CSRC / "cpu_kernels.h", CSRC / "kv_types.h", CSRC / "kv_layout.h",
+                                   CSRC / "decode_attention.h", CSRC / "decode_attention_avx512.h",
+                                   CSRC / "attention_split.h", *KERNEL_HEADERS])
 
 
 def available() -> bool:

@@ -17,18 +17,18 @@
 #include "decode_attention.h"
 #include "extend_attention.h"
 #include "extend_attention_bf16.h"
+#include "kv_layout.h"
 
 using cpu_kernels::rms_norm_rows;
 
 namespace {
 
 // Calls f with a null pointer of the KV buffers' element type (float32, bf16, fp8 e4m3 or e5m2), after checking
-// that both buffers have that type and are contiguous.
+// that both buffers have that type (their layout is checked by kv_layout::strides_of).
 template <typename F>
 void with_kv_type(const torch::Tensor& k_cache, const torch::Tensor& v_cache, F&& f) {
   const auto kv_type = k_cache.scalar_type();
   TORCH_CHECK(v_cache.scalar_type() == kv_type, "k_cache and v_cache must have the same dtype");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "KV buffers must be contiguous");
   switch (kv_type) {
     case at::kFloat: f(static_cast<const float*>(nullptr)); break;
     case at::kBFloat16: f(static_cast<const kv_types::bf16*>(nullptr)); break;
@@ -52,7 +52,7 @@ void decode_attention_tasks(const float* qp, const torch::Tensor& k_cache, const
                             const int64_t* ip, const int64_t* lens, float* op, int64_t B, int64_t H, int64_t Hkv,
                             int64_t D, int64_t stride_idx, float fscale) {
   const int64_t group = H / Hkv;
-  const int64_t slot_stride = Hkv * D;
+  const kv_layout::Strides kv = kv_layout::strides_of(k_cache, v_cache);
   const KV* kp = static_cast<const KV*>(k_cache.data_ptr());
   const KV* vp = static_cast<const KV*>(v_cache.data_ptr());
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
@@ -62,8 +62,8 @@ void decode_attention_tasks(const float* qp, const torch::Tensor& k_cache, const
       const int64_t L = lens[b];
       scores.resize(static_cast<size_t>(group * (L + 2)));  // + the per-head max and sum
       const int64_t head = b * H + g * group;
-      cpu_kernels::attend_kv_head(qp + head * D, group, D, kp + g * D, vp + g * D, slot_stride, ip + b * stride_idx, L,
-                                  fscale, scores.data(), op + head * D);
+      cpu_kernels::attend_kv_head(qp + head * D, group, D, kp + g * kv.head, vp + g * kv.head, kv.slot,
+                                  ip + b * stride_idx, L, fscale, scores.data(), op + head * D);
     }
   });
 }
@@ -71,7 +71,7 @@ void decode_attention_tasks(const float* qp, const torch::Tensor& k_cache, const
 }  // namespace
 
 // q [B, H, D] float32; k_cache, v_cache [S, Hkv, D] float32, bfloat16, float8_e4m3fn or float8_e5m2 (both the
-// same); kv_indices [B, >= max(seq_lens)] int64; seq_lens [B] int64. Returns [B, H, D] float32.
+// same type and layout, slot- or head-major: kv_layout.h); kv_indices [B, >= max(seq_lens)] int64; seq_lens [B] int64. Returns [B, H, D] float32.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor kv_indices, torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q, k_cache, v_cache must be 3-D");
@@ -132,6 +132,7 @@ void extend_attention_tasks(const float* qp, int64_t q_stride, const torch::Tens
       }
   const KV* kp = static_cast<const KV*>(k_cache.data_ptr());
   const KV* vp = static_cast<const KV*>(v_cache.data_ptr());
+  const kv_layout::Strides kv = kv_layout::strides_of(k_cache, v_cache);
   const int64_t count = static_cast<int64_t>(tasks.size());
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), count));
   // Thread k runs tasks run_start[k] .. run_start[k + 1] - 1: those whose midpoint of work falls in its share.
@@ -156,15 +157,17 @@ void extend_attention_tasks(const float* qp, int64_t q_stride, const torch::Tens
 #ifdef CPU_KERNELS_AVX2
       if constexpr (bf16_kv) {
         if (bf16_dots) {
-          cpu_kernels::extend_attention_task_bf16(qp, q_stride, kp, vp, Hkv * D, ip + task.b * stride_idx,
+          cpu_kernels::extend_attention_task_bf16(qp, q_stride, kp + task.g * kv.head, vp + task.g * kv.head, kv.slot,
+                                                  ip + task.b * stride_idx,
                                                   starts[task.b], prefix_lens[task.b], task.r0, r1, task.g, group, H,
                                                   D, scale, op, bf16_scratch);
           continue;
         }
       }
 #endif
-      cpu_kernels::extend_attention_task(qp, q_stride, kp, vp, Hkv * D, ip + task.b * stride_idx, starts[task.b],
-                                         prefix_lens[task.b], task.r0, r1, task.g, group, H, D, scale, op, scratch);
+      cpu_kernels::extend_attention_task(qp, q_stride, kp + task.g * kv.head, vp + task.g * kv.head, kv.slot,
+                                         ip + task.b * stride_idx, starts[task.b], prefix_lens[task.b], task.r0, r1,
+                                         task.g, group, H, D, scale, op, scratch);
     }
   });
 }
@@ -291,7 +294,7 @@ torch::Tensor fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch:
 }
 
 // Stores k and v [T, Hkv, D] float32 (each row's heads and channels contiguous, rows may be strided: views into a
-// fused qkv projection) at KV slots loc [T] of k_cache / v_cache [slots, Hkv, D], converted to the caches' dtype
+// fused qkv projection) at KV slots loc [T] of k_cache / v_cache [slots, Hkv, D] (slot- or head-major), converted to the caches' dtype
 // exactly as KVPool.set_kv_buffer converts (kv_types.h): one pass instead of a conversion and a scatter per tensor.
 void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor loc, torch::Tensor k, torch::Tensor v) {
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes(), "k and v must be [T, Hkv, D] of one shape");
@@ -308,7 +311,8 @@ void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor loc, t
   check_slots(lp, T, k_cache.size(0));
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  const int64_t ks = k.stride(0), vs = v.stride(0), row = Hkv * D;
+  const int64_t ks = k.stride(0), vs = v.stride(0);
+  const kv_layout::Strides kv = kv_layout::strides_of(k_cache, v_cache);
   with_kv_type(k_cache, v_cache, [&](auto* type) {
     using KV = kv_of<decltype(type)>;
     KV* kc = static_cast<KV*>(k_cache.data_ptr());
@@ -316,8 +320,11 @@ void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor loc, t
     // a decode batch's rows are a few microseconds of work: one thread, no team wake-up
     at::parallel_for(0, T, 256, [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
-        kv_types::store_row(kp + t * ks, kc + lp[t] * row, row);
-        kv_types::store_row(vp + t * vs, vc + lp[t] * row, row);
+        for (int64_t g = 0; g < Hkv; ++g) {
+          const int64_t at = lp[t] * kv.slot + g * kv.head;
+          kv_types::store_row(kp + t * ks + g * D, kc + at, D);
+          kv_types::store_row(vp + t * vs + g * D, vc + at, D);
+        }
       }
     });
   });

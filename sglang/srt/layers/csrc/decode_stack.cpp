@@ -43,6 +43,7 @@
 #include "attention_split.h"
 #include "cpu_kernels.h"
 #include "decode_attention.h"
+#include "kv_layout.h"
 
 namespace {
 
@@ -115,6 +116,7 @@ struct Layer {
   torch::Tensor input_norm, post_norm;
   torch::Tensor q_norm, k_norm;  // per-head norms, or undefined
   torch::Tensor k_cache, v_cache;
+  kv_layout::Strides kv{0, 0};
 };
 
 // Per-thread scratch for building the input of a matmul and for attention.
@@ -169,7 +171,7 @@ class DecodeStack {
   }
 
   // The paged K/V buffers of every layer: [slots, num_kv_heads, head_dim] each, all of one dtype (float32,
-  // bfloat16, float8_e4m3fn or float8_e5m2).
+  // bfloat16, float8_e4m3fn or float8_e5m2) and one layout (slot- or head-major, kv_layout.h).
   void set_kv_cache(const std::vector<torch::Tensor>& k, const std::vector<torch::Tensor>& v) {
     TORCH_CHECK(k.size() == layers_.size() && v.size() == layers_.size(), "one K and one V buffer per layer");
     TORCH_CHECK(!k.empty(), "no KV buffers");
@@ -178,11 +180,11 @@ class DecodeStack {
                     kv_type == torch::kFloat8_e5m2, "KV buffers must be float32, bfloat16, float8_e4m3fn or float8_e5m2");
     for (size_t i = 0; i < layers_.size(); ++i) {
       for (const auto* t : {&k[i], &v[i]}) {
-        TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == kv_type && t->is_contiguous() && t->dim() == 3 &&
+        TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == kv_type && t->dim() == 3 &&
                         t->size(1) == kv_heads_ && t->size(2) == head_dim_,
-                    "KV buffers must be contiguous [slots, num_kv_heads, head_dim] tensors of one dtype");
+                    "KV buffers must be [slots, num_kv_heads, head_dim] tensors of one dtype");
       }
-      TORCH_CHECK(k[i].size(0) == v[i].size(0), "K and V buffers differ in size");
+      layers_[i].kv = kv_layout::strides_of(k[i], v[i]);
       layers_[i].k_cache = k[i];
       layers_[i].v_cache = v[i];
     }
@@ -552,7 +554,7 @@ class DecodeStack {
   void attention_items(const Step& s, Phase& ph, const Layer& layer, Scratch& sc) const {
     const int64_t D = head_dim_, group = heads_ / kv_heads_;
     const int64_t q_size = heads_ * D, kv_size = kv_heads_ * D, qkv_n = layer.qkv.n;
-    const int64_t slot_stride = kv_heads_ * D;
+    const kv_layout::Strides kv = layer.kv;
     const int64_t layer_index = &layer - layers_.data();
     const float* qkv = s.qkv.data_ptr<float>();
     float* attn = s.attn.data_ptr<float>();
@@ -584,18 +586,18 @@ class DecodeStack {
         if (kn != nullptr) cpu_kernels::rms_norm_rows(k, kn, k, 1, D, eps_);
         if (rotary_dim_ > 0) cpu_kernels::rope_head(k, cs, sn, rotary_dim_, sc.tmp.data());
         const int64_t slot = s.loc[b];
-        kv_types::store_row(k, kc + slot * slot_stride + g * D, D);
-        kv_types::store_row(row + q_size + kv_size + g * D, vc + slot * slot_stride + g * D, D);
+        kv_types::store_row(k, kc + slot * kv.slot + g * kv.head, D);
+        kv_types::store_row(row + q_size + kv_size + g * D, vc + slot * kv.slot + g * kv.head, D);
       }
       const int64_t* slots = s.table + s.rpi[b] * s.table_cols + it.t0;
       float* out = attn + b * q_size + g * group * D;
       if (it.chunks == 1) {
-        cpu_kernels::attend_kv_head(q, group, D, kc + g * D, vc + g * D, slot_stride, slots, it.t1 - it.t0, scale_,
-                                    sc.scores.data(), out);
+        cpu_kernels::attend_kv_head(q, group, D, kc + g * kv.head, vc + g * kv.head, kv.slot, slots, it.t1 - it.t0,
+                                    scale_, sc.scores.data(), out);
       } else {
         float* part = plan.partial(it);
-        cpu_kernels::attend_partial(q, group, D, kc + g * D, vc + g * D, slot_stride, slots, it.t1 - it.t0, scale_,
-                                    sc.scores.data(), part, part + group * D, part + group * D + group);
+        cpu_kernels::attend_partial(q, group, D, kc + g * kv.head, vc + g * kv.head, kv.slot, slots, it.t1 - it.t0,
+                                    scale_, sc.scores.data(), part, part + group * D, part + group * D + group);
         if (plan.finish_chunk(it, layer_index)) plan.merge(it, group, D, out);
       }
       ph.finish();

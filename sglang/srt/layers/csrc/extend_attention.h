@@ -180,8 +180,9 @@ inline float softmax_weights(float* s, int64_t visible, float& m, float& l) {
 }
 
 // One task: rows [r0, r1) of a sequence whose new tokens start at query row `tok0` of q, after `prefix` cached
-// tokens; KV head g with query heads g * group .. (g + 1) * group - 1. q rows are q_stride floats apart, heads D
-// apart; out is [tokens, H, D] contiguous.
+// tokens; KV head g with query heads g * group .. (g + 1) * group - 1, whose K (V) row of slot s is at
+// kcache (vcache) + s * slot_stride. q rows are q_stride floats apart, heads D apart; out is [tokens, H, D]
+// contiguous.
 template <typename KV>
 inline void extend_attention_task(const float* q, int64_t q_stride, const KV* kcache, const KV* vcache,
                                   int64_t slot_stride, const int64_t* slots, int64_t tok0, int64_t prefix, int64_t r0,
@@ -205,8 +206,8 @@ inline void extend_attention_task(const float* q, int64_t q_stride, const KV* kc
     for (int64_t j = 0; j < kKeyBlock; ++j) {
       float* vrow = w.v.data() + j * D;
       if (j < kn) {
-        const KV* krow = kcache + slots[k0 + j] * slot_stride + g * D;
-        const KV* vsrc = vcache + slots[k0 + j] * slot_stride + g * D;
+        const KV* krow = kcache + slots[k0 + j] * slot_stride;
+        const KV* vsrc = vcache + slots[k0 + j] * slot_stride;
         for (int64_t d = 0; d < D; ++d) {
           w.kt[d * kKeyBlock + j] = kv_types::to_f32(krow[d]);
           vrow[d] = kv_types::to_f32(vsrc[d]);

@@ -202,15 +202,15 @@ CPU_KERNELS_BF16_TARGET void extend_attention_task_bf16(const float* q, int64_t 
     for (int64_t j = 0; j < kKeyBlock; ++j) {
       uint32_t* dst = w.kblk.data() + j * NP;
       if (j < kn) {
-        std::memcpy(dst, kcache + slots[k0 + j] * slot_stride + g * D, D * sizeof(kv_types::bf16));
+        std::memcpy(dst, kcache + slots[k0 + j] * slot_stride, D * sizeof(kv_types::bf16));
       } else {
         std::memset(dst, 0, D * sizeof(kv_types::bf16));
       }
     }
     for (int64_t jp = 0; jp < (kn + 1) / 2; ++jp) {
       const int64_t j = k0 + 2 * jp;
-      const kv_types::bf16* a = vcache + slots[j] * slot_stride + g * D;
-      const kv_types::bf16* b = 2 * jp + 1 < kn ? vcache + slots[j + 1] * slot_stride + g * D : nullptr;
+      const kv_types::bf16* a = vcache + slots[j] * slot_stride;
+      const kv_types::bf16* b = 2 * jp + 1 < kn ? vcache + slots[j + 1] * slot_stride : nullptr;
       for (int64_t c = 0; c < D; c += 32) {
         const __m512i va = _mm512_loadu_si512(a + c);
         const __m512i vb = b ? _mm512_loadu_si512(b + c) : _mm512_setzero_si512();
