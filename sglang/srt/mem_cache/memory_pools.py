@@ -117,6 +117,7 @@ def build_memory_pools(
     kv_pool = KVPool(total, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, device)
     tree_cache: BasePrefixCache = (NoPrefixCache(req_to_token_pool, allocator) if disable_radix_cache
                                    else RadixCache(req_to_token_pool, allocator))
-    logger.info("KV cache: %d tokens (%.1f MB), %d request rows, prefix cache: %s", total,
-                spec.bytes_per_token * total / 2**20, max_running_requests, type(tree_cache).__name__)
+    logger.info("KV cache: %d tokens (%.1f MB, %s, %s), %d request rows, prefix cache: %s", total,
+                spec.bytes_per_token * total / 2**20, str(spec.dtype).removeprefix("torch."),
+                "head-major" if kv_pool.head_major else "slot-major", max_running_requests, type(tree_cache).__name__)
     return MemoryPools(req_to_token_pool, allocator, kv_pool, tree_cache)
