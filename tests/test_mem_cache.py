@@ -139,8 +139,61 @@ def test_decode_batch_inputs_come_from_one_tensor_and_fill_the_table():
     slots = fb.out_cache_loc.tolist()
     assert len(set(slots)) == 3 and 0 not in slots
     assert [int(table[r.req_pool_idx, p]) for r, p in zip(reqs, [5, 6, 7])] == slots
-    assert [r.kv_allocated_len for r in reqs] == [6, 7, 8]
+    # each request's slots run to its last possible position (max_new_tokens 4: 3, 2 and 1 positions left)
+    assert [r.kv_allocated_len for r in reqs] == [8, 8, 8]
     assert sampling is not None and sampling.logit_rows == [0, 1, 2] and sampling.is_all_greedy
+
+
+def _decode_steps(mem, reqs, steps: int) -> None:
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+    for _ in range(steps):
+        batch = ScheduleBatch(reqs, is_decode=True)
+        batch.prepare_for_decode(mem)
+        for req in reqs:
+            req.kv_committed_len = req.seqlen
+            req.output_ids.append(11)
+
+
+def test_concurrent_decodes_take_their_slots_in_runs_and_give_back_the_rest():
+    """Sequences decoding together each get runs of DECODE_SLOT_RUN consecutive free slots, not one interleaved slot
+    per step, so a sequence's K/V rows lie together; a short free list gives one slot each; a finished request's
+    unused slots go back to the allocator."""
+    from sglang.bench_one_batch import make_reqs
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.mem_cache.memory_pools import DECODE_SLOT_RUN, KVCacheSpec, build_memory_pools
+
+    mem = build_memory_pools(KVCacheSpec(1, 1, 8, torch.float32), torch.device("cpu"), 512, 1024, 0.5, 4, False)
+    reqs = make_reqs(3, 5, 1000, 1000)
+    ScheduleBatch(reqs, is_decode=False).prepare_for_extend(mem)
+    for req in reqs:
+        req.kv_committed_len = len(req.fill_ids)
+        req.output_ids.append(9)
+    steps = DECODE_SLOT_RUN + 8
+    _decode_steps(mem, reqs, steps)
+    table = mem.req_to_token_pool.req_to_token
+    for req in reqs:
+        slots = table[req.req_pool_idx, 5 : 5 + steps]
+        assert len(set(slots.tolist())) == steps and 0 not in slots.tolist()
+        gaps = (slots[1:] - slots[:-1]).tolist()
+        assert gaps.count(1) >= steps - 2  # one jump between the two runs at most
+        assert req.kv_allocated_len == 5 + 2 * DECODE_SLOT_RUN
+    held = sum(r.kv_allocated_len for r in reqs)
+    assert mem.allocator.available_size() == 1024 - held
+    for req in reqs:
+        mem.tree_cache.cache_finished_req(req)
+    assert mem.allocator.available_size() + mem.tree_cache.total_size() == 1024
+    assert mem.tree_cache.total_size() == 3 * (5 + steps)  # only computed positions were cached
+
+    # A free list shorter than the runs: one slot per request and step, as without runs.
+    small = build_memory_pools(KVCacheSpec(1, 1, 8, torch.float32), torch.device("cpu"), 512, 40, 0.5, 4, True)
+    reqs = make_reqs(3, 5, 1000, 1000)
+    ScheduleBatch(reqs, is_decode=False).prepare_for_extend(small)
+    for req in reqs:
+        req.kv_committed_len = len(req.fill_ids)
+        req.output_ids.append(9)
+    _decode_steps(small, reqs, 2)
+    assert [r.kv_allocated_len for r in reqs] == [7, 7, 7] and small.allocator.available_size() == 40 - 21
 
 
 def test_kv_pool_is_head_major_on_cpu_only():

@@ -11,7 +11,7 @@ import torch
 from sglang.srt.constrained.base_grammar_backend import BaseGrammarObject
 from sglang.srt.forward_batch import ForwardBatch, ForwardMode, build_positions
 from sglang.srt.managers.finish_reason import FinishAbort, FinishReason
-from sglang.srt.mem_cache.memory_pools import MemoryPools, OutOfKVMemory
+from sglang.srt.mem_cache.memory_pools import DECODE_SLOT_RUN, MemoryPools, OutOfKVMemory
 from sglang.srt.multimodal.forward_inputs import build_multimodal_forward
 from sglang.srt.sampling.penalties import RequestPenaltyState
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
@@ -219,11 +219,19 @@ class ScheduleBatch:
 
     def prepare_for_decode(self, mem: MemoryPools) -> None:
         n = len(self.reqs)
-        self.out_cache_loc = mem.alloc_slots(n)
         table = mem.req_to_token_pool.req_to_token
         positions = [req.seqlen - 1 for req in self.reqs]
-        for req, pos in zip(self.reqs, positions):
-            req.kv_allocated_len = pos + 1
+        # Requests whose slots end before this position get a new run of them (MemoryPools.alloc_decode_runs), as
+        # long as their max_new_tokens and the row's width could use.
+        need = [(req, pos) for req, pos in zip(self.reqs, positions) if req.kv_allocated_len <= pos]
+        if need:
+            wanted = [max(1, min(DECODE_SLOT_RUN, table.shape[1] - pos,
+                                 DECODE_SLOT_RUN if req.sampling_params.max_new_tokens is None
+                                 else req.sampling_params.max_new_tokens - len(req.output_ids)))
+                      for req, pos in need]
+            counts = mem.alloc_decode_runs([req.req_pool_idx for req, _ in need], [pos for _, pos in need], wanted)
+            for (req, pos), count in zip(need, counts):
+                req.kv_allocated_len = pos + count
         self.input_ids = [req.output_ids[-1] for req in self.reqs]
         self.prefix_lens = positions
         self.extend_lens = [1] * n
@@ -232,8 +240,8 @@ class ScheduleBatch:
         self.sample_row = [0] * n
         self.decode_inputs = torch.tensor([self.input_ids, positions, [req.req_pool_idx for req in self.reqs],
                                            self.seq_lens], dtype=torch.int64, device=table.device).unbind(0)
-        # One indexed write for the batch: an item assignment per request costs microseconds each.
-        table[self.decode_inputs[2], self.decode_inputs[1]] = self.out_cache_loc
+        # One indexed read for the batch: an item access per request costs microseconds each.
+        self.out_cache_loc = table[self.decode_inputs[2], self.decode_inputs[1]]
 
     # ---- what the model runner receives -------------------------------------------------------------------
     def forward_inputs(self, mem: MemoryPools, vocab_size: int, device: torch.device

@@ -24,6 +24,11 @@ logger = logging.getLogger(__name__)
 
 # Fewer KV slots than this cannot hold a useful request.
 MIN_KV_TOKENS = 256
+# A decoding request takes its KV slots in runs of up to this many positions (alloc_decode_runs), so that each
+# sequence's K/V rows lie together in the head-major pool (kv_pool.py) however many sequences decode at once. Taken
+# one per step, the slots of concurrent sequences interleave and decode attention reads each sequence's rows strided:
+# 1.7x slower at 4 sequences of 3,000 bf16 tokens (benchmarks/RESULTS.md).
+DECODE_SLOT_RUN = 32
 
 
 class OutOfKVMemory(RuntimeError):
@@ -73,6 +78,19 @@ class MemoryPools:
         if slots is None:
             raise OutOfKVMemory(f"cannot allocate {n} KV slots")
         return slots
+
+    def alloc_decode_runs(self, rows: list[int], starts: list[int], wanted: list[int]) -> list[int]:
+        """Slots for the decode positions from starts[i] on of request row rows[i], written into the row: wanted[i]
+        (>= 1) of them when the free list holds them all without evicting cached prefixes, else one each. Returns
+        how many each row got; the slots beyond the current position stay the row's (freed with it)."""
+        counts = wanted if self.allocator.available_size() >= sum(wanted) else [1] * len(rows)
+        slots = self.alloc_slots(sum(counts))
+        table = self.req_to_token_pool.req_to_token
+        offset = 0
+        for row, start, count in zip(rows, starts, counts):
+            table[row, start : start + count] = slots[offset : offset + count]
+            offset += count
+        return counts
 
     def available_tokens(self) -> int:
         return self.allocator.available_size() + self.tree_cache.evictable_size()
