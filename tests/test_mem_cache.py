@@ -144,6 +144,21 @@ def test_decode_batch_inputs_come_from_one_tensor_and_fill_the_table():
     assert sampling is not None and sampling.logit_rows == [0, 1, 2] and sampling.is_all_greedy
 
 
+def _prefilled_pools(total: int, radix: bool = True):
+    """Memory pools of `total` slots and three requests with 5-token prompts prefilled and one output token each."""
+    from sglang.bench_one_batch import make_reqs
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.mem_cache.memory_pools import KVCacheSpec, build_memory_pools
+
+    mem = build_memory_pools(KVCacheSpec(1, 1, 8, torch.float32), torch.device("cpu"), 512, total, 0.5, 4, not radix)
+    reqs = make_reqs(3, 5, 1000, 1000)
+    ScheduleBatch(reqs, is_decode=False).prepare_for_extend(mem)
+    for req in reqs:
+        req.kv_committed_len = len(req.fill_ids)
+        req.output_ids.append(9)
+    return mem, reqs
+
+
 def _decode_steps(mem, reqs, steps: int) -> None:
     from sglang.srt.managers.schedule_batch import ScheduleBatch
 
@@ -159,16 +174,9 @@ def test_concurrent_decodes_take_their_slots_in_runs_and_give_back_the_rest():
     """Sequences decoding together each get runs of DECODE_SLOT_RUN consecutive free slots, not one interleaved slot
     per step, so a sequence's K/V rows lie together; a short free list gives one slot each; a finished request's
     unused slots go back to the allocator."""
-    from sglang.bench_one_batch import make_reqs
-    from sglang.srt.managers.schedule_batch import ScheduleBatch
-    from sglang.srt.mem_cache.memory_pools import DECODE_SLOT_RUN, KVCacheSpec, build_memory_pools
+    from sglang.srt.mem_cache.memory_pools import DECODE_SLOT_RUN
 
-    mem = build_memory_pools(KVCacheSpec(1, 1, 8, torch.float32), torch.device("cpu"), 512, 1024, 0.5, 4, False)
-    reqs = make_reqs(3, 5, 1000, 1000)
-    ScheduleBatch(reqs, is_decode=False).prepare_for_extend(mem)
-    for req in reqs:
-        req.kv_committed_len = len(req.fill_ids)
-        req.output_ids.append(9)
+    mem, reqs = _prefilled_pools(1024)
     steps = DECODE_SLOT_RUN + 8
     _decode_steps(mem, reqs, steps)
     table = mem.req_to_token_pool.req_to_token
@@ -186,12 +194,7 @@ def test_concurrent_decodes_take_their_slots_in_runs_and_give_back_the_rest():
     assert mem.tree_cache.total_size() == 3 * (5 + steps)  # only computed positions were cached
 
     # A free list shorter than the runs: one slot per request and step, as without runs.
-    small = build_memory_pools(KVCacheSpec(1, 1, 8, torch.float32), torch.device("cpu"), 512, 40, 0.5, 4, True)
-    reqs = make_reqs(3, 5, 1000, 1000)
-    ScheduleBatch(reqs, is_decode=False).prepare_for_extend(small)
-    for req in reqs:
-        req.kv_committed_len = len(req.fill_ids)
-        req.output_ids.append(9)
+    small, reqs = _prefilled_pools(40, radix=False)
     _decode_steps(small, reqs, 2)
     assert [r.kv_allocated_len for r in reqs] == [7, 7, 7] and small.allocator.available_size() == 40 - 21
 
