@@ -145,6 +145,15 @@ class Req:
         return f"Req(rid={self.rid}, input={len(self.origin_input_ids)}, output={len(self.output_ids)})"
 
 
+def decode_run_len(req: Req, pos: int, row_width: int) -> int:
+    """How many decode slots a request takes from position `pos` on: a run of DECODE_SLOT_RUN, no more than its
+    max_new_tokens can still use or its request-to-token row can hold, and at least the one it needs now."""
+    left = row_width - pos
+    if req.sampling_params.max_new_tokens is not None:
+        left = min(left, req.sampling_params.max_new_tokens - len(req.output_ids))
+    return max(1, min(DECODE_SLOT_RUN, left))
+
+
 class ScheduleBatch:
     """The requests of one forward step and the CPU-side inputs built for it."""
 
@@ -221,14 +230,10 @@ class ScheduleBatch:
         n = len(self.reqs)
         table = mem.req_to_token_pool.req_to_token
         positions = [req.seqlen - 1 for req in self.reqs]
-        # Requests whose slots end before this position get a new run of them (MemoryPools.alloc_decode_runs), as
-        # long as their max_new_tokens and the row's width could use.
+        # Requests whose slots end before this position get a new run of them (MemoryPools.alloc_decode_runs).
         need = [(req, pos) for req, pos in zip(self.reqs, positions) if req.kv_allocated_len <= pos]
         if need:
-            wanted = [max(1, min(DECODE_SLOT_RUN, table.shape[1] - pos,
-                                 DECODE_SLOT_RUN if req.sampling_params.max_new_tokens is None
-                                 else req.sampling_params.max_new_tokens - len(req.output_ids)))
-                      for req, pos in need]
+            wanted = [decode_run_len(req, pos, table.shape[1]) for req, pos in need]
             counts = mem.alloc_decode_runs([req.req_pool_idx for req, _ in need], [pos for _, pos in need], wanted)
             for (req, pos), count in zip(need, counts):
                 req.kv_allocated_len = pos + count

@@ -15,6 +15,7 @@ import torch
 
 from sglang.srt.mem_cache.allocator import TokenSlotAllocator
 from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
+from sglang.srt.mem_cache.kv_dtype import dtype_name
 from sglang.srt.mem_cache.kv_pool import KVPool
 from sglang.srt.mem_cache.no_prefix_cache import NoPrefixCache
 from sglang.srt.mem_cache.radix_cache import RadixCache
@@ -136,6 +137,6 @@ def build_memory_pools(
     tree_cache: BasePrefixCache = (NoPrefixCache(req_to_token_pool, allocator) if disable_radix_cache
                                    else RadixCache(req_to_token_pool, allocator))
     logger.info("KV cache: %d tokens (%.1f MB, %s, %s), %d request rows, prefix cache: %s", total,
-                spec.bytes_per_token * total / 2**20, str(spec.dtype).removeprefix("torch."),
+                spec.bytes_per_token * total / 2**20, dtype_name(spec.dtype),
                 "head-major" if kv_pool.head_major else "slot-major", max_running_requests, type(tree_cache).__name__)
     return MemoryPools(req_to_token_pool, allocator, kv_pool, tree_cache)

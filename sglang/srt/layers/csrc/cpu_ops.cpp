@@ -71,7 +71,8 @@ void decode_attention_tasks(const float* qp, const torch::Tensor& k_cache, const
 }  // namespace
 
 // q [B, H, D] float32; k_cache, v_cache [S, Hkv, D] float32, bfloat16, float8_e4m3fn or float8_e5m2 (both the
-// same type and layout, slot- or head-major: kv_layout.h); kv_indices [B, >= max(seq_lens)] int64; seq_lens [B] int64. Returns [B, H, D] float32.
+// same type and layout, slot- or head-major: kv_layout.h); kv_indices [B, >= max(seq_lens)] int64; seq_lens [B]
+// int64. Returns [B, H, D] float32.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor kv_indices, torch::Tensor seq_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q, k_cache, v_cache must be 3-D");
@@ -154,20 +155,20 @@ void extend_attention_tasks(const float* qp, int64_t q_stride, const torch::Tens
     for (int64_t t = run_start[k_begin]; t < run_start[k_end]; ++t) {
       const Task& task = tasks[t];
       const int64_t r1 = std::min(ext_lens[task.b], task.r0 + cpu_kernels::kExtendRows);
+      const KV* kg = kp + task.g * kv.head;  // KV head g's rows
+      const KV* vg = vp + task.g * kv.head;
 #ifdef CPU_KERNELS_AVX2
       if constexpr (bf16_kv) {
         if (bf16_dots) {
-          cpu_kernels::extend_attention_task_bf16(qp, q_stride, kp + task.g * kv.head, vp + task.g * kv.head, kv.slot,
-                                                  ip + task.b * stride_idx,
+          cpu_kernels::extend_attention_task_bf16(qp, q_stride, kg, vg, kv.slot, ip + task.b * stride_idx,
                                                   starts[task.b], prefix_lens[task.b], task.r0, r1, task.g, group, H,
                                                   D, scale, op, bf16_scratch);
           continue;
         }
       }
 #endif
-      cpu_kernels::extend_attention_task(qp, q_stride, kp + task.g * kv.head, vp + task.g * kv.head, kv.slot,
-                                         ip + task.b * stride_idx, starts[task.b], prefix_lens[task.b], task.r0, r1,
-                                         task.g, group, H, D, scale, op, scratch);
+      cpu_kernels::extend_attention_task(qp, q_stride, kg, vg, kv.slot, ip + task.b * stride_idx, starts[task.b],
+                                         prefix_lens[task.b], task.r0, r1, task.g, group, H, D, scale, op, scratch);
     }
   });
 }
@@ -294,8 +295,9 @@ torch::Tensor fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch:
 }
 
 // Stores k and v [T, Hkv, D] float32 (each row's heads and channels contiguous, rows may be strided: views into a
-// fused qkv projection) at KV slots loc [T] of k_cache / v_cache [slots, Hkv, D] (slot- or head-major), converted to the caches' dtype
-// exactly as KVPool.set_kv_buffer converts (kv_types.h): one pass instead of a conversion and a scatter per tensor.
+// fused qkv projection) at KV slots loc [T] of k_cache / v_cache [slots, Hkv, D] (slot- or head-major), converted
+// to the caches' dtype exactly as KVPool.set_kv_buffer converts (kv_types.h): one pass instead of a conversion and a
+// scatter per tensor.
 void store_kv(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor loc, torch::Tensor k, torch::Tensor v) {
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes(), "k and v must be [T, Hkv, D] of one shape");
   TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "k and v must be float32");

@@ -572,6 +572,8 @@ class DecodeStack {
     for (int64_t task = ph.claim(tasks); task >= 0; task = ph.claim(tasks)) {
       const attention_split::Item it = plan.item(task);
       const int64_t b = it.b, g = it.g;
+      KV* kg = kc + g * kv.head;  // KV head g's rows
+      KV* vg = vc + g * kv.head;
       const float* row = qkv + b * qkv_n;
       const float* cs = s.cos + b * rotary_dim_;
       const float* sn = s.sin + b * rotary_dim_;
@@ -586,18 +588,17 @@ class DecodeStack {
         if (kn != nullptr) cpu_kernels::rms_norm_rows(k, kn, k, 1, D, eps_);
         if (rotary_dim_ > 0) cpu_kernels::rope_head(k, cs, sn, rotary_dim_, sc.tmp.data());
         const int64_t slot = s.loc[b];
-        kv_types::store_row(k, kc + slot * kv.slot + g * kv.head, D);
-        kv_types::store_row(row + q_size + kv_size + g * D, vc + slot * kv.slot + g * kv.head, D);
+        kv_types::store_row(k, kg + slot * kv.slot, D);
+        kv_types::store_row(row + q_size + kv_size + g * D, vg + slot * kv.slot, D);
       }
       const int64_t* slots = s.table + s.rpi[b] * s.table_cols + it.t0;
       float* out = attn + b * q_size + g * group * D;
       if (it.chunks == 1) {
-        cpu_kernels::attend_kv_head(q, group, D, kc + g * kv.head, vc + g * kv.head, kv.slot, slots, it.t1 - it.t0,
-                                    scale_, sc.scores.data(), out);
+        cpu_kernels::attend_kv_head(q, group, D, kg, vg, kv.slot, slots, it.t1 - it.t0, scale_, sc.scores.data(), out);
       } else {
         float* part = plan.partial(it);
-        cpu_kernels::attend_partial(q, group, D, kc + g * kv.head, vc + g * kv.head, kv.slot, slots, it.t1 - it.t0,
-                                    scale_, sc.scores.data(), part, part + group * D, part + group * D + group);
+        cpu_kernels::attend_partial(q, group, D, kg, vg, kv.slot, slots, it.t1 - it.t0, scale_, sc.scores.data(), part,
+                                    part + group * D, part + group * D + group);
         if (plan.finish_chunk(it, layer_index)) plan.merge(it, group, D, out);
       }
       ph.finish();

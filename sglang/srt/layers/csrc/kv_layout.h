@@ -5,8 +5,8 @@
 // tensors) work the same way.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
+#include <utility>
 
 #include "torch_binding.h"
 
