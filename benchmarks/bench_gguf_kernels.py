@@ -9,6 +9,8 @@ Prints two tables:
 2. A full batch-M decode step of matmuls: 30 layers x (qkv, o, gate_up, down) + lm_head, every layer with its own
    weights (about 60 MB of Q4_1 + 30 MB of Q8_0, or 540 MB of float32), so weights stream from DRAM as in a real
    forward pass.
+3. With `--prefill-rows M...`: a prefill's matmuls, the same 30 layers without the lm_head, at M rows (a prefill
+   batch of M tokens), float32 GEMM and quantized blocks alternated round by round, with GFLOP/s.
 
 Weights come from the SmolLM2-135M-Instruct Q4_1 GGUF when it is installed (fused qkv / gate_up built with
 `GGUFQuantWeight.concat`, lm_head = the Q8_0 token embedding), otherwise random blocks of the same shapes; the
@@ -171,6 +173,23 @@ def per_call_table(layers, head, batches, min_reps, min_seconds, tile_columns: b
             )
 
 
+LAYER_INPUTS = (("qkv", "h"), ("o", "h"), ("gate_up", "h"), ("down", "i"))  # each matmul's input: hidden or MLP
+
+
+def dense_layers_pass(dense_layers, x_h: torch.Tensor, x_i: torch.Tensor) -> None:
+    """Every layer's four matmuls on the float32 GEMM (x_h: [M, hidden], x_i: [M, intermediate])."""
+    for layer in dense_layers:
+        for name, which in LAYER_INPUTS:
+            F.linear(x_h if which == "h" else x_i, layer[name])
+
+
+def quant_layers_pass(layers, x_h: torch.Tensor, x_i: torch.Tensor, int8: bool = False) -> None:
+    """Every layer's four matmuls on the quantized blocks."""
+    for layer in layers:
+        for name, which in LAYER_INPUTS:
+            layer[name].linear(x_h if which == "h" else x_i, int8=int8)
+
+
 def full_step_table(layers, head, batches, min_reps, min_seconds) -> list[tuple[int, float, float]]:
     print("\n## Full decode step of matmuls (30 layers x 4 + lm_head, distinct weights; median (min) in ms)\n")
     dense_layers = [{name: w.dequantize() for name, w in layer.items()} for layer in layers]
@@ -184,27 +203,15 @@ def full_step_table(layers, head, batches, min_reps, min_seconds) -> list[tuple[
         x_i = torch.randn(m, INTER, generator=gen)
 
         def dense_step() -> None:
-            for layer in dense_layers:
-                F.linear(x_h, layer["qkv"])
-                F.linear(x_h, layer["o"])
-                F.linear(x_h, layer["gate_up"])
-                F.linear(x_i, layer["down"])
+            dense_layers_pass(dense_layers, x_h, x_i)
             F.linear(x_h, dense_head)
 
         def quant_step() -> None:
-            for layer in layers:
-                layer["qkv"].linear(x_h)
-                layer["o"].linear(x_h)
-                layer["gate_up"].linear(x_h)
-                layer["down"].linear(x_i)
+            quant_layers_pass(layers, x_h, x_i)
             head.linear(x_h)
 
         def int8_step() -> None:
-            for layer in layers:
-                layer["qkv"].linear(x_h, int8=True)
-                layer["o"].linear(x_h, int8=True)
-                layer["gate_up"].linear(x_h, int8=True)
-                layer["down"].linear(x_i, int8=True)
+            quant_layers_pass(layers, x_h, x_i, int8=True)
             head.linear(x_h, int8=True)
 
         reps = max(3, min_reps // 4)
@@ -226,6 +233,36 @@ def full_step_table(layers, head, batches, min_reps, min_seconds) -> list[tuple[
     return results
 
 
+def prefill_table(layers, rows: list[int], rounds: int) -> None:
+    """The layers' matmuls at M rows (no lm_head: a prefill computes it for the last tokens only), the float32
+    GEMM and the quantized blocks taking turns, each round in the other order; medians in ms."""
+    print("\n## A prefill's matmuls (30 layers x 4, distinct weights; median ms over rounds, GFLOP/s)\n")
+    dense_layers = [{name: w.dequantize() for name, w in layer.items()} for layer in layers]
+    flop_per_row = 2 * LAYERS * sum(n * k for name, (n, k) in SHAPES.items() if name != "lm_head")
+    print("| M | float32 GEMM | quantized blocks | blocks / GEMM |")
+    print("|---:|---:|---:|---:|")
+    gen = torch.Generator().manual_seed(0)
+    for m in rows:
+        x_h = torch.randn(m, HIDDEN, generator=gen)
+        x_i = torch.randn(m, INTER, generator=gen)
+
+        passes = {"dense": lambda: dense_layers_pass(dense_layers, x_h, x_i),
+                  "quant": lambda: quant_layers_pass(layers, x_h, x_i)}
+        times: dict[str, list[float]] = {name: [] for name in passes}
+        for fn in passes.values():
+            fn()
+        for r in range(rounds):
+            order = list(passes.items())
+            for name, fn in order if r % 2 == 0 else reversed(order):
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+        t_dense, t_quant = statistics.median(times["dense"]), statistics.median(times["quant"])
+        print(f"| {m} | {t_dense * 1e3:.0f} ({flop_per_row * m / t_dense / 1e9:.0f} GFLOP/s) "
+              f"| {t_quant * 1e3:.0f} ({flop_per_row * m / t_quant / 1e9:.0f} GFLOP/s) | {t_dense / t_quant:.2f}x |",
+              flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
@@ -236,6 +273,9 @@ def main() -> None:
     parser.add_argument("--min-seconds", type=float, default=0.3)
     parser.add_argument("--skip-per-call", action="store_true")
     parser.add_argument("--skip-step", action="store_true")
+    parser.add_argument("--prefill-rows", type=int, nargs="*", default=[],
+                        help="also time a prefill's matmuls at these row counts (table 3)")
+    parser.add_argument("--prefill-rounds", type=int, default=5)
     parser.add_argument("--tile-columns", action="store_true",
                         help="per call: the float32 kernels with row groups converted per tile of 8 rows instead of "
                              "the int8-activation columns")
@@ -262,6 +302,8 @@ def main() -> None:
             print(f"\nfloat32 is faster than the quantized kernels from M = {slower[0]} in this run")
         else:
             print("\nthe quantized kernels are faster at every measured M")
+    if args.prefill_rows:
+        prefill_table(layers, args.prefill_rows, args.prefill_rounds)
     print(f"\nload average at the end: {os.getloadavg()[0]:.2f}")
 
 

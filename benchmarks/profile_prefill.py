@@ -8,12 +8,10 @@ Compiled kernels of the project's own extensions are not aten operators: they ar
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-from sglang.bench_one_batch import build_runner, make_reqs, run_step
-from sglang.srt.managers.schedule_batch import ScheduleBatch
+from sglang.bench_one_batch import build_runner, timed_prefill
 from sglang.srt.model_loader.model_info import load_model_info
 from sglang.srt.server_args import ServerArgs
 
@@ -29,17 +27,7 @@ def main() -> None:
     print(info.arithmetic.describe() if info.arithmetic is not None else "no arithmetic plan")
 
     def prefill() -> float:
-        reqs = make_reqs(args.batch_size, args.input_len, 2, runner.vocab_size)
-        batch = ScheduleBatch(reqs, is_decode=False)
-        batch.prepare_for_extend(mem)
-        start = time.perf_counter()
-        run_step(runner, mem, batch)
-        elapsed = time.perf_counter() - start
-        for req in reqs:
-            req.kv_committed_len = len(req.fill_ids)
-            mem.tree_cache.cache_finished_req(req)
-        mem.clear()
-        return elapsed
+        return timed_prefill(runner, mem, args.batch_size, args.input_len)
 
     prefill()
     tokens = args.batch_size * args.input_len

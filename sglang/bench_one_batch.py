@@ -54,6 +54,22 @@ def run_step(runner: ModelRunner, mem: MemoryPools, batch: ScheduleBatch) -> Ste
     return runner.forward(forward_batch, sampling)
 
 
+def timed_prefill(runner: ModelRunner, mem: MemoryPools, batch_size: int, input_len: int) -> float:
+    """Seconds of one prefill of `batch_size` random prompts of `input_len` tokens (the forward and sampling); the
+    requests are then cached as finished and the memory cleared."""
+    reqs = make_reqs(batch_size, input_len, 2, runner.vocab_size)
+    batch = ScheduleBatch(reqs, is_decode=False)
+    batch.prepare_for_extend(mem)
+    start = time.perf_counter()
+    run_step(runner, mem, batch)
+    elapsed = time.perf_counter() - start
+    for req in reqs:
+        req.kv_committed_len = len(req.fill_ids)
+        mem.tree_cache.cache_finished_req(req)
+    mem.clear()
+    return elapsed
+
+
 def prefill_and_decode(runner: ModelRunner, mem: MemoryPools, batch_size: int, input_len: int,
                        decode_steps: int) -> tuple[float, list[float]]:
     """Prefill `batch_size` random prompts, then run `decode_steps` greedy decode steps; (prefill seconds, seconds

@@ -215,7 +215,7 @@ def test_small_batch_rows_per_cpu_class():
     """The quantized blocks (and the fused decode step) serve up to 64 rows whatever GEMM large batches run (the
     int8 fused step beats the AVX512 bf16 GEMM path up to there too), except on AMX CPUs, whose bf16 GEMM takes
     over above 32, and on CPUs whose widest FMAs are AVX2's, where the float32 blocks beat the float32 GEMM up to
-    512 rows; --gguf-kernel-max-rows overrides."""
+    2,048 rows; --gguf-kernel-max-rows overrides."""
     from sglang.srt.layers.arithmetic import resolve_small_batch_rows
 
     bf16 = choose_arithmetic("cpu", "auto", "auto", BF16_VNNI_FLAGS)
@@ -227,8 +227,8 @@ def test_small_batch_rows_per_cpu_class():
     for args in (("cpu", "auto", "auto", AVX2_FLAGS), ("cpu", "float32", "auto", AVX2_FLAGS),
                  ("cpu", "auto", "float32", AVX2_FLAGS)):
         avx2 = choose_arithmetic(*args)
-        assert avx2.large_batch_gemm == "float32" and avx2.small_batch_max_rows == 512, args
-    assert "up to 512 rows" in avx2.describe()
+        assert avx2.large_batch_gemm == "float32" and avx2.small_batch_max_rows == 2048, args
+    assert "up to 2048 rows" in avx2.describe()
     avx512f = AVX2_FLAGS + ["avx512f", "avx512bw", "avx512vl"]  # AVX512 FMAs but no bf16: the GEMM is twice as wide
     for args in (("cpu", "auto", "auto", avx512f), ("cpu", "auto", "float32", AMX_FLAGS),
                  ("cpu", "auto", "float32", BF16_VNNI_FLAGS), ("cpu", "float32", "auto", BF16_VNNI_FLAGS),

@@ -247,11 +247,12 @@ def choose_kv_cache_dtype(requested: str, plan: ArithmeticPlan, dtype: str = "au
 SMALL_BATCH_ROWS = 64
 AMX_SMALL_BATCH_ROWS = 32
 # Where large batches run float32 GEMMs on a CPU whose widest FMAs are AVX2's (no AVX512F), the blocks with float32
-# activations convert each row group once for many rows (gguf_dequant_gemm.h) and then beat the float32 GEMM up to
-# about 512 rows (benchmarks/RESULTS.md, 2026-11-25 late evening: decode steps of 96 and 128 sequences 1.3-1.56x
-# faster on the fused step; per call 1.05-1.7x up to 512 rows, a tie at 1,024; prefill of 4,096 rows 0-5% faster on
-# the GEMM).
-AVX2_SMALL_BATCH_ROWS = 512
+# activations convert each row group once for many rows (gguf_dequant_gemm.h) and beat the float32 GEMM up to about
+# 2,048 rows: decode steps of 96 and 128 sequences 1.3-1.56x faster on the fused step (benchmarks/RESULTS.md,
+# 2026-11-25 late evening); a prefill's 120 layer matmuls, each layer's weights read from memory as in a real
+# prefill, 1.16x at 1,024 rows and 1.06-1.22x at 2,048 but 0.8-1.0x at 3,072-4,096, and whole prefills of 520-1,950
+# tokens 1.08-1.18x (2026-11-26).
+AVX2_SMALL_BATCH_ROWS = 2048
 
 
 def small_batch_rows(plan: ArithmeticPlan, flags: frozenset[str] = frozenset(), activations: str = "float32") -> int:
