@@ -45,7 +45,7 @@ from typing import Optional, Union
 import torch
 
 from sglang.srt.mem_cache.kv_dtype import resolve_kv_cache_dtype
-from sglang.srt.model_loader.dtype import read_cpu_flags, resolve_dtype
+from sglang.srt.model_loader.dtype import dtype_name, read_cpu_flags, resolve_dtype
 
 CPU_GEMMS = ("auto", "float32", "bfloat16", "int8")
 GGUF_ACTIVATIONS = ("auto", "float32", "int8")
@@ -107,8 +107,8 @@ class ArithmeticPlan:
         return self.kv_cache_dtype or self.weight_dtype
 
     def describe(self) -> str:
-        dtype = str(self.weight_dtype).removeprefix("torch.")
-        kv = str(self.kv_dtype).removeprefix("torch.")
+        dtype = dtype_name(self.weight_dtype)
+        kv = dtype_name(self.kv_dtype)
         stored = (f"weights and KV cache {dtype}" if kv == dtype
                   else f"weights {dtype}, KV cache {kv} ({self.kv_cache_dtype_reason})")
         where = f"CPU class {self.cpu_class}" if self.cpu_class else self.device
@@ -121,8 +121,8 @@ class ArithmeticPlan:
     def to_dict(self) -> dict[str, Union[str, int]]:
         return {
             "cpu_class": self.cpu_class,
-            "weight_dtype": str(self.weight_dtype).removeprefix("torch."),
-            "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
+            "weight_dtype": dtype_name(self.weight_dtype),
+            "kv_cache_dtype": dtype_name(self.kv_dtype),
             "kv_cache_dtype_reason": self.kv_cache_dtype_reason,
             "large_batch_gemm": self.large_batch_gemm,
             "reason": self.reason,
@@ -210,7 +210,7 @@ def choose_prefill_attention(plan: ArithmeticPlan, flags: frozenset[str], machin
     if plan.cpu_class == "":
         return "float32", "accelerators run SDPA in the model dtype"
     if plan.kv_dtype != torch.bfloat16:
-        return "float32", f"K/V are {str(plan.kv_dtype).removeprefix('torch.')}"
+        return "float32", f"K/V are {dtype_name(plan.kv_dtype)}"
     if plan.large_batch_gemm == "float32" and requested == "auto":
         return "float32", "float32 GEMMs: float32 arithmetic"
     if machine.lower() not in ("x86_64", "amd64") or not BF16_DOT_FLAGS <= flags:
@@ -296,7 +296,7 @@ def _choose_gemm(
         raise ValueError(f"--cpu-gemm must be one of {CPU_GEMMS}, got {cpu_gemm!r}")
     if torch.device(device).type != "cpu":
         weight_dtype = resolve_dtype(dtype, device, config_dtype)
-        name = str(weight_dtype).removeprefix("torch.")
+        name = dtype_name(weight_dtype)
         return ArithmeticPlan(device, "", weight_dtype, name, f"--cpu-gemm does not apply on {device}")
     cls = cpu_class(cpu_flags, machine)
     explicit_dtype = not _automatic(dtype)
@@ -304,7 +304,7 @@ def _choose_gemm(
     # the large-batch GEMM is chosen separately below.
     weight_dtype = resolve_dtype(dtype, device, config_dtype) if explicit_dtype else torch.float32
     if weight_dtype != torch.float32:
-        name = str(weight_dtype).removeprefix("torch.")
+        name = dtype_name(weight_dtype)
         if cpu_gemm not in ("auto", name):
             raise ValueError(f"--cpu-gemm {cpu_gemm} needs float32 weights (--dtype auto or float32), "
                              f"got --dtype {dtype}")

@@ -36,10 +36,6 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype if name == "auto" else KV_CACHE_DTYPES[name]
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def to_kv_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`x` as stored in a `dtype` KV buffer: bf16 rounds to nearest even, fp8 clamps to its range first."""
     if x.dtype == dtype:

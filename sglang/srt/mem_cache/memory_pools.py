@@ -15,11 +15,11 @@ import torch
 
 from sglang.srt.mem_cache.allocator import TokenSlotAllocator
 from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
-from sglang.srt.mem_cache.kv_dtype import dtype_name
 from sglang.srt.mem_cache.kv_pool import KVPool
 from sglang.srt.mem_cache.no_prefix_cache import NoPrefixCache
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.mem_cache.req_to_token import ReqToTokenPool
+from sglang.srt.model_loader.dtype import dtype_name
 
 logger = logging.getLogger(__name__)
 

@@ -27,6 +27,7 @@ from sglang.srt.layers.linear import Linear
 from sglang.srt.layers.moe.fused_moe import FusedMoE
 from sglang.srt.mem_cache.kv_pool import KVPool
 from sglang.srt.model_executor.fused_cpu_decode import FusedCpuDecode, build_fused_decode, why_not_fused
+from sglang.srt.model_loader.dtype import dtype_name
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ def describe_linear_methods(model: nn.Module) -> str:
     parts = [f"{n} x {name}" for name, n in counts.most_common()]
     expert_layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
     if expert_layers:  # routers and experts are not Linear layers: they always compute densely in the model dtype
-        dtype = str(expert_layers[0].gate_up_proj.dtype).removeprefix("torch.")
+        dtype = dtype_name(expert_layers[0].gate_up_proj.dtype)
         parts.append(f"{len(expert_layers)} x {expert_layers[0].num_experts} stacked experts, dense {dtype}")
     if head is not None:
         parts.append(f"LM head {head.describe()}")
@@ -56,7 +57,7 @@ def describe_attention(attn_backend: AttentionBackend, device: torch.device) -> 
 
 def plan_decode(model: nn.Module, kv_pool: KVPool, attn_backend: AttentionBackend, max_rows: int,
                 device: torch.device) -> DecodePlan:
-    kv = str(kv_pool.dtype).removeprefix("torch.")
+    kv = dtype_name(kv_pool.dtype)
     layer_by_layer = (f"layer by layer (linears: {describe_linear_methods(model)}; "
                       f"attention: {describe_attention(attn_backend, device)}; KV cache {kv})")
     reason = (why_not_fused(model, kv_pool.k_buffer, kv_pool.v_buffer, max_rows) if device.type == "cpu"

@@ -63,6 +63,11 @@ def cpu_supports_bf16() -> bool:
     return _supports_bf16(read_cpu_flags(), platform.machine())
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """"float32" for torch.float32: how flags, logs and reports name a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
 def _as_dtype(value: Union[str, torch.dtype, None]) -> Optional[torch.dtype]:
     if value is None or isinstance(value, torch.dtype):
         return value
