@@ -21,6 +21,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from sglang.srt.model_loader.dtype import read_cpu_flags  # noqa: E402
+
 SOURCE = ROOT / "benchmarks" / "probes" / "int8_avx2_q4_1.cpp"
 HEADERS = ROOT / "sglang" / "srt" / "layers" / "quantization" / "csrc"
 SHAPES = {"gate_up": (3072, 576), "down": (576, 1536)}
@@ -31,7 +35,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64])
     parser.add_argument("--stream-rounds", type=int, default=3)
     args = parser.parse_args()
-    flags = Path("/proc/cpuinfo").read_text().split("flags\t\t: ", 1)[1].split("\n", 1)[0].split()
+    flags = read_cpu_flags()
     if "avx2" not in flags or "fma" not in flags or "f16c" not in flags:
         sys.exit("this probe needs AVX2, FMA and F16C")
     print("CPU flags:", " ".join(sorted(f for f in flags if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))))

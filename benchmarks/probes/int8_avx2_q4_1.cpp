@@ -78,7 +78,8 @@ __attribute__((noinline)) void rows_i8(const uint8_t* gp, int64_t nb, const int3
   for (int h = 0; h < NH; ++h) store_rows<MR>(out[h], y + (H0 + h) * kHalf, ldy, kHalf);
 }
 
-// y[M, 16 G] = x @ W.T with the int8 kernels: per half and 2 rows of x (halves = false), or both halves and 1 row.
+// y[M, 16 G] = x @ W.T with the int8 kernels: both halves against 1 row of x per pass (both_halves), or one half
+// against 2 rows.
 void matmul_i8(const std::vector<uint8_t>& packed, int64_t G, int64_t nb, int64_t M, int8::QuantizedInput in,
                float* y, int64_t ldy, bool both_halves) {
   const int64_t group_bytes = nb * Q41Layout::kBlockBytes;
@@ -118,9 +119,6 @@ double best_us(F&& f, int rounds) {
   }
   return best * 1e6;
 }
-
-}  // namespace
-
 
 // Random Q4_1 row groups for N x K weights: random nibbles, fp16 scales near 0.01 and minima near -0.08.
 std::vector<uint8_t> random_q4_1(int64_t N, int64_t K, std::mt19937& rng) {
@@ -186,6 +184,8 @@ int stream_main(int64_t N, int64_t K, int64_t M, int64_t L, int T) {
               t_float / t_int8);
   return 0;
 }
+
+}  // namespace
 
 int main(int argc, char** argv) {
   if (argc == 7 && std::string(argv[1]) == "stream" && std::atoll(argv[4]) <= int8::kTile) {
