@@ -40,20 +40,51 @@ def smollm2_hf(smollm2_dir):
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer) -> str:
-    """A one-layer random Llama with SmolLM2's tokenizer and a 256-token context: a server on it answers any
-    request in milliseconds (the API-level tests: fuzzing, authentication)."""
+def smollm2_server():
+    """The base URL of one SmolLM2 server with default arithmetic (metrics on, a 20,480-token KV pool), shared by
+    the modules whose tests need no server flags of their own: one start (~10 s on two cores) instead of one each.
+    Its tests must not depend on what earlier modules left in its prefix cache (flush first) or counters."""
+    from tests.server_fixtures import running_server
+
+    with running_server("--log-level", "warning", "--max-total-tokens", "20480", "--enable-metrics") as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def reference(smollm2_hf, smollm2_tokenizer):
+    """reference(prompts) -> transformers' greedy tokens for each prompt (tests/greedy_cases.py), each prompt
+    generated once per session: at ~2.7 s a prompt on two cores, several modules ask for the same ones."""
+    from tests.greedy_cases import transformers_greedy
+
+    cache: dict[str, list[int]] = {}
+
+    def greedy(prompts: list[str]) -> list[list[int]]:
+        for p in prompts:
+            if p not in cache:
+                cache[p] = transformers_greedy(smollm2_hf, smollm2_tokenizer, p)
+        return [cache[p] for p in prompts]
+
+    return greedy
+
+
+def save_tiny_llama(path, tokenizer, max_position_embeddings: int = 256) -> str:
+    """Save a one-layer random Llama with `tokenizer` (SmolLM2's) under `path`: a server on it answers any request
+    in milliseconds, for tests of the API and the scheduler rather than of the model's arithmetic."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    path = tmp_path_factory.mktemp("tiny-llama")
-    smollm2_tokenizer.save_pretrained(path)
+    tokenizer.save_pretrained(path)
     config = LlamaConfig(
-        vocab_size=len(smollm2_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-        eos_token_id=smollm2_tokenizer.eos_token_id, bos_token_id=smollm2_tokenizer.bos_token_id,
-        tie_word_embeddings=True,
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_position_embeddings,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=True,
     )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer) -> str:
+    """The tiny random Llama with a 256-token context (the API-level tests: fuzzing, authentication)."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_tokenizer)

@@ -8,7 +8,6 @@ import pytest
 
 from sglang import bench_serving as bs
 from sglang.test.test_utils import find_free_port
-from tests.server_fixtures import running_server
 
 
 # ---- datasets --------------------------------------------------------------------------------------------
@@ -148,9 +147,8 @@ def test_unreachable_server_fails_requests_without_crashing(smollm2_tokenizer):
 
 # ---- against a real server -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def base_url():
-    with running_server("--log-level", "warning", "--max-total-tokens", "20480") as url:
-        yield url
+def base_url(smollm2_server):
+    return smollm2_server
 
 
 def _read_lines(path):

@@ -7,21 +7,13 @@ from __future__ import annotations
 import pytest
 import requests
 from server_fixtures import running_server
-from test_engine_greedy import (  # noqa: F401
-    BF16_MARGIN,
-    GREEDY,
-    PROMPTS,
-    assert_same_or_near_tie,
-    generate_ids,
-    many_prompts,
-    reference,
-)
 
 from sglang import Engine
 from sglang.srt.layers import cpu_ops
 from sglang.srt.layers.arithmetic import BF16_DOT_FLAGS, VNNI_FLAGS
 from sglang.srt.model_loader.dtype import read_cpu_flags
 from tests.conftest import SMOLLM2
+from tests.greedy_cases import BF16_MARGIN, GREEDY, PROMPTS, assert_same_or_near_tie, generate_ids, many_prompts
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +24,7 @@ def bf16_engine():
     eng.shutdown()
 
 
-def test_bf16_prefill_then_quantized_decode_keeps_greedy_tokens(bf16_engine, reference, smollm2_hf,  # noqa: F811
-                                                                smollm2_tokenizer):
+def test_bf16_prefill_then_quantized_decode_keeps_greedy_tokens(bf16_engine, reference, smollm2_hf, smollm2_tokenizer):
     info = bf16_engine.get_server_info()
     assert info["arithmetic"]["weight_dtype"] == "float32"
     assert info["arithmetic"]["kv_cache_dtype"] == "float32"
@@ -76,7 +67,7 @@ def test_server_reports_plan():
     assert info["arithmetic"]["prefill_attention_reason"] == "--prefill-attention float32"
 
 
-def test_bf16_prefill_attention_keeps_greedy_tokens(reference, smollm2_hf, smollm2_tokenizer):  # noqa: F811
+def test_bf16_prefill_attention_keeps_greedy_tokens(reference, smollm2_hf, smollm2_tokenizer):
     """bf16 K/V with bf16 GEMMs: where the CPU has AVX512-BF16, prefill attention multiplies with bf16 dot products
     (the plan reports it); greedy tokens stay transformers' float32 choices up to near-ties, and a prompt that extends
     a cached one (its new tokens attend over cached bf16 K/V) gives the same output each time."""

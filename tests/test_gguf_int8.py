@@ -23,7 +23,6 @@ gguf = pytest.importorskip("gguf")
 from sglang.srt.layers.arithmetic import VNNI_FLAGS  # noqa: E402
 from sglang.srt.layers.quantization import gguf_blocks as gb  # noqa: E402
 from sglang.srt.model_loader.dtype import read_cpu_flags  # noqa: E402
-from tests.test_engine_greedy import reference  # noqa: E402,F401
 from tests.test_gguf_kernels import random_raw, reference_dequantize  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not gb.kernels_available(),
@@ -178,8 +177,8 @@ def int8_engine():
     eng.shutdown()
 
 
-def test_int8_activations_keep_smollm2_greedy_tokens(int8_engine, reference):  # noqa: F811
-    from tests.test_engine_greedy import PROMPTS
+def test_int8_activations_keep_smollm2_greedy_tokens(int8_engine, reference):
+    from tests.greedy_cases import PROMPTS
 
     info = int8_engine.get_server_info()
     assert info["arithmetic"]["gguf_activations"] == "int8"

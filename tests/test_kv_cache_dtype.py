@@ -18,7 +18,7 @@ from sglang.srt.model_executor import fused_cpu_decode as fused_decode
 from sglang.srt.model_executor.decode_strategy import plan_decode
 from sglang.srt.server_args import ServerArgs
 from tests.conftest import SMOLLM2
-from tests.test_engine_greedy import GREEDY, PROMPTS
+from tests.greedy_cases import GREEDY, PROMPTS
 
 needs_kernels = pytest.mark.skipif(not cpu_ops.available(), reason="no C++ toolchain for the CPU kernels")
 STORED = [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]

@@ -11,7 +11,6 @@ import pytest
 from sglang import assistant, function, gen, select, user
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 from sglang.test.test_utils import find_free_port
-from tests.server_fixtures import running_server
 
 LIMIT_S = 60  # generous for a loaded CPU; a hang would exceed it
 
@@ -28,9 +27,8 @@ def within(seconds: float, fn: Callable[[], Any]) -> Any:
 
 
 @pytest.fixture(scope="module")
-def endpoint():
-    with running_server() as base_url:
-        yield RuntimeEndpoint(base_url)
+def endpoint(smollm2_server):
+    return RuntimeEndpoint(smollm2_server)
 
 
 @function

@@ -28,14 +28,13 @@ IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 
 
 @pytest.fixture(scope="module")
-def backend():
-    with running_server() as base_url:
-        endpoint = RuntimeEndpoint(base_url)
-        set_default_backend(endpoint)
-        try:
-            yield endpoint
-        finally:
-            global_config.default_backend = None
+def backend(smollm2_server):
+    endpoint = RuntimeEndpoint(smollm2_server)
+    set_default_backend(endpoint)
+    try:
+        yield endpoint
+    finally:
+        global_config.default_backend = None
 
 
 def _roles(state) -> list[str]:

@@ -7,16 +7,14 @@ import pytest
 from sglang import assistant, function, gen, system, user
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 from sglang.lang.runner import extract_prefix_by_tracing
-from tests.server_fixtures import running_server
 
 # About 300 tokens of instructions shared by every branch.
 RULES = " ".join(f"Rule {i}: answer questions about topic number {i} briefly and kindly." for i in range(1, 24))
 
 
 @pytest.fixture(scope="module")
-def endpoint():
-    with running_server() as base_url:
-        yield RuntimeEndpoint(base_url)
+def endpoint(smollm2_server):
+    return RuntimeEndpoint(smollm2_server)
 
 
 def test_fork_of_four_reuses_the_prefix(endpoint, smollm2_tokenizer):

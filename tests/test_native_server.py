@@ -13,9 +13,8 @@ from tests.server_fixtures import running_server
 
 
 @pytest.fixture(scope="module")
-def base_url():
-    with running_server("--log-level", "warning", "--max-total-tokens", "20480", "--enable-metrics") as url:
-        yield url
+def base_url(smollm2_server):
+    return smollm2_server
 
 
 def test_generate_cell(base_url):

@@ -12,9 +12,8 @@ MODEL = SMOLLM2
 
 
 @pytest.fixture(scope="module")
-def base_url():
-    with running_server("--log-level", "warning", "--max-total-tokens", "20480") as url:
-        yield url
+def base_url(smollm2_server):
+    return smollm2_server
 
 
 @pytest.fixture(scope="module")

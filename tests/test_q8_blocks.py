@@ -18,7 +18,6 @@ from sglang.srt.layers.quantization.gguf_blocks import kernels_available  # noqa
 from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod  # noqa: E402
 from sglang.srt.model_executor import fused_cpu_decode  # noqa: E402
 from sglang.srt.model_loader.q8_blocks import attach_q8_0_blocks, quantize_q8_0, why_no_q8_0_blocks  # noqa: E402
-from tests.test_engine_greedy import reference  # noqa: E402,F401
 from tests.test_fused_decode import decode_run  # noqa: E402
 from tests.test_models import build_models, max_diff, prompt_of, tiny_config  # noqa: E402
 
@@ -81,11 +80,11 @@ def test_models_it_does_not_apply_to(tmp_path):
     assert attach_q8_0_blocks(f32, max_rows=0) == 0  # --gguf-kernel-max-rows 0
 
 
-def test_plain_smollm2_checkpoint_serves_with_q8_0_blocks(smollm2_dir, reference, smollm2_hf,  # noqa: F811
+def test_plain_smollm2_checkpoint_serves_with_q8_0_blocks(smollm2_dir, reference, smollm2_hf,
                                                           smollm2_tokenizer):
     """SmolLM2 from its plain safetensors directory (no GGUF file), Q8_0 blocks forced so that any CPU runs them."""
     from sglang import Engine
-    from tests.test_engine_greedy import BF16_MARGIN, GREEDY, PROMPTS, assert_same_or_near_tie
+    from tests.greedy_cases import BF16_MARGIN, GREEDY, PROMPTS, assert_same_or_near_tie
 
     with Engine(model_path=str(smollm2_dir), small_batch_quantization="q8_0") as engine:
         info = engine.get_server_info()

@@ -1,6 +1,8 @@
 """Load and disconnects: 1,000 mixed requests at 128 concurrency on a KV pool small enough to force retraction
 give the unloaded greedy outputs, and 200 clients that hang up mid-stream are all aborted; afterwards no KV,
-thread, file descriptor or process is left over."""
+thread, file descriptor or process is left over. The server runs a tiny random Llama with SmolLM2's tokenizer:
+what is under test is the scheduler's bookkeeping (retraction, aborts, grammars), not the model's arithmetic, and
+on it the thousand requests take seconds instead of minutes (test_engine_greedy retracts SmolLM2 itself)."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import psutil
 import pytest
 import requests
 
-from sglang.test.test_utils import DEFAULT_SMALL_MODEL_NAME_FOR_TEST, find_free_port, popen_launch_server
+from sglang.test.test_utils import find_free_port, popen_launch_server
 from sglang.utils import terminate_process
+from tests.conftest import save_tiny_llama
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly box jolly frogs".split()
 REGEX = r"[a-z]+( [a-z]+){2,5}\."
@@ -35,10 +38,11 @@ def _prompts() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, smollm2_tokenizer):
+    model = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-4k"), smollm2_tokenizer, max_position_embeddings=4096)
     url = f"http://127.0.0.1:{find_free_port()}"
     log = str(tmp_path_factory.mktemp("load") / "server.log")
-    proc = popen_launch_server(DEFAULT_SMALL_MODEL_NAME_FOR_TEST, url, log_path=log, other_args=[
+    proc = popen_launch_server(model, url, log_path=log, other_args=[
         "--dtype", "float32", "--cpu-gemm", "float32", "--max-total-tokens", "1500", "--max-running-requests", "128",
         "--log-level", "warning"])
     try:

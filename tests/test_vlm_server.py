@@ -251,12 +251,12 @@ def test_options_that_would_read_image_tokens_as_text_are_400s(vlm, extra, messa
     assert response.status_code == 400 and message in response.text
 
 
-def test_text_only_model_refuses_images():
-    with running_server() as url:
-        response = generate(url, "Hello", data_uri(noise_image(56, 56, seed=16)))
-        assert response.status_code == 400
-        assert "does not accept images" in response.text
-        client = openai.Client(base_url=url + "/v1", api_key="none")
-        with pytest.raises(openai.BadRequestError, match="image_url"):
-            client.chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": data_uri(noise_image(56, 56, seed=16))}}]}])
+def test_text_only_model_refuses_images(smollm2_server):
+    url = smollm2_server
+    response = generate(url, "Hello", data_uri(noise_image(56, 56, seed=16)))
+    assert response.status_code == 400
+    assert "does not accept images" in response.text
+    client = openai.Client(base_url=url + "/v1", api_key="none")
+    with pytest.raises(openai.BadRequestError, match="image_url"):
+        client.chat.completions.create(model="m", max_tokens=2, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_uri(noise_image(56, 56, seed=16))}}]}])
