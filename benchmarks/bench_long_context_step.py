@@ -87,8 +87,8 @@ def main() -> None:
     def report(variant: tuple[str, str], mem, bs: int, context: int, times: list[float]) -> None:
         kv, layout = variant
         pool = mem.kv_pool
-        kv_mb = (2 * bs * context * pool.num_layers * pool.num_kv_heads * pool.head_dim
-                 * torch.empty((), dtype=pool.dtype).element_size() / 1e6)
+        kv_mb = bs * context * KVPool.bytes_per_token(pool.num_layers, pool.num_kv_heads, pool.head_dim,
+                                                      pool.dtype) / 1e6
         print(json.dumps({"dtype": args.dtype, "kv_cache_dtype": kv, "kv_layout": layout, "batch_size": bs,
                           "context": context, "threads": torch.get_num_threads(), "steps": len(times),
                           "best_step_ms": round(1000 * min(times), 2),
