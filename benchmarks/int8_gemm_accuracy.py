@@ -4,18 +4,23 @@
 (the greedy tests' prompts), then recomputes the logits of every generated position with the decoder's linear
 layers replaced by: bf16 weights and inputs; int8 weights alone (per output channel, dequantized); int8 weights
 and per-token int8 activations (`torch._int_mm` arithmetic, as Int8LinearMethod); the same except some layers;
-and int8 with two activation terms (value + rounding remainder). It prints how many top-1 choices change and the
-largest change of the float32 choice's log-probability.
+int8 with two activation terms (value + rounding remainder); and int8 with the input columns of largest magnitude
+kept out of the int8 product (layers/int8_linear.py, `--cpu-gemm int8`). It prints how many top-1 choices change,
+the largest change of the float32 choice's log-probability and, for each changed choice, how far float32 had
+preferred its own token (a near-tie is a small gap). The second table applies each arithmetic to the prompt's
+positions only, as the engine does (prefill on the large-batch GEMM, decode steps on the quantized blocks).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from sglang.srt.layers.int8_linear import Int8LinearMethod
 from sglang.srt.model_loader.resolve import resolve_model_path
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea:", "def fibonacci(n):",
@@ -56,6 +61,14 @@ def int8_weights_only(layer: torch.nn.Linear) -> Callable[[torch.Tensor], torch.
     return lambda x: F.linear(x, w)
 
 
+def int8_kept_apart(outlier_dtype: torch.dtype) -> Callable[[torch.nn.Linear], Callable]:
+    def make(layer: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+        method = Int8LinearMethod(layer.weight.detach(), outlier_dtype)
+        return lambda x: method.apply(layer.weight, x, None)
+
+    return make
+
+
 def reference_model() -> tuple[torch.nn.Module, list[tuple[int, torch.Tensor]]]:
     """float32 SmolLM2 and, per prompt, (prompt length, prompt + 32 greedy tokens)."""
     model_dir = resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -71,21 +84,42 @@ def reference_model() -> tuple[torch.nn.Module, list[tuple[int, torch.Tensor]]]:
     return model, sequences
 
 
-def teacher_forced_logprobs(model: torch.nn.Module, sequences: list[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
-    """Next-token log-probabilities at every generated position of each sequence."""
+def teacher_forced_logprobs(model: torch.nn.Module, sequences: list[tuple[int, torch.Tensor]],
+                            prompt_mask: Optional[dict] = None) -> list[torch.Tensor]:
+    """Next-token log-probabilities at every generated position of each sequence. With `prompt_mask` (a dict the
+    replaced layers read), only the prompt's positions take the replaced arithmetic."""
+    out = []
     with torch.no_grad():
-        return [model(s[None]).logits[0, n - 1 : -1].float().log_softmax(-1) for n, s in sequences]
+        for n, s in sequences:
+            if prompt_mask is not None:
+                prompt_mask["mask"] = torch.arange(len(s)) < n
+            out.append(model(s[None]).logits[0, n - 1 : -1].float().log_softmax(-1))
+    return out
 
 
 def compare(base: list[torch.Tensor], other: list[torch.Tensor]) -> str:
-    """How many top-1 choices of `base` changed in `other`, and the largest change of the chosen log-probability."""
+    """How many top-1 choices of `base` changed in `other`, the largest change of the chosen log-probability, and
+    float32's own margin at each changed choice."""
     changed = total = 0
     worst = 0.0
+    gaps = []
     for b, g in zip(base, other):
         total += b.shape[0]
-        changed += int((b.argmax(-1) != g.argmax(-1)).sum())
-        worst = max(worst, float((b - g).gather(-1, b.argmax(-1, keepdim=True)).abs().max()))
-    return f"top-1 changed {changed}/{total}, max |d logp(float32 choice)| {worst:.3f}"
+        top, ours = b.argmax(-1), g.argmax(-1)
+        for i in (top != ours).nonzero().flatten().tolist():
+            gaps.append(float(b[i, top[i]] - b[i, ours[i]]))
+        changed += int((top != ours).sum())
+        worst = max(worst, float((b - g).gather(-1, top[:, None]).abs().max()))
+    margins = ", ".join(f"{m:.3f}" for m in sorted(gaps))
+    return f"top-1 changed {changed}/{total}, max |d logp(float32 choice)| {worst:.3f}; float32 margins [{margins}]"
+
+
+def on_prompt_only(original: Callable, replaced: Callable, prompt_mask: dict) -> Callable:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        exact = original(x)
+        return torch.where(prompt_mask["mask"].view(1, -1, 1), replaced(x).to(exact.dtype), exact)
+
+    return forward
 
 
 def main() -> None:
@@ -100,12 +134,21 @@ def main() -> None:
         "same, down_proj in bf16": lambda n: bf16 if "down" in n else int8,
         "same, o_proj and down_proj in bf16": lambda n: bf16 if ("down" in n or "o_proj" in n) else int8,
         "int8, two activation terms": lambda n: (lambda layer: int8(layer, terms=2)),
+        "int8, 64 largest columns apart (float32)": lambda n: int8_kept_apart(torch.float32),
+        "int8, 64 largest columns apart (bf16)": lambda n: int8_kept_apart(torch.bfloat16),
     }
-    for name, choose in variants.items():
-        for n, m in layers.items():
-            make = choose(n)
-            m.forward = make(m) if make else original[n]
-        print(f"{name:40s} {compare(base, teacher_forced_logprobs(model, sequences))}", flush=True)
+    prompt_only = ["bf16 everywhere", "int8 weights + per-token activations", "int8, 64 largest columns apart (float32)",
+                   "int8, 64 largest columns apart (bf16)"]
+    mask: dict = {}
+    for only_prompt, names in ((False, list(variants)), (True, prompt_only)):
+        print("prompt positions only (as a prefill)" if only_prompt else "every position", flush=True)
+        for name in names:
+            for n, m in layers.items():
+                make = variants[name](n)
+                replaced = make(m) if make else original[n]
+                m.forward = on_prompt_only(original[n], replaced, mask) if only_prompt else replaced
+            result = compare(base, teacher_forced_logprobs(model, sequences, mask if only_prompt else None))
+            print(f"  {name:42s} {result}", flush=True)
 
 
 if __name__ == "__main__":

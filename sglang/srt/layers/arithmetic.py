@@ -64,6 +64,7 @@ ARM_BF16 = "arm-bf16"
 OTHER = "other"
 
 _GEMM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+NATIVE_BF16_CLASSES = (AMX, AVX512_BF16, ARM_BF16)
 
 
 def cpu_class(flags: Iterable[str], machine: str = "x86_64") -> str:
@@ -313,7 +314,7 @@ def _choose_gemm(
         return ArithmeticPlan(device, cls, weight_dtype, cpu_gemm, f"--cpu-gemm {cpu_gemm}")
     if explicit_dtype:
         return ArithmeticPlan(device, cls, weight_dtype, "float32", f"--dtype {dtype}")
-    if cls in (AMX, AVX512_BF16, ARM_BF16):
+    if cls in NATIVE_BF16_CLASSES:
         return ArithmeticPlan(device, cls, weight_dtype, "bfloat16", "the CPU has native bf16 dot products")
     if cls == AVX2:
         return ArithmeticPlan(device, cls, weight_dtype, "float32",
@@ -322,6 +323,12 @@ def _choose_gemm(
     if fastest is not None:
         return ArithmeticPlan(device, cls, weight_dtype, fastest, "fastest in a startup measurement")
     return ArithmeticPlan(device, cls, weight_dtype, "float32", "unclassified CPU, nothing measured")
+
+
+def int8_outlier_dtype(flags: Iterable[str], machine: str = "x86_64") -> torch.dtype:
+    """What the int8 GEMM multiplies its largest input columns in (layers/int8_linear.py): bf16 where the CPU has
+    native bf16 dot products, float32 elsewhere."""
+    return torch.bfloat16 if cpu_class(flags, machine) in NATIVE_BF16_CLASSES else torch.float32
 
 
 def measure_cpu_gemms(rows: int = 256, k: int = 576, n: int = 1536, repeats: int = 3) -> dict[str, float]:

@@ -14,6 +14,8 @@
 - `store_kv` writes a layer's new K/V rows into the pool, converted, in one pass.
 - `argmax_rows` is torch.argmax over the last dimension in one vectorized pass (aten's takes ~60 us for a
   49k-token vocabulary row, single-threaded or not; greedy decoding runs it for every sequence of every step).
+- `int8_split_quantize` / `int8_rescale_add` quantize the int8 GEMM's activations per token with the largest columns
+  kept apart, and scale its int32 product back, each in one pass (layers/int8_linear.py).
 
 All take float32 CPU tensors (silu_and_mul also bf16, the norms' x also bf16). When no C++ toolchain is available (or
 SGLANG_DISABLE_CPU_OPS=1) `available()` is False and callers keep their torch implementations.
@@ -22,6 +24,7 @@ SGLANG_DISABLE_CPU_OPS=1) `available()` is False and callers keep their torch im
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -32,7 +35,8 @@ CSRC = Path(__file__).resolve().parent / "csrc"
 _EXTENSION = CpuExtension("sglang_cpu_ops", CSRC / "cpu_ops.cpp", "CPU decode kernels", DISABLE_ENV,
                           headers=[CSRC / "cpu_kernels.h", CSRC / "kv_types.h", CSRC / "kv_layout.h",
                                    CSRC / "decode_attention.h", CSRC / "decode_attention_avx512.h",
-                                   CSRC / "extend_attention.h", CSRC / "extend_attention_bf16.h"])
+                                   CSRC / "extend_attention.h", CSRC / "extend_attention_bf16.h",
+                                   CSRC / "int8_rows.h"])
 
 
 def available() -> bool:
@@ -112,6 +116,18 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x [M, V] float32 -> int64 [M], the index of each row's largest value, exactly as torch.argmax(x, -1) (the
     first of equal maxima; the first NaN where a row has one)."""
     return _EXTENSION.module().argmax_rows(x)
+
+
+def int8_split_quantize(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 -> (int8 [M, K] with the k largest columns zero, scale [M], those columns [k] int64
+    ascending, x's values there [M, k]): layers/int8_linear.split_quantize."""
+    return _EXTENSION.module().int8_split_quantize(x, k)
+
+
+def int8_rescale_add(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
+                     add: Optional[torch.Tensor]) -> torch.Tensor:
+    """int32 acc [M, N] * x_scale [M] * w_scale [N] (+ add [M, N], float32 or bf16) -> float32 [M, N]."""
+    return _EXTENSION.module().int8_rescale_add(acc, x_scale, w_scale, add)
 
 
 def _bf16_out(out_dtype: torch.dtype) -> bool:

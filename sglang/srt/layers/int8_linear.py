@@ -1,9 +1,19 @@
-"""The int8 linear method: weights quantized per output channel, activations per token at run time.
+"""The int8 linear method: weights quantized per output channel, activations per token at run time, with the
+activation columns of largest magnitude kept out of the int8 product.
 
-`torch._int_mm` multiplies int8 by int8 into int32 (VNNI / AMX on CPUs that have them); the result is scaled
-back by the token's and the channel's scales into float32. Selected only with `--cpu-gemm int8` (see
-layers/arithmetic.py): it changes the logits by more than bf16 does (tests/test_cpu_arithmetic.py states the
-tolerance).
+`torch._int_mm` multiplies int8 by int8 into int32 (VNNI / AMX on CPUs that have them); the result is scaled back
+by the token's and the channel's scales into float32. A few channels of a decoder's activations carry values tens of
+times larger than the rest (SmolLM2's do), so one scale per token rounds every other channel to a few int8 steps:
+per-token int8 alone changed 60 of 510 teacher-forced greedy choices of SmolLM2 (benchmarks/int8_gemm_accuracy.py).
+So each call takes the `outlier_columns(K)` input columns with the largest absolute values in the batch out of the
+int8 product and multiplies them separately, in float32 (or in bf16 on a CPU with native bf16), against the same
+columns of the float weight, as LLM.int8() does: with 64 such columns the changed choices fall to a few near-ties,
+no more than bf16 GEMMs move (benchmarks/RESULTS.md, 2026-11-26 evening). Selected only with `--cpu-gemm int8`
+(see layers/arithmetic.py); tests/test_cpu_arithmetic*.py state its tolerance.
+
+The quantization (column maxima, choice of the columns, per-token scales) and the rescaling of the int32 product
+run as compiled kernels (csrc/int8_rows.h) where the CPU extension is built, in torch otherwise, with the same
+results bit for bit.
 """
 
 from __future__ import annotations
@@ -12,32 +22,76 @@ from typing import Optional
 
 import torch
 
+from sglang.srt.layers import cpu_ops
 from sglang.srt.layers.linear import LinearMethod
+
+# How many input columns stay out of the int8 product: 64 for SmolLM2's 576 and 1536 (measured), at most 1/8 of K.
+MAX_OUTLIER_COLUMNS = 64
+
+
+def outlier_columns(k: int) -> int:
+    return min(MAX_OUTLIER_COLUMNS, k // 8)
 
 
 def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per row: (int8 values, float32 scale per row)."""
+    """Symmetric int8 per row: (int8 values, float32 scale per row [rows, 1])."""
     scale = t.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) / 127.0
     return torch.round(t / scale).clamp_(-127, 127).to(torch.int8), scale.float()
 
 
+def split_quantize(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 -> (xq [M, K] int8 with the outlier columns zero, scale [M, 1] float32, the outlier columns
+    [k] int64 in ascending order, x's values there [M, k] float32). The columns are the k with the largest absolute
+    value anywhere in x (the lower index first among equal values)."""
+    if k and cpu_ops.available():
+        xq, scale, cols, xo = cpu_ops.int8_split_quantize(x, k)
+        return xq, scale.view(-1, 1), cols, xo
+    return split_quantize_reference(x, k)
+
+
+def split_quantize_reference(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                   torch.Tensor]:
+    """`split_quantize` in torch."""
+    colmax = x.abs().amax(dim=0)
+    # the k largest, the lower index first among equal values (a stable sort of the negated maxima)
+    cols = torch.sort(-colmax, stable=True).indices[:k].sort().values
+    xo = x.index_select(1, cols)
+    xq, scale = quantize_rows(x.index_fill(1, cols, 0.0))
+    return xq, scale, cols, xo
+
+
+def rescale_add(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
+                outliers: Optional[torch.Tensor]) -> torch.Tensor:
+    """float32 acc [M, N] * x_scale [M, 1] * w_scale [1, N] (+ outliers [M, N], float32 or bf16)."""
+    if cpu_ops.available():
+        return cpu_ops.int8_rescale_add(acc, x_scale.view(-1), w_scale.view(-1), outliers)
+    out = acc.float().mul_(x_scale).mul_(w_scale)
+    return out if outliers is None else out.add_(outliers.float())
+
+
 class Int8LinearMethod(LinearMethod):
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, outlier_dtype: torch.dtype = torch.float32) -> None:
         q, scale = quantize_rows(weight.detach().float())
         self.weight_t = q.t().contiguous()  # [K, N], the layout _int_mm takes
         self.weight_scale = scale.view(1, -1)
         self.out_dtype = weight.dtype
+        self.outlier_dtype = outlier_dtype
+        self.outliers = outlier_columns(weight.shape[1])
 
     def apply(self, weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).float()
-        xq, xs = quantize_rows(x2)
+        x2 = x.reshape(-1, shape[-1]).float().contiguous()
+        xq, xs, cols, xo = split_quantize(x2, self.outliers)
         if xq.shape[0] <= 16:  # _int_mm wants more than 16 rows; pad small inputs
             pad = torch.zeros(17 - xq.shape[0], xq.shape[1], dtype=torch.int8)
             acc = torch._int_mm(torch.cat([xq, pad]), self.weight_t)[: xq.shape[0]]
         else:
             acc = torch._int_mm(xq, self.weight_t)
-        out = acc.float().mul_(xs).mul_(self.weight_scale).to(self.out_dtype)
+        outliers = None
+        if self.outliers:
+            w_cols = weight.index_select(1, cols).to(self.outlier_dtype)
+            outliers = torch.mm(xo.to(self.outlier_dtype), w_cols.t())
+        out = rescale_add(acc, xs, self.weight_scale, outliers).to(self.out_dtype)
         if bias is not None:
             out.add_(bias)
         return out.view(*shape[:-1], out.shape[-1])
@@ -47,4 +101,5 @@ class Int8LinearMethod(LinearMethod):
         return self.weight_t.numel() + self.weight_scale.numel() * 4
 
     def describe(self) -> str:
-        return "int8 GEMM (per-token activation scales)"
+        return (f"int8 GEMM (per-token activation scales, the {self.outliers} largest input columns in "
+                f"{'bf16' if self.outlier_dtype == torch.bfloat16 else 'float32'})")

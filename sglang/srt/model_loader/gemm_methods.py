@@ -28,9 +28,14 @@ def _method_factory(gemm: str) -> Callable[[torch.Tensor], LinearMethod]:
     if gemm == "bfloat16":
         return BF16LinearMethod
     if gemm == "int8":
-        from sglang.srt.layers.int8_linear import Int8LinearMethod
+        import platform
 
-        return Int8LinearMethod
+        from sglang.srt.layers.arithmetic import int8_outlier_dtype
+        from sglang.srt.layers.int8_linear import Int8LinearMethod
+        from sglang.srt.model_loader.dtype import read_cpu_flags
+
+        outlier_dtype = int8_outlier_dtype(read_cpu_flags(), platform.machine())
+        return lambda weight: Int8LinearMethod(weight, outlier_dtype)
     raise ValueError(f"no large-batch linear method for GEMM {gemm!r}")
 
 

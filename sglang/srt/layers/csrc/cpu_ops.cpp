@@ -17,6 +17,7 @@
 #include "decode_attention.h"
 #include "extend_attention.h"
 #include "extend_attention_bf16.h"
+#include "int8_rows.h"
 #include "kv_layout.h"
 
 using cpu_kernels::rms_norm_rows;
@@ -399,6 +400,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows, written as float32 or bf16");
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
         "residual += x (float32 or bf16), then RMSNorm of residual, written as float32 or bf16");
+  m.def("int8_split_quantize", &int8_split_quantize,
+        "Per-token int8 of a float32 matrix, its k largest columns kept apart in float32");
+  m.def("int8_rescale_add", &int8_rescale_add, "An int32 product scaled per row and column, plus a matrix");
   m.def("store_kv", &store_kv, "Store float32 k/v rows at KV slots, converted to the cache dtype");
   m.def("set_decode_attention_avx512", &cpu_kernels::set_decode_attention_avx512,
         "turn the AVX512 path of bf16 decode attention on (where the CPU has it) or off; returns whether it was on",

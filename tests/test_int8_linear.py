@@ -1,0 +1,97 @@
+"""The int8 GEMM method (layers/int8_linear.py): its compiled quantizer and rescaling against their torch versions,
+bit for bit, and what keeping the largest input columns out of the int8 product buys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sglang.srt.layers import cpu_ops
+from sglang.srt.layers import int8_linear as L
+
+needs_kernels = pytest.mark.skipif(not cpu_ops.available(), reason="CPU extension not built")
+
+
+def _activations(rows: int, k: int, seed: int) -> torch.Tensor:
+    torch.manual_seed(seed)
+    x = torch.randn(rows, k)
+    x[:, 3] *= 60  # a channel of massive activations, as decoders have
+    x[rows // 2, k - 1] = -200.0  # and one outlier value alone
+    return x
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows, k, outliers", [(1, 64, 8), (17, 96, 12), (130, 576, 64), (40, 1536, 64), (5, 32, 0)])
+def test_split_quantize_kernel_matches_torch(rows, k, outliers):
+    x = _activations(rows, k, rows + k)
+    xq, scale, cols, xo = cpu_ops.int8_split_quantize(x, outliers)
+    rq, rscale, rcols, rxo = L.split_quantize_reference(x, outliers)
+    assert torch.equal(cols, rcols) and torch.equal(xo, rxo)
+    assert torch.equal(xq, rq) and torch.equal(scale, rscale.view(-1))
+    if outliers:
+        assert 3 in cols.tolist() and k - 1 in cols.tolist()
+        assert (xq[:, cols] == 0).all()
+
+
+@needs_kernels
+def test_split_quantize_rounds_and_breaks_ties_as_torch():
+    # halves round to even (torch.round), and among equal column maxima the lower index is an outlier first
+    x = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, 3.5, 100.5, 9.0, 9.0, 9.0, 1.0]])
+    for k in (0, 1, 2, 3):
+        got, ref = cpu_ops.int8_split_quantize(x, k), L.split_quantize_reference(x, k)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[2], ref[2]), k
+    assert cpu_ops.int8_split_quantize(x, 0)[0].tolist() == [[127, 0, 2, 2, 0, -2, 4, 100, 9, 9, 9, 1]]
+    assert cpu_ops.int8_split_quantize(x[:, 8:], 2)[2].tolist() == [0, 1]
+
+
+@needs_kernels
+@pytest.mark.parametrize("add_dtype", [None, torch.float32, torch.bfloat16])
+def test_rescale_add_kernel_matches_torch(add_dtype):
+    torch.manual_seed(1)
+    acc = torch.randint(-2**20, 2**20, (33, 70), dtype=torch.int32)
+    xs, ws = torch.rand(33, 1), torch.rand(1, 70)
+    add = None if add_dtype is None else torch.randn(33, 70).to(add_dtype)
+    expected = acc.float().mul_(xs).mul_(ws)
+    if add is not None:
+        expected.add_(add.float())
+    assert torch.equal(cpu_ops.int8_rescale_add(acc, xs.view(-1), ws.view(-1), add), expected)
+
+
+@pytest.mark.parametrize("outlier_dtype", [torch.float32, torch.bfloat16])
+def test_outlier_columns_keep_the_product_close(monkeypatch, outlier_dtype):
+    """With a channel 60x larger than the rest, one int8 scale per token leaves the other channels a few steps;
+    keeping the largest columns apart brings the error down several-fold. The torch fallback gives the kernels'
+    result."""
+    torch.manual_seed(2)
+    weight = torch.randn(96, 576) / 24
+    x = _activations(40, 576, 3)
+    expected = F.linear(x, weight)
+    method = L.Int8LinearMethod(weight, outlier_dtype)
+    assert method.outliers == 64 and "64 largest input columns" in method.describe()
+    kept = (method.apply(weight, x, None) - expected).abs().max().item()
+    monkeypatch.setattr(L, "MAX_OUTLIER_COLUMNS", 0)
+    alone = (L.Int8LinearMethod(weight).apply(weight, x, None) - expected).abs().max().item()
+    assert kept * 4 < alone, (kept, alone)
+    assert kept < 0.01 * expected.abs().max().item()
+    monkeypatch.setattr(L, "MAX_OUTLIER_COLUMNS", 64)
+    if cpu_ops.available():
+        compiled = method.apply(weight, x, None)
+        monkeypatch.setattr(cpu_ops, "available", lambda: False)
+        assert torch.equal(method.apply(weight, x, None), compiled)
+
+
+def test_outlier_column_count():
+    assert L.outlier_columns(576) == 64 and L.outlier_columns(1536) == 64
+    assert L.outlier_columns(64) == 8 and L.outlier_columns(7) == 0
+
+
+def test_outliers_multiply_in_bf16_where_the_cpu_has_it():
+    from sglang.srt.layers.arithmetic import int8_outlier_dtype
+
+    avx2 = "fpu avx fma avx2".split()
+    assert int8_outlier_dtype(avx2) == torch.float32
+    assert int8_outlier_dtype(avx2 + "avx512f avx512bw avx512vl avx512_vnni avx512_bf16".split()) == torch.bfloat16
+    assert int8_outlier_dtype(avx2 + "avx512f avx512_bf16 amx_tile amx_bf16 amx_int8".split()) == torch.bfloat16
+    assert int8_outlier_dtype(["asimd", "bf16"], "aarch64") == torch.bfloat16
+    assert int8_outlier_dtype(["asimd"], "aarch64") == torch.float32
