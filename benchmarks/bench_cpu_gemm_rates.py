@@ -6,8 +6,8 @@ as set (2 on the development machine; `--threads N` sets it, e.g. 1 and 2 to see
 converts a float32 input and the output as the bf16 linear method does. The last two columns are the engine's two
 reduced-precision large-batch methods from a float32 input to a float32 output: "bf16 method" (layers/bf16_linear.py,
 `--cpu-gemm bfloat16`, the default on CPUs with native bf16) and "int8 method" (layers/int8_linear.py, `--cpu-gemm
-int8`: per-token quantization with the 64 largest input columns multiplied apart, `_int_mm`, rescaling), each at the
-rate of the same GEMM's FLOPs.
+int8`: per-token quantization with the 64 largest input columns multiplied apart, `_int_mm` or, on CPUs without
+integer dot products, its exact float32 form, rescaling), each at the rate of the same GEMM's FLOPs.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from sglang.srt.layers.arithmetic import int8_outlier_dtype
+from sglang.srt.layers.arithmetic import int8_matmul_native, int8_outlier_dtype
 from sglang.srt.layers.bf16_linear import BF16LinearMethod
 from sglang.srt.layers.int8_linear import Int8LinearMethod
 from sglang.srt.model_loader.dtype import read_cpu_flags
@@ -43,8 +43,10 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    outlier_dtype = int8_outlier_dtype(read_cpu_flags(), platform.machine())
-    print(f"threads {torch.get_num_threads()}; int8 method's outlier columns in {outlier_dtype}")
+    flags, machine = read_cpu_flags(), platform.machine()
+    outlier_dtype, native = int8_outlier_dtype(flags, machine), int8_matmul_native(flags, machine)
+    print(f"threads {torch.get_num_threads()}; int8 method: outlier columns in {outlier_dtype}, "
+          f"{'torch._int_mm' if native else 'exact float32 GEMMs'}")
     for rows in (64, 256, 512, 1024):
         for k, n in SHAPES:
             x, w = torch.randn(rows, k), torch.randn(n, k)
@@ -52,7 +54,7 @@ def main() -> None:
             xq = torch.randint(-127, 127, (rows, k), dtype=torch.int8)
             wq = torch.randint(-127, 127, (k, n), dtype=torch.int8)
             flops = 2 * rows * k * n
-            bf16_method, int8_method = BF16LinearMethod(w), Int8LinearMethod(w, outlier_dtype)
+            bf16_method, int8_method = BF16LinearMethod(w), Int8LinearMethod(w, outlier_dtype, native)
             print(f"M={rows} K={k} N={n}: float32 {rate(lambda: F.linear(x, w), flops):.0f}  "
                   f"bf16 {rate(lambda: F.linear(xb, wb), flops):.0f}  "
                   f"bf16+casts {rate(lambda: F.linear(x.bfloat16(), wb).float(), flops):.0f}  "

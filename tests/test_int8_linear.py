@@ -95,3 +95,38 @@ def test_outliers_multiply_in_bf16_where_the_cpu_has_it():
     assert int8_outlier_dtype(avx2 + "avx512f avx512_bf16 amx_tile amx_bf16 amx_int8".split()) == torch.bfloat16
     assert int8_outlier_dtype(["asimd", "bf16"], "aarch64") == torch.bfloat16
     assert int8_outlier_dtype(["asimd"], "aarch64") == torch.float32
+
+
+@pytest.mark.parametrize("rows, k, n", [(1, 64, 24), (20, 1024, 40), (33, 1536, 16), (17, 2500, 8)])
+def test_int8_matmul_in_float32_is_exact(rows, k, n):
+    """The float32 form of the int8 product equals torch._int_mm, at the extremes too (every product 127 * 127 or
+    -127 * 127 over K up to 2,500: sums beyond 2^24, which one float32 GEMM over all of K would round)."""
+    torch.manual_seed(k)
+    xq = torch.randint(-127, 128, (rows, k), dtype=torch.int8)
+    wq = torch.randint(-127, 128, (k, n), dtype=torch.int8)
+    assert torch.equal(L.int8_matmul(xq, wq, native=False), L.int8_matmul(xq, wq, native=True))
+    full = torch.full((rows, k), 127, dtype=torch.int8)
+    signs = torch.where(torch.arange(n) % 2 == 0, 127, -127).to(torch.int8).expand(k, n).contiguous()
+    exact = L.int8_matmul(full, signs, native=False)
+    assert torch.equal(exact, L.int8_matmul(full, signs, native=True))
+    assert exact[0, 0].item() == 127 * 127 * k
+
+
+def test_int8_method_float32_form_gives_the_same_output():
+    torch.manual_seed(4)
+    weight = torch.randn(96, 1536) / 40
+    x = _activations(30, 1536, 5)
+    native, emulated = L.Int8LinearMethod(weight), L.Int8LinearMethod(weight, native=False)
+    assert "exact float32 GEMMs" in emulated.describe() and "float32 GEMMs" not in native.describe()
+    assert torch.equal(native.apply(weight, x, None), emulated.apply(weight, x, None))
+
+
+def test_int8_matmul_native_where_the_cpu_has_integer_dot_products():
+    from sglang.srt.layers.arithmetic import int8_matmul_native
+
+    avx2 = "fpu avx fma avx2".split()
+    assert not int8_matmul_native(avx2)
+    assert int8_matmul_native(avx2 + ["avx_vnni"])
+    assert int8_matmul_native(avx2 + "avx512f avx512bw avx512vl avx512_vnni".split())
+    assert int8_matmul_native(avx2 + ["amx_int8"])
+    assert int8_matmul_native(["asimd"], "aarch64")

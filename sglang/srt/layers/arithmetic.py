@@ -331,6 +331,19 @@ def int8_outlier_dtype(flags: Iterable[str], machine: str = "x86_64") -> torch.d
     return torch.bfloat16 if cpu_class(flags, machine) in NATIVE_BF16_CLASSES else torch.float32
 
 
+# Flags under which torch._int_mm multiplies in integer dot-product instructions (AVX512-VNNI, AVX-VNNI, AMX).
+# Elsewhere on x86 it runs a generic loop at 2-4 GOP/s (benchmarks/RESULTS.md, 2026-11-26 evening), and the int8
+# GEMM multiplies the same int8 values as float32 instead, exactly (layers/int8_linear.int8_matmul).
+INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+def int8_matmul_native(flags: Iterable[str], machine: str = "x86_64") -> bool:
+    """Whether the int8 GEMM calls torch._int_mm (True) or its exact float32 form (False)."""
+    if machine.lower() not in ("x86_64", "amd64"):
+        return True
+    return bool(INT8_DOT_FLAGS & frozenset(flags))
+
+
 def measure_cpu_gemms(rows: int = 256, k: int = 576, n: int = 1536, repeats: int = 3) -> dict[str, float]:
     """GFLOP/s of float32 and bf16 `F.linear` at one decoder-like shape: the tie-breaker for CPUs whose flags do
     not say which is faster (a fraction of a second)."""

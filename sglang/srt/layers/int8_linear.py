@@ -13,7 +13,9 @@ no more than bf16 GEMMs move (benchmarks/RESULTS.md, 2026-11-26 evening). Select
 
 The quantization (column maxima, choice of the columns, per-token scales) and the rescaling of the int32 product
 run as compiled kernels (csrc/int8_rows.h) where the CPU extension is built, in torch otherwise, with the same
-results bit for bit.
+results bit for bit. On a CPU without integer dot products `torch._int_mm` runs a generic loop (2-4 GOP/s on AVX2);
+there `int8_matmul` multiplies the same int8 values as float32 GEMMs over K in chunks of at most 1,024, where every
+partial sum is an integer below 2^24 and so exact in float32: the same int32 product, 30-50x faster.
 """
 
 from __future__ import annotations
@@ -60,6 +62,26 @@ def split_quantize_reference(x: torch.Tensor, k: int) -> tuple[torch.Tensor, tor
     return xq, scale, cols, xo
 
 
+# 127 * 127 * 1024 < 2**24: any partial sum over a chunk of this many products of int8 values is exact in float32.
+EXACT_FLOAT_CHUNK = 1024
+
+
+def int8_matmul(xq: torch.Tensor, wq_t: torch.Tensor, native: bool = True) -> torch.Tensor:
+    """xq [M, K] int8 @ wq_t [K, N] int8 -> int32 [M, N]: torch._int_mm (`native`), or the same product from exact
+    float32 GEMMs."""
+    if native:
+        if xq.shape[0] <= 16:  # _int_mm wants more than 16 rows; pad small inputs
+            pad = torch.zeros(17 - xq.shape[0], xq.shape[1], dtype=torch.int8)
+            return torch._int_mm(torch.cat([xq, pad]), wq_t)[: xq.shape[0]]
+        return torch._int_mm(xq, wq_t)
+    x, w = xq.float(), wq_t.float()
+    acc = torch.zeros(xq.shape[0], wq_t.shape[1], dtype=torch.int32)
+    for start in range(0, x.shape[1], EXACT_FLOAT_CHUNK):
+        end = start + EXACT_FLOAT_CHUNK
+        acc.add_(torch.mm(x[:, start:end], w[start:end]).to(torch.int32))
+    return acc
+
+
 def rescale_add(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
                 outliers: Optional[torch.Tensor]) -> torch.Tensor:
     """float32 acc [M, N] * x_scale [M, 1] * w_scale [1, N] (+ outliers [M, N], float32 or bf16)."""
@@ -70,23 +92,21 @@ def rescale_add(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
 
 
 class Int8LinearMethod(LinearMethod):
-    def __init__(self, weight: torch.Tensor, outlier_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, weight: torch.Tensor, outlier_dtype: torch.dtype = torch.float32, native: bool = True) -> None:
         q, scale = quantize_rows(weight.detach().float())
         self.weight_t = q.t().contiguous()  # [K, N], the layout _int_mm takes
         self.weight_scale = scale.view(1, -1)
         self.out_dtype = weight.dtype
         self.outlier_dtype = outlier_dtype
         self.outliers = outlier_columns(weight.shape[1])
+        self.native = native  # torch._int_mm, or its exact float32 form (int8_matmul)
 
     def apply(self, weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).float().contiguous()
         xq, xs, cols, xo = split_quantize(x2, self.outliers)
-        if xq.shape[0] <= 16:  # _int_mm wants more than 16 rows; pad small inputs
-            pad = torch.zeros(17 - xq.shape[0], xq.shape[1], dtype=torch.int8)
-            acc = torch._int_mm(torch.cat([xq, pad]), self.weight_t)[: xq.shape[0]]
-        else:
-            acc = torch._int_mm(xq, self.weight_t)
+        exact_float = not self.native and torch.get_float32_matmul_precision() == "highest"
+        acc = int8_matmul(xq, self.weight_t, native=not exact_float)
         outliers = None
         if self.outliers:
             w_cols = weight.index_select(1, cols).to(self.outlier_dtype)
@@ -101,5 +121,6 @@ class Int8LinearMethod(LinearMethod):
         return self.weight_t.numel() + self.weight_scale.numel() * 4
 
     def describe(self) -> str:
+        how = "" if self.native else ", multiplied as exact float32 GEMMs"
         return (f"int8 GEMM (per-token activation scales, the {self.outliers} largest input columns in "
-                f"{'bf16' if self.outlier_dtype == torch.bfloat16 else 'float32'})")
+                f"{'bf16' if self.outlier_dtype == torch.bfloat16 else 'float32'}{how})")

@@ -30,12 +30,13 @@ def _method_factory(gemm: str) -> Callable[[torch.Tensor], LinearMethod]:
     if gemm == "int8":
         import platform
 
-        from sglang.srt.layers.arithmetic import int8_outlier_dtype
+        from sglang.srt.layers.arithmetic import int8_matmul_native, int8_outlier_dtype
         from sglang.srt.layers.int8_linear import Int8LinearMethod
         from sglang.srt.model_loader.dtype import read_cpu_flags
 
-        outlier_dtype = int8_outlier_dtype(read_cpu_flags(), platform.machine())
-        return lambda weight: Int8LinearMethod(weight, outlier_dtype)
+        flags, machine = read_cpu_flags(), platform.machine()
+        outlier_dtype, native = int8_outlier_dtype(flags, machine), int8_matmul_native(flags, machine)
+        return lambda weight: Int8LinearMethod(weight, outlier_dtype, native)
     raise ValueError(f"no large-batch linear method for GEMM {gemm!r}")
 
 
