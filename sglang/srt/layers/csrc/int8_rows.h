@@ -18,13 +18,22 @@ namespace int8_rows {
 // The k columns of x [M, K] with the largest absolute value anywhere in x (the lower index first among equal
 // values), in ascending order.
 inline std::vector<int64_t> largest_columns(const float* x, int64_t M, int64_t K, int64_t k) {
-  std::vector<float> colmax(K, 0.0f);
-  at::parallel_for(0, K, 64, [&](int64_t b, int64_t e) {
-    for (int64_t m = 0; m < M; ++m) {
-      const float* row = x + m * K;
-      for (int64_t c = b; c < e; ++c) colmax[c] = std::max(colmax[c], std::fabs(row[c]));
+  // Each thread takes a run of whole rows (read in order) into its own maxima; then the runs' maxima are merged.
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), M / 8));
+  std::vector<float> partial(parts * K, 0.0f);
+  at::parallel_for(0, parts, 1, [&](int64_t b, int64_t e) {
+    for (int64_t p = b; p < e; ++p) {
+      float* __restrict__ mx = partial.data() + p * K;
+      for (int64_t m = p * M / parts; m < (p + 1) * M / parts; ++m) {
+        const float* __restrict__ row = x + m * K;
+        for (int64_t c = 0; c < K; ++c) mx[c] = std::max(mx[c], std::fabs(row[c]));
+      }
     }
   });
+  std::vector<float> colmax(partial.begin(), partial.begin() + K);
+  for (int64_t p = 1; p < parts; ++p) {
+    for (int64_t c = 0; c < K; ++c) colmax[c] = std::max(colmax[c], partial[p * K + c]);
+  }
   std::vector<int64_t> order(K);
   std::iota(order.begin(), order.end(), 0);
   std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int64_t a, int64_t b) {
@@ -36,21 +45,34 @@ inline std::vector<int64_t> largest_columns(const float* x, int64_t M, int64_t K
 }
 
 // One row: the outlier columns' values into xo, the rest quantized to int8 with one scale (written to *scale).
-__attribute__((optimize("fp-contract=off"))) inline void quantize_row(const float* x, const uint8_t* is_outlier,
-                                                                      const int64_t* cols, int64_t K, int64_t k,
-                                                                      int8_t* q, float* scale, float* xo) {
+// `buf` (K floats) takes a copy of the row with the outliers zeroed, so that the two passes over it are branch-free
+// loops the compiler vectorizes; the maximum keeps 8 running lanes for the same reason (a float max reduction is
+// not vectorized without -ffast-math). Both give torch's values exactly: max is exact in any order.
+__attribute__((optimize("fp-contract=off"))) inline void quantize_row(const float* x, const int64_t* cols, int64_t K,
+                                                                      int64_t k, float* buf, int8_t* q, float* scale,
+                                                                      float* xo) {
+  std::copy(x, x + K, buf);
+  for (int64_t j = 0; j < k; ++j) {
+    xo[j] = x[cols[j]];
+    buf[cols[j]] = 0.0f;
+  }
+  float lanes[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  int64_t c = 0;
+  for (; c + 8 <= K; c += 8) {
+    for (int l = 0; l < 8; ++l) lanes[l] = std::max(lanes[l], std::fabs(buf[c + l]));
+  }
   float amax = 0.0f;
-  for (int64_t c = 0; c < K; ++c) amax = std::max(amax, is_outlier[c] ? 0.0f : std::fabs(x[c]));
+  for (; c < K; ++c) amax = std::max(amax, std::fabs(buf[c]));
+  for (float l : lanes) amax = std::max(amax, l);
   const float s = std::max(amax, 1e-8f) / 127.0f;
   *scale = s;
   // Round half to even as torch.round: adding and subtracting 1.5 * 2^23 rounds any |v| < 2^22 to an integer in
-  // the default rounding mode, and vectorizes (std::nearbyint does not); |x / s| <= 127 outside the outliers.
+  // the default rounding mode, and vectorizes (std::nearbyint does not); |buf / s| <= 127.
   constexpr float kRound = 12582912.0f;
-  for (int64_t c = 0; c < K; ++c) {
-    const float v = (x[c] / s + kRound) - kRound;
-    q[c] = is_outlier[c] ? int8_t{0} : static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
+  for (c = 0; c < K; ++c) {
+    const float v = (buf[c] / s + kRound) - kRound;
+    q[c] = static_cast<int8_t>(static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, v))));
   }
-  for (int64_t j = 0; j < k; ++j) xo[j] = x[cols[j]];
 }
 
 }  // namespace int8_rows
@@ -67,8 +89,6 @@ inline std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> in
   const std::vector<int64_t> chosen = int8_rows::largest_columns(xp, M, K, k);
   auto cols = torch::empty({k}, x.options().dtype(at::kLong));
   std::copy(chosen.begin(), chosen.end(), cols.data_ptr<int64_t>());
-  std::vector<uint8_t> is_outlier(K, 0);
-  for (int64_t c : chosen) is_outlier[c] = 1;
   auto xq = torch::empty({M, K}, x.options().dtype(at::kChar));
   auto scale = torch::empty({M}, x.options());
   auto xo = torch::empty({M, k}, x.options());
@@ -76,8 +96,9 @@ inline std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> in
   float* sp = scale.data_ptr<float>();
   float* op = xo.data_ptr<float>();
   at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+    std::vector<float> buf(K);
     for (int64_t m = b; m < e; ++m) {
-      int8_rows::quantize_row(xp + m * K, is_outlier.data(), chosen.data(), K, k, qp + m * K, sp + m, op + m * k);
+      int8_rows::quantize_row(xp + m * K, chosen.data(), K, k, buf.data(), qp + m * K, sp + m, op + m * k);
     }
   });
   return {xq, scale, cols, xo};
