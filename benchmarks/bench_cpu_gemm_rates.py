@@ -13,16 +13,13 @@ integer dot products, its exact float32 form, rescaling), each at the rate of th
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 
 import torch
 import torch.nn.functional as F
 
-from sglang.srt.layers.arithmetic import int8_matmul_native, int8_outlier_dtype
 from sglang.srt.layers.bf16_linear import BF16LinearMethod
-from sglang.srt.layers.int8_linear import Int8LinearMethod
-from sglang.srt.model_loader.dtype import read_cpu_flags
+from sglang.srt.layers.int8_linear import method_for_this_cpu
 
 SHAPES = [(576, 832), (576, 576), (576, 3072), (1536, 576)]
 
@@ -43,10 +40,8 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    flags, machine = read_cpu_flags(), platform.machine()
-    outlier_dtype, native = int8_outlier_dtype(flags, machine), int8_matmul_native(flags, machine)
-    print(f"threads {torch.get_num_threads()}; int8 method: outlier columns in {outlier_dtype}, "
-          f"{'torch._int_mm' if native else 'exact float32 GEMMs'}")
+    make_int8 = method_for_this_cpu()
+    print(f"threads {torch.get_num_threads()}; int8 method: {make_int8(torch.zeros(8, 576)).describe()}")
     for rows in (64, 256, 512, 1024):
         for k, n in SHAPES:
             x, w = torch.randn(rows, k), torch.randn(n, k)
@@ -54,7 +49,7 @@ def main() -> None:
             xq = torch.randint(-127, 127, (rows, k), dtype=torch.int8)
             wq = torch.randint(-127, 127, (k, n), dtype=torch.int8)
             flops = 2 * rows * k * n
-            bf16_method, int8_method = BF16LinearMethod(w), Int8LinearMethod(w, outlier_dtype, native)
+            bf16_method, int8_method = BF16LinearMethod(w), make_int8(w)
             print(f"M={rows} K={k} N={n}: float32 {rate(lambda: F.linear(x, w), flops):.0f}  "
                   f"bf16 {rate(lambda: F.linear(xb, wb), flops):.0f}  "
                   f"bf16+casts {rate(lambda: F.linear(x.bfloat16(), wb).float(), flops):.0f}  "

@@ -15,17 +15,22 @@ The quantization (column maxima, choice of the columns, per-token scales) and th
 run as compiled kernels (csrc/int8_rows.h) where the CPU extension is built, in torch otherwise, with the same
 results bit for bit. On a CPU without integer dot products `torch._int_mm` runs a generic loop (2-4 GOP/s on AVX2);
 there `int8_matmul` multiplies the same int8 values as float32 GEMMs over K in chunks of at most 1,024, where every
-partial sum is an integer below 2^24 and so exact in float32: the same int32 product, 30-50x faster.
+partial sum is an integer below 2^24 and so exact in float32: the same int32 product, 15-40x faster there
+(benchmarks/RESULTS.md, 2026-11-26 evening). `method_for_this_cpu` makes the method with this CPU's choices.
 """
 
 from __future__ import annotations
 
+import platform
+from collections.abc import Callable
 from typing import Optional
 
 import torch
 
 from sglang.srt.layers import cpu_ops
+from sglang.srt.layers.arithmetic import int8_matmul_native, int8_outlier_dtype
 from sglang.srt.layers.linear import LinearMethod
+from sglang.srt.model_loader.dtype import read_cpu_flags
 
 # How many input columns stay out of the int8 product: 64 for SmolLM2's 576 and 1536 (measured), at most 1/8 of K.
 MAX_OUTLIER_COLUMNS = 64
@@ -84,7 +89,7 @@ def int8_matmul(xq: torch.Tensor, wq_t: torch.Tensor, native: bool = True) -> to
 
 def rescale_add(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
                 outliers: Optional[torch.Tensor]) -> torch.Tensor:
-    """float32 acc [M, N] * x_scale [M, 1] * w_scale [1, N] (+ outliers [M, N], float32 or bf16)."""
+    """int32 acc [M, N] * x_scale [M, 1] * w_scale [1, N] (+ outliers [M, N], float32 or bf16) -> float32."""
     if cpu_ops.available():
         return cpu_ops.int8_rescale_add(acc, x_scale.view(-1), w_scale.view(-1), outliers)
     out = acc.float().mul_(x_scale).mul_(w_scale)
@@ -124,3 +129,11 @@ class Int8LinearMethod(LinearMethod):
         how = "" if self.native else ", multiplied as exact float32 GEMMs"
         return (f"int8 GEMM (per-token activation scales, the {self.outliers} largest input columns in "
                 f"{'bf16' if self.outlier_dtype == torch.bfloat16 else 'float32'}{how})")
+
+
+def method_for_this_cpu() -> Callable[[torch.Tensor], Int8LinearMethod]:
+    """Makes Int8LinearMethods with this CPU's choices: the outlier columns in bf16 where it has native bf16, and
+    torch._int_mm where it has integer dot products (its exact float32 form elsewhere); layers/arithmetic.py."""
+    flags, machine = read_cpu_flags(), platform.machine()
+    outlier_dtype, native = int8_outlier_dtype(flags, machine), int8_matmul_native(flags, machine)
+    return lambda weight: Int8LinearMethod(weight, outlier_dtype, native)

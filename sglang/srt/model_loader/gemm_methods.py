@@ -28,15 +28,9 @@ def _method_factory(gemm: str) -> Callable[[torch.Tensor], LinearMethod]:
     if gemm == "bfloat16":
         return BF16LinearMethod
     if gemm == "int8":
-        import platform
+        from sglang.srt.layers.int8_linear import method_for_this_cpu
 
-        from sglang.srt.layers.arithmetic import int8_matmul_native, int8_outlier_dtype
-        from sglang.srt.layers.int8_linear import Int8LinearMethod
-        from sglang.srt.model_loader.dtype import read_cpu_flags
-
-        flags, machine = read_cpu_flags(), platform.machine()
-        outlier_dtype, native = int8_outlier_dtype(flags, machine), int8_matmul_native(flags, machine)
-        return lambda weight: Int8LinearMethod(weight, outlier_dtype, native)
+        return method_for_this_cpu()
     raise ValueError(f"no large-batch linear method for GEMM {gemm!r}")
 
 

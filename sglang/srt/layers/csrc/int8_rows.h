@@ -75,6 +75,24 @@ __attribute__((optimize("fp-contract=off"))) inline void quantize_row(const floa
   }
 }
 
+// out rows [b, e) = acc * xs[m] * ws[n] (+ add), the multiplications in that order as torch does them.
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) inline void rescale_rows(const int32_t* acc, const float* xs,
+                                                                      const float* ws, const T* add, float* out,
+                                                                      int64_t b, int64_t e, int64_t N) {
+  for (int64_t m = b; m < e; ++m) {
+    const int32_t* a = acc + m * N;
+    float* o = out + m * N;
+    const float s = xs[m];
+    if (add == nullptr) {
+      for (int64_t n = 0; n < N; ++n) o[n] = static_cast<float>(a[n]) * s * ws[n];
+    } else {
+      const T* p = add + m * N;
+      for (int64_t n = 0; n < N; ++n) o[n] = static_cast<float>(a[n]) * s * ws[n] + kv_types::to_f32(p[n]);
+    }
+  }
+}
+
 }  // namespace int8_rows
 
 // x [M, K] float32 -> (xq [M, K] int8 with the outlier columns zero, scale [M] float32, the k outlier columns [k]
@@ -103,27 +121,6 @@ inline std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> in
   });
   return {xq, scale, cols, xo};
 }
-
-namespace int8_rows {
-
-template <typename T>
-__attribute__((optimize("fp-contract=off"))) inline void rescale_rows(const int32_t* acc, const float* xs,
-                                                                      const float* ws, const T* add, float* out,
-                                                                      int64_t b, int64_t e, int64_t N) {
-  for (int64_t m = b; m < e; ++m) {
-    const int32_t* a = acc + m * N;
-    float* o = out + m * N;
-    const float s = xs[m];
-    if (add == nullptr) {
-      for (int64_t n = 0; n < N; ++n) o[n] = static_cast<float>(a[n]) * s * ws[n];
-    } else {
-      const T* p = add + m * N;
-      for (int64_t n = 0; n < N; ++n) o[n] = static_cast<float>(a[n]) * s * ws[n] + kv_types::to_f32(p[n]);
-    }
-  }
-}
-
-}  // namespace int8_rows
 
 // acc [M, N] int32 * x_scale [M] * w_scale [N] (+ add [M, N] float32 or bf16) -> float32 [M, N].
 inline torch::Tensor int8_rescale_add(torch::Tensor acc, torch::Tensor x_scale, torch::Tensor w_scale,
