@@ -7,8 +7,10 @@ arithmetic, and run best on the GGUF blocks and the fused decode step, which com
 
 So on CPU `--dtype auto` keeps float32 weights and one KV cache layout that every path reads and writes, and
 picks, per CPU class, the GEMM for prefill, extend and decode batches above `--gguf-kernel-max-rows` rows:
-bf16 where the CPU has native bf16, float32 otherwise. `--cpu-gemm` overrides that choice; `--dtype bfloat16` /
-`float32` still load the model in that dtype.
+bf16 where the CPU has native bf16, float32 otherwise. Where a CPU with native bf16 also has integer dot products
+(VNNI, AMX-INT8), the int8 GEMM (layers/int8_linear.py) replaces bf16 if a startup measurement on the model's shapes
+finds it at least `INT8_MIN_GAIN` times as fast (model_loader/gemm_measurement.py). `--cpu-gemm` overrides that
+choice; `--dtype bfloat16` / `float32` still load the model in that dtype.
 
 The GGUF block kernels of small batches (and the fused decode step) multiply float32 activations by default. On a
 CPU with AVX512-VNNI, `--gguf-activations auto` quantizes the activations to int8 per 32-value block instead
@@ -30,14 +32,14 @@ plan is not float32 (`prefill_attention`, layers/csrc/extend_attention_bf16.h; `
 scaled queries and the softmax weights are rounded to bf16 like a bf16 GEMM's inputs, 1.7-2x faster than the float32
 kernel (benchmarks/RESULTS.md, 2026-11-25). Elsewhere the kernel computes in float32.
 
-`choose_arithmetic` is a pure function of its inputs so every CPU class can be tested on any machine;
-`read_cpu_flags` (model_loader/dtype.py) is the one place that reads /proc/cpuinfo.
+`choose_arithmetic` is a pure function of its inputs (CPU flags, measurements) so every CPU class can be tested on
+any machine; `read_cpu_flags` (model_loader/dtype.py) is the one place that reads /proc/cpuinfo, and
+model_loader/gemm_measurement.py measures and makes this machine's plan.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import platform
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -45,7 +47,7 @@ from typing import Optional, Union
 import torch
 
 from sglang.srt.mem_cache.kv_dtype import resolve_kv_cache_dtype
-from sglang.srt.model_loader.dtype import dtype_name, read_cpu_flags, resolve_dtype
+from sglang.srt.model_loader.dtype import dtype_name, resolve_dtype
 
 CPU_GEMMS = ("auto", "float32", "bfloat16", "int8")
 GGUF_ACTIVATIONS = ("auto", "float32", "int8")
@@ -136,7 +138,7 @@ class ArithmeticPlan:
         }
 
 
-def _automatic(dtype: str, cpu_gemm: str = "auto") -> bool:
+def automatic(dtype: str, cpu_gemm: str = "auto") -> bool:
     """Whether --dtype (and --cpu-gemm) leave the arithmetic to the plan."""
     return dtype.strip().lower() == "auto" and cpu_gemm == "auto"
 
@@ -144,6 +146,19 @@ def _automatic(dtype: str, cpu_gemm: str = "auto") -> bool:
 def _fastest_measured(candidates: list[str], measurements: Mapping[str, float]) -> Optional[str]:
     measured = [(measurements[g], g) for g in candidates if g in measurements]
     return max(measured)[1] if measured else None
+
+
+# How much faster than the bf16 GEMM the int8 GEMM must measure to be chosen: it moves a prefill's log-probabilities
+# a little more than bf16 does (benchmarks/RESULTS.md, 2026-11-26 evening: up to 0.11 against 0.04), so a tie or
+# the noise of a short measurement keeps bf16.
+INT8_MIN_GAIN = 1.1
+
+
+def _gain(measurements: Mapping[str, float], new: str, old: str) -> Optional[float]:
+    """How many times `old`'s measured rate `new` ran, where both were measured."""
+    if new in measurements and old in measurements and measurements[old] > 0:
+        return measurements[new] / measurements[old]
+    return None
 
 
 def choose_arithmetic(
@@ -162,8 +177,9 @@ def choose_arithmetic(
     """The arithmetic for a server: model dtype, the large-batch GEMM, the GGUF kernels' activations, the blocks
     made for a checkpoint without GGUF blocks and the KV cache dtype.
 
-    `measurements` maps GEMM names to measured throughput (any unit); it decides only where the CPU flags do not
-    (a CPU this function does not classify), between float32 and bfloat16.
+    `measurements` maps GEMM names to measured throughput (any unit); it decides only where the CPU flags do not:
+    between float32 and bfloat16 on a CPU this function does not classify, and between bfloat16 and int8 on a CPU
+    with native bf16 (int8 only at `INT8_MIN_GAIN` times bf16's rate or more).
     """
     if gguf_activations not in GGUF_ACTIVATIONS:
         raise ValueError(f"--gguf-activations must be one of {GGUF_ACTIVATIONS}, got {gguf_activations!r}")
@@ -178,7 +194,7 @@ def choose_arithmetic(
         act, why = gguf_activations, f"--gguf-activations {gguf_activations}"
     elif plan.cpu_class == "":
         act, why = "float32", f"the GGUF kernels run on CPU only, not {device}"
-    elif not _automatic(dtype):
+    elif not automatic(dtype):
         act, why = "float32", f"--dtype {dtype}"
     elif cpu_gemm == "float32":
         act, why = "float32", "--cpu-gemm float32 asks for float32 arithmetic"
@@ -233,7 +249,7 @@ def choose_kv_cache_dtype(requested: str, plan: ArithmeticPlan, dtype: str = "au
     if requested != "auto":
         return resolve_kv_cache_dtype(requested, plan.weight_dtype), f"--kv-cache-dtype {requested}"
     bf16_kv_classes = (AMX, AVX512_BF16, AVX2)
-    if _automatic(dtype, cpu_gemm) and plan.cpu_class in bf16_kv_classes and plan.weight_dtype == torch.float32:
+    if automatic(dtype, cpu_gemm) and plan.cpu_class in bf16_kv_classes and plan.weight_dtype == torch.float32:
         why = "AVX2 widens bf16 K/V in registers" if plan.cpu_class == AVX2 else "the CPU has native bf16"
         return torch.bfloat16, f"{why}: bf16 K/V halve the bytes decode attention reads"
     return plan.weight_dtype, "the model dtype"
@@ -300,7 +316,7 @@ def _choose_gemm(
         name = dtype_name(weight_dtype)
         return ArithmeticPlan(device, "", weight_dtype, name, f"--cpu-gemm does not apply on {device}")
     cls = cpu_class(cpu_flags, machine)
-    explicit_dtype = not _automatic(dtype)
+    explicit_dtype = not automatic(dtype)
     # --dtype auto on CPU keeps float32 weights: the quantized blocks and the fused decode step need them, and
     # the large-batch GEMM is chosen separately below.
     weight_dtype = resolve_dtype(dtype, device, config_dtype) if explicit_dtype else torch.float32
@@ -315,7 +331,12 @@ def _choose_gemm(
     if explicit_dtype:
         return ArithmeticPlan(device, cls, weight_dtype, "float32", f"--dtype {dtype}")
     if cls in NATIVE_BF16_CLASSES:
-        return ArithmeticPlan(device, cls, weight_dtype, "bfloat16", "the CPU has native bf16 dot products")
+        gain = _gain(measurements or {}, "int8", "bfloat16")
+        if gain is not None and gain >= INT8_MIN_GAIN:
+            return ArithmeticPlan(device, cls, weight_dtype, "int8",
+                                  f"the int8 GEMM ran {gain:.2f}x the bf16 GEMM's rate in a startup measurement")
+        measured = "" if gain is None else f" (the int8 GEMM ran {gain:.2f}x its rate in a startup measurement)"
+        return ArithmeticPlan(device, cls, weight_dtype, "bfloat16", "the CPU has native bf16 dot products" + measured)
     if cls == AVX2:
         return ArithmeticPlan(device, cls, weight_dtype, "float32",
                               "no native bf16 on this CPU: bf16 and int8 GEMMs are emulated and slower")
@@ -342,33 +363,3 @@ def int8_matmul_native(flags: Iterable[str], machine: str = "x86_64") -> bool:
     if machine.lower() not in ("x86_64", "amd64"):
         return True
     return bool(INT8_DOT_FLAGS & frozenset(flags))
-
-
-def measure_cpu_gemms(rows: int = 256, k: int = 576, n: int = 1536, repeats: int = 3) -> dict[str, float]:
-    """GFLOP/s of float32 and bf16 `F.linear` at one decoder-like shape: the tie-breaker for CPUs whose flags do
-    not say which is faster (a fraction of a second)."""
-    import time
-
-    out: dict[str, float] = {}
-    for name, dt in _GEMM_DTYPES.items():
-        x, w = torch.randn(rows, k).to(dt), torch.randn(n, k).to(dt)
-        torch.nn.functional.linear(x, w)
-        start = time.perf_counter()
-        for _ in range(repeats):
-            torch.nn.functional.linear(x, w)
-        out[name] = 2 * rows * k * n * repeats / (time.perf_counter() - start) / 1e9
-    return out
-
-
-def plan_for_this_machine(device: str, dtype: str, cpu_gemm: str,
-                          config_dtype: Union[str, torch.dtype, None] = None,
-                          gguf_activations: str = "auto", small_batch_quantization: str = "auto",
-                          kv_cache_dtype: str = "auto", prefill_attention: str = "auto") -> ArithmeticPlan:
-    """`choose_arithmetic` with this machine's CPU flags, measuring only where the flags do not settle it."""
-    flags = read_cpu_flags()
-    machine = platform.machine()
-    measurements = None
-    if torch.device(device).type == "cpu" and _automatic(dtype, cpu_gemm) and cpu_class(flags, machine) == OTHER:
-        measurements = measure_cpu_gemms()
-    return choose_arithmetic(device, dtype, cpu_gemm, flags, machine, measurements, config_dtype, gguf_activations,
-                             small_batch_quantization, kv_cache_dtype, prefill_attention)

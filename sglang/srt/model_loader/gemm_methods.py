@@ -24,7 +24,7 @@ from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
 logger = logging.getLogger(__name__)
 
 
-def _method_factory(gemm: str) -> Callable[[torch.Tensor], LinearMethod]:
+def method_factory(gemm: str) -> Callable[[torch.Tensor], LinearMethod]:
     if gemm == "bfloat16":
         return BF16LinearMethod
     if gemm == "int8":
@@ -51,7 +51,7 @@ def attach_large_batch_gemm(model: nn.Module, gemm: str) -> int:
         return 0
     if any(p.dtype != torch.float32 for p in model.parameters()):
         raise ValueError(f"--cpu-gemm {gemm} applies to float32 weights (--dtype auto or float32)")
-    make = _method_factory(gemm)
+    make = method_factory(gemm)
     for module in model.modules():
         if isinstance(module, Linear):
             module.set_linear_method(_with_large(module.linear_method, module.weight, make))

@@ -34,7 +34,7 @@ def load_model_info(server_args: ServerArgs) -> ModelInfo:
     """Facts every process needs about the model, computed once in the parent."""
     from transformers import AutoConfig, GenerationConfig
 
-    from sglang.srt.layers.arithmetic import plan_for_this_machine
+    from sglang.srt.model_loader.gemm_measurement import plan_for_this_machine
     from sglang.srt.model_loader.resolve import gguf_source_for, resolve_model_path
 
     model_dir = resolve_model_path(server_args.model_path)
@@ -47,7 +47,8 @@ def load_model_info(server_args: ServerArgs) -> ModelInfo:
     config_dtype = getattr(hf_config, "dtype", None)
     arithmetic = plan_for_this_machine(server_args.device, server_args.dtype, server_args.cpu_gemm, config_dtype,
                                        server_args.gguf_activations, server_args.small_batch_quantization,
-                                       server_args.kv_cache_dtype, server_args.prefill_attention)
+                                       server_args.kv_cache_dtype, server_args.prefill_attention, hf_config,
+                                       server_args.num_threads)
     dtype = arithmetic.weight_dtype
     text_config = hf_config.get_text_config()
     eos = _as_list(getattr(hf_config, "eos_token_id", None) or getattr(text_config, "eos_token_id", None))

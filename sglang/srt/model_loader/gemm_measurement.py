@@ -1,0 +1,131 @@
+"""The arithmetic plan of this machine, with a short startup measurement where the CPU flags do not settle it.
+
+`layers/arithmetic.choose_arithmetic` decides from the CPU flags. Two choices the flags leave open are measured
+here, in the parent process before the model loads, on the model's own MLP shapes:
+- on a CPU of no known class: float32 against bf16 `F.linear`;
+- on a CPU with native bf16 (AVX512-BF16, AMX) that also has integer dot products (AVX512-VNNI, AVX-VNNI,
+  AMX-INT8): the bf16 GEMM against the int8 GEMM (layers/int8_linear.py). There `torch._int_mm` multiplies at
+  1.5-2x the bf16 rate (benchmarks/RESULTS.md, 2026-11-24), but the int8 method also quantizes its input, multiplies
+  the largest input columns apart and rescales; only a measurement of the whole method says which is faster on a
+  given CPU, and the plan takes int8 only where it is clearly faster (`arithmetic.INT8_MIN_GAIN`).
+
+Each candidate is the linear method the engine would use (model_loader/gemm_methods.py), timed on its own input
+dtype at a prefill-like and a large-decode-like row count; the candidates take turns and each keeps its best
+round, so a drift of the machine's speed between rounds does not favour one of them. It takes a fraction of a
+second.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import time
+from collections.abc import Iterable, Sequence
+from typing import Optional, Union
+
+import torch
+
+from sglang.srt.layers.arithmetic import (
+    AMX,
+    AVX512_BF16,
+    OTHER,
+    ArithmeticPlan,
+    automatic,
+    choose_arithmetic,
+    cpu_class,
+    int8_matmul_native,
+)
+from sglang.srt.layers.linear import DENSE, LinearMethod
+from sglang.srt.model_loader.dtype import read_cpu_flags
+from sglang.srt.model_loader.gemm_methods import method_factory
+
+logger = logging.getLogger(__name__)
+
+# Rows of the timed matmuls: a large decode batch and a prefill chunk.
+MEASURE_ROWS = (128, 512)
+# (hidden, intermediate) where the model's config has none: SmolLM2-135M's.
+DEFAULT_MLP = (576, 1536)
+ROUNDS = 4
+
+
+def gemms_to_measure(device: str, dtype: str, cpu_gemm: str, flags: Iterable[str],
+                     machine: str = "x86_64") -> list[str]:
+    """The large-batch GEMMs whose order the flags leave open (nothing to measure: [])."""
+    flags = frozenset(flags)
+    if torch.device(device).type != "cpu" or not automatic(dtype, cpu_gemm):
+        return []
+    cls = cpu_class(flags, machine)
+    if cls == OTHER:
+        return ["float32", "bfloat16"]
+    if cls in (AMX, AVX512_BF16) and int8_matmul_native(flags, machine):
+        return ["bfloat16", "int8"]
+    return []
+
+
+def _method(gemm: str, weight: torch.Tensor) -> LinearMethod:
+    return DENSE if gemm == "float32" else method_factory(gemm)(weight)
+
+
+def measure_large_batch_gemms(gemms: Sequence[str], mlp: tuple[int, int] = DEFAULT_MLP,
+                              rows: Sequence[int] = MEASURE_ROWS, rounds: int = ROUNDS) -> dict[str, float]:
+    """GFLOP/s of each GEMM's linear method over an MLP's two matmuls ([rows, hidden] x [hidden, intermediate] and
+    back) at each row count: the total work over the best round's time."""
+    hidden, intermediate = mlp
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(intermediate, hidden, generator=gen) / hidden ** 0.5,
+               torch.randn(hidden, intermediate, generator=gen) / intermediate ** 0.5]
+    work = []  # (method, weight, input) per GEMM
+    for gemm in gemms:
+        calls = []
+        for w in weights:
+            method = _method(gemm, w)
+            for m in rows:
+                x = torch.randn(m, w.shape[1], generator=gen)
+                calls.append((method, w, x.to(method.input_dtype(m) or x.dtype)))
+        work.append(calls)
+    flops = sum(2 * x.shape[0] * w.shape[0] * w.shape[1] for _, w, x in work[0])
+    best = [float("inf")] * len(gemms)
+    with torch.inference_mode():
+        for calls in work:  # a first call of each (oneDNN picks and caches its kernels)
+            for method, w, x in calls:
+                method.apply_native(w, x, None)
+        for r in range(rounds):
+            order = range(len(gemms)) if r % 2 == 0 else reversed(range(len(gemms)))
+            for i in order:
+                start = time.perf_counter()
+                for method, w, x in work[i]:
+                    method.apply_native(w, x, None)
+                best[i] = min(best[i], time.perf_counter() - start)
+    return {gemm: flops / t / 1e9 for gemm, t in zip(gemms, best)}
+
+
+def _mlp_shape(hf_config: Optional[object]) -> tuple[int, int]:
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    hidden, intermediate = getattr(text, "hidden_size", None), getattr(text, "intermediate_size", None)
+    if isinstance(hidden, int) and isinstance(intermediate, int) and hidden > 0 and intermediate > 0:
+        return hidden, intermediate
+    return DEFAULT_MLP
+
+
+def plan_for_this_machine(device: str, dtype: str, cpu_gemm: str,
+                          config_dtype: Union[str, torch.dtype, None] = None,
+                          gguf_activations: str = "auto", small_batch_quantization: str = "auto",
+                          kv_cache_dtype: str = "auto", prefill_attention: str = "auto",
+                          hf_config: Optional[object] = None, threads: Optional[int] = None) -> ArithmeticPlan:
+    """`choose_arithmetic` with this machine's CPU flags, measuring (on the model's MLP shapes, on `threads` threads
+    as the scheduler will run: --num-threads) only what the flags do not settle."""
+    flags = read_cpu_flags()
+    machine = platform.machine()
+    gemms = gemms_to_measure(device, dtype, cpu_gemm, flags, machine)
+    measurements = None
+    if gemms:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads or before)
+        try:
+            measurements = measure_large_batch_gemms(gemms, _mlp_shape(hf_config))
+        finally:
+            torch.set_num_threads(before)
+        logger.info("Startup GEMM measurement (GFLOP/s on the model's MLP shapes): %s",
+                    ", ".join(f"{g} {r:.0f}" for g, r in measurements.items()))
+    return choose_arithmetic(device, dtype, cpu_gemm, flags, machine, measurements, config_dtype, gguf_activations,
+                             small_batch_quantization, kv_cache_dtype, prefill_attention)
