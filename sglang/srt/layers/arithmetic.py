@@ -7,9 +7,10 @@ arithmetic, and run best on the GGUF blocks and the fused decode step, which com
 
 So on CPU `--dtype auto` keeps float32 weights and one KV cache layout that every path reads and writes, and
 picks, per CPU class, the GEMM for prefill, extend and decode batches above `--gguf-kernel-max-rows` rows:
-bf16 where the CPU has native bf16, float32 otherwise. Where a CPU with native bf16 also has integer dot products
-(VNNI, AMX-INT8), the int8 GEMM (layers/int8_linear.py) replaces bf16 if a startup measurement on the model's shapes
-finds it at least `INT8_MIN_GAIN` times as fast (model_loader/gemm_measurement.py). `--cpu-gemm` overrides that
+bf16 where the CPU has native bf16, float32 otherwise. Where the CPU also has integer dot products (VNNI, AMX-INT8;
+for float32, on AVX512 CPUs), the int8 GEMM (layers/int8_linear.py) replaces that GEMM if a startup measurement on
+the model's shapes finds it at least `INT8_MIN_GAIN` times as fast (`gemms_to_measure`,
+model_loader/gemm_measurement.py). `--cpu-gemm` overrides that
 choice; `--dtype bfloat16` / `float32` still load the model in that dtype.
 
 The GGUF block kernels of small batches (and the fused decode step) multiply float32 activations by default. On a
@@ -330,20 +331,49 @@ def _choose_gemm(
         return ArithmeticPlan(device, cls, weight_dtype, cpu_gemm, f"--cpu-gemm {cpu_gemm}")
     if explicit_dtype:
         return ArithmeticPlan(device, cls, weight_dtype, "float32", f"--dtype {dtype}")
+    if cls == OTHER:
+        fastest = _fastest_measured(["float32", "bfloat16"], measurements or {})
+        if fastest is not None:
+            return ArithmeticPlan(device, cls, weight_dtype, fastest, "fastest in a startup measurement")
+        return ArithmeticPlan(device, cls, weight_dtype, "float32", "unclassified CPU, nothing measured")
+    int8_open = "int8" in gemms_to_measure(device, dtype, cpu_gemm, cpu_flags, machine)
     if cls in NATIVE_BF16_CLASSES:
-        gain = _gain(measurements or {}, "int8", "bfloat16")
-        if gain is not None and gain >= INT8_MIN_GAIN:
-            return ArithmeticPlan(device, cls, weight_dtype, "int8",
-                                  f"the int8 GEMM ran {gain:.2f}x the bf16 GEMM's rate in a startup measurement")
-        measured = "" if gain is None else f" (the int8 GEMM ran {gain:.2f}x its rate in a startup measurement)"
-        return ArithmeticPlan(device, cls, weight_dtype, "bfloat16", "the CPU has native bf16 dot products" + measured)
-    if cls == AVX2:
-        return ArithmeticPlan(device, cls, weight_dtype, "float32",
-                              "no native bf16 on this CPU: bf16 and int8 GEMMs are emulated and slower")
-    fastest = _fastest_measured(["float32", "bfloat16"], measurements or {})
-    if fastest is not None:
-        return ArithmeticPlan(device, cls, weight_dtype, fastest, "fastest in a startup measurement")
-    return ArithmeticPlan(device, cls, weight_dtype, "float32", "unclassified CPU, nothing measured")
+        base, why = "bfloat16", "the CPU has native bf16 dot products"
+    elif int8_open:
+        base, why = "float32", "no native bf16 on this CPU"
+    else:
+        base, why = "float32", "no native bf16 on this CPU: bf16 and int8 GEMMs are emulated and slower"
+    gain = _gain(measurements or {}, "int8", base) if int8_open else None
+    name = "bf16" if base == "bfloat16" else base
+    if gain is not None and gain >= INT8_MIN_GAIN:
+        return ArithmeticPlan(device, cls, weight_dtype, "int8",
+                              f"the int8 GEMM ran {gain:.2f}x the {name} GEMM's rate in a startup measurement")
+    measured = "" if gain is None else f" (the int8 GEMM ran {gain:.2f}x its rate in a startup measurement)"
+    return ArithmeticPlan(device, cls, weight_dtype, base, why + measured)
+
+
+def gemms_to_measure(device: str, dtype: str, cpu_gemm: str, flags: Iterable[str],
+                     machine: str = "x86_64") -> tuple[str, ...]:
+    """The large-batch GEMMs whose order the CPU flags leave open, which the plan measures at startup
+    (model_loader/gemm_measurement.py); () where the flags settle it, or --dtype / --cpu-gemm do:
+    - float32 against bf16 on a CPU of no known class;
+    - on an x86 CPU with integer dot products that torch._int_mm uses (AVX512-VNNI, AVX-VNNI, AMX-INT8), the int8
+      GEMM against the GEMM the flags pick: bf16 where the CPU has native bf16 (AVX512-BF16, AMX), float32 on an
+      AVX512 CPU without it (AVX512-VNNI without BF16: Cascade Lake, Ice Lake). A CPU whose widest FMAs are AVX2's
+      keeps float32, whose blocks serve up to 2,048 rows there (`small_batch_rows`)."""
+    flags = frozenset(flags)
+    if torch.device(device).type != "cpu" or not automatic(dtype, cpu_gemm):
+        return ()
+    cls = cpu_class(flags, machine)
+    if cls == OTHER:
+        return ("float32", "bfloat16")
+    if machine.lower() not in ("x86_64", "amd64") or not int8_matmul_native(flags, machine):
+        return ()
+    if cls in NATIVE_BF16_CLASSES:
+        return ("bfloat16", "int8")
+    if cls == AVX2 and "avx512f" in flags:
+        return ("float32", "int8")
+    return ()
 
 
 def int8_outlier_dtype(flags: Iterable[str], machine: str = "x86_64") -> torch.dtype:

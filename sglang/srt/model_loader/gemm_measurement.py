@@ -1,13 +1,14 @@
 """The arithmetic plan of this machine, with a short startup measurement where the CPU flags do not settle it.
 
-`layers/arithmetic.choose_arithmetic` decides from the CPU flags. Two choices the flags leave open are measured
-here, in the parent process before the model loads, on the model's own MLP shapes:
+`layers/arithmetic.choose_arithmetic` decides from the CPU flags. What they leave open (`arithmetic.gemms_to_measure`)
+is measured here, in the parent process before the model loads, on the model's own MLP shapes:
 - on a CPU of no known class: float32 against bf16 `F.linear`;
-- on a CPU with native bf16 (AVX512-BF16, AMX) that also has integer dot products (AVX512-VNNI, AVX-VNNI,
-  AMX-INT8): the bf16 GEMM against the int8 GEMM (layers/int8_linear.py). There `torch._int_mm` multiplies at
-  1.5-2x the bf16 rate (benchmarks/RESULTS.md, 2026-11-24), but the int8 method also quantizes its input, multiplies
-  the largest input columns apart and rescales; only a measurement of the whole method says which is faster on a
-  given CPU, and the plan takes int8 only where it is clearly faster (`arithmetic.INT8_MIN_GAIN`).
+- on an x86 CPU with integer dot products (AVX512-VNNI, AVX-VNNI, AMX-INT8): the int8 GEMM (layers/int8_linear.py)
+  against bf16 where the CPU has native bf16, against float32 on AVX512 CPUs without it. On an AVX512-BF16 / VNNI
+  CPU `torch._int_mm` multiplied at 1.5-2x the bf16 rate (benchmarks/RESULTS.md, 2026-11-24), but the int8 method
+  also quantizes its input, multiplies the largest input columns apart and rescales; only a measurement of the whole
+  method says which is faster on a given CPU, and the plan takes int8 only where it is clearly faster
+  (`arithmetic.INT8_MIN_GAIN`).
 
 Each candidate is the linear method the engine would use (model_loader/gemm_methods.py), timed on its own input
 dtype at a prefill-like and a large-decode-like row count; the candidates take turns and each keeps its best
@@ -20,21 +21,12 @@ from __future__ import annotations
 import logging
 import platform
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Optional, Union
 
 import torch
 
-from sglang.srt.layers.arithmetic import (
-    AMX,
-    AVX512_BF16,
-    OTHER,
-    ArithmeticPlan,
-    automatic,
-    choose_arithmetic,
-    cpu_class,
-    int8_matmul_native,
-)
+from sglang.srt.layers.arithmetic import ArithmeticPlan, choose_arithmetic, gemms_to_measure
 from sglang.srt.layers.linear import DENSE, LinearMethod
 from sglang.srt.model_loader.dtype import read_cpu_flags
 from sglang.srt.model_loader.gemm_methods import method_factory
@@ -46,20 +38,6 @@ MEASURE_ROWS = (128, 512)
 # (hidden, intermediate) where the model's config has none: SmolLM2-135M's.
 DEFAULT_MLP = (576, 1536)
 ROUNDS = 4
-
-
-def gemms_to_measure(device: str, dtype: str, cpu_gemm: str, flags: Iterable[str],
-                     machine: str = "x86_64") -> list[str]:
-    """The large-batch GEMMs whose order the flags leave open (nothing to measure: [])."""
-    flags = frozenset(flags)
-    if torch.device(device).type != "cpu" or not automatic(dtype, cpu_gemm):
-        return []
-    cls = cpu_class(flags, machine)
-    if cls == OTHER:
-        return ["float32", "bfloat16"]
-    if cls in (AMX, AVX512_BF16) and int8_matmul_native(flags, machine):
-        return ["bfloat16", "int8"]
-    return []
 
 
 def _method(gemm: str, weight: torch.Tensor) -> LinearMethod:
