@@ -9,10 +9,17 @@ kept out of the int8 product (layers/int8_linear.py, `--cpu-gemm int8`). It prin
 the largest change of the float32 choice's log-probability and, for each changed choice, how far float32 had
 preferred its own token (a near-tie is a small gap). The second table applies each arithmetic to the prompt's
 positions only, as the engine does (prefill on the large-batch GEMM, decode steps on the quantized blocks).
+
+`--alternatives` prints a third table, on the prompt positions, of ways around the skinny float GEMM of the columns
+kept apart, and the LM head alone under each arithmetic: SmoothQuant (per-channel factors max|x|^a / max|w|^(1-a)
+moved from the activations into the weights, with activation maxima from a separate calibration text), 64 columns
+chosen once from that calibration instead of per batch, and the columns kept apart but multiplied in int8 with
+their own per-token scale.
 """
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from typing import Optional
 
@@ -20,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sglang.srt.layers.int8_linear import Int8LinearMethod
+from sglang.srt.layers.int8_linear import Int8LinearMethod, outlier_columns, split_quantize
 from sglang.srt.model_loader.resolve import resolve_model_path
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea:", "def fibonacci(n):",
@@ -122,8 +129,125 @@ def on_prompt_only(original: Callable, replaced: Callable, prompt_mask: dict) ->
     return forward
 
 
+CALIBRATION = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+               "movable metal type, oil-based ink and a wooden press. Books became cheaper, literacy spread, and ideas "
+               "moved faster across Europe. Today, engineers write software in Python and C++, scientists measure "
+               "3.14159 and 2.71828, and people ask questions such as: What is the weather like in Paris? How do I "
+               "cook rice? def main():\n    print('hello world')\n1. apples 2. oranges 3. pears. Once upon a time "
+               "there was a king who had three sons.")
+
+
+def input_maxima(model: torch.nn.Module, layers: dict[str, torch.nn.Linear]) -> dict[str, torch.Tensor]:
+    """Each linear layer's largest absolute input per column over the calibration text."""
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct"))
+    amax: dict[str, torch.Tensor] = {}
+
+    def hook(name: str) -> Callable:
+        def record(module: torch.nn.Module, inputs: tuple) -> None:
+            a = inputs[0].detach().abs().reshape(-1, inputs[0].shape[-1]).amax(0)
+            amax[name] = torch.maximum(amax[name], a) if name in amax else a
+
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in layers.items()]
+    with torch.no_grad():
+        model(torch.tensor([tokenizer.encode(CALIBRATION)]))
+    for h in handles:
+        h.remove()
+    return amax
+
+
+def smoothquant(amax: torch.Tensor, alpha: float) -> Callable[[torch.nn.Linear], Callable]:
+    def make(layer: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+        w = layer.weight.float()
+        s = (amax.clamp_min(1e-5) ** alpha / w.abs().amax(0).clamp_min(1e-5) ** (1 - alpha)).clamp_min(1e-5)
+        wq, ws = quantize_rows(w * s)
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            xq, xs = quantize_rows(x.float() / s)
+            return ((xq @ wq.t()) * xs * ws.view(1, -1)).to(x.dtype)
+
+        return forward
+
+    return make
+
+
+def calibrated_columns_apart(amax: torch.Tensor, k: int = 64) -> Callable[[torch.nn.Linear], Callable]:
+    cols = amax.topk(min(k, amax.numel() // 8)).indices.sort().values
+
+    def make(layer: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+        w = layer.weight.float()
+        keep = torch.ones(w.shape[1])
+        keep[cols] = 0
+        wq, ws = quantize_rows(w * keep)
+        w_cols = w[:, cols]
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            xq, xs = quantize_rows(x.float() * keep)
+            return ((xq @ wq.t()) * xs * ws.view(1, -1) + x.float()[..., cols] @ w_cols.t()).to(x.dtype)
+
+        return forward
+
+    return make
+
+
+def columns_apart_in_int8(layer: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The columns kept apart as Int8LinearMethod picks them, but multiplied in int8 with their own per-token scale
+    against the same int8 weights."""
+    w = layer.weight.float()
+    wq, ws = quantize_rows(w)
+    k = outlier_columns(w.shape[1])
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+        xq, xs, cols, xo = split_quantize(x2, k)
+        oq, os_ = quantize_rows(xo)
+        out = ((xq.float() @ wq.t()) * xs + (oq @ wq[:, cols].t()) * os_) * ws.view(1, -1)
+        return out.reshape(*x.shape[:-1], -1).to(x.dtype)
+
+    return forward
+
+
+def alternatives(model: torch.nn.Module, sequences: list[tuple[int, torch.Tensor]], base: list[torch.Tensor],
+                 layers: dict[str, torch.nn.Linear]) -> None:
+    original = {n: m.forward for n, m in layers.items()}
+    amax = input_maxima(model, layers)
+    dynamic = int8_kept_apart(torch.float32)
+    variants: dict[str, Callable[[str], Callable]] = {
+        "64 columns apart per batch (the method)": lambda n: dynamic,
+        "SmoothQuant a=0.5": lambda n: smoothquant(amax[n], 0.5),
+        "SmoothQuant a=0.65": lambda n: smoothquant(amax[n], 0.65),
+        "SmoothQuant a=0.5, down_proj per batch": lambda n: dynamic if "down" in n else smoothquant(amax[n], 0.5),
+        "64 calibrated columns apart": lambda n: calibrated_columns_apart(amax[n]),
+        "same, down_proj per batch": lambda n: dynamic if "down" in n else calibrated_columns_apart(amax[n]),
+        "64 columns apart per batch, in int8": lambda n: columns_apart_in_int8,
+    }
+    mask: dict = {}
+    print("alternatives, prompt positions only", flush=True)
+    for name, make_for in variants.items():
+        for n, m in layers.items():
+            m.forward = on_prompt_only(original[n], make_for(n)(m), mask)
+        print(f"  {name:42s} {compare(base, teacher_forced_logprobs(model, sequences, mask))}", flush=True)
+    for n, m in layers.items():
+        m.forward = original[n]
+    head = model.get_output_embeddings()
+    print("the LM head alone, every position", flush=True)
+    for name, make in [("bf16", bf16), ("int8, per-token activations", int8), ("int8, 64 columns apart", dynamic)]:
+        head.forward = make(head)
+        print(f"  {name:42s} {compare(base, teacher_forced_logprobs(model, sequences))}", flush=True)
+    del head.forward
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--alternatives", action="store_true", help="only the table of alternatives and the LM head")
+    args = parser.parse_args()
     model, sequences = reference_model()
+    if args.alternatives:
+        base = teacher_forced_logprobs(model, sequences)
+        named = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n}
+        alternatives(model, sequences, base, named)
+        return
     base = teacher_forced_logprobs(model, sequences)
     layers = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n}
     original = {n: m.forward for n, m in layers.items()}
