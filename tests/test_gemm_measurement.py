@@ -104,6 +104,9 @@ def test_plan_for_this_machine_measures_on_the_model_shapes(monkeypatch):
     assert plan.large_batch_gemm == "int8" and "1.80x" in plan.reason
     assert calls == [(("bfloat16", "int8"), (config.hidden_size, config.intermediate_size), 1)]
     assert torch.get_num_threads() == threads
+    # a node of a multi-node server decides from the flags alone
+    unmeasured = gm.plan_for_this_machine("cpu", "auto", "auto", hf_config=config, measure=False)
+    assert (unmeasured.large_batch_gemm, unmeasured.reason) == ("bfloat16", "the CPU has native bf16 dot products")
     # flags that settle it, or an explicit choice: nothing measured
     assert gm.plan_for_this_machine("cpu", "auto", "bfloat16", hf_config=config).large_batch_gemm == "bfloat16"
     monkeypatch.setattr(gm, "read_cpu_flags", lambda: frozenset(AVX2_FLAGS))

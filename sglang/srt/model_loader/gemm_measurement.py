@@ -89,12 +89,14 @@ def plan_for_this_machine(device: str, dtype: str, cpu_gemm: str,
                           config_dtype: Union[str, torch.dtype, None] = None,
                           gguf_activations: str = "auto", small_batch_quantization: str = "auto",
                           kv_cache_dtype: str = "auto", prefill_attention: str = "auto",
-                          hf_config: Optional[object] = None, threads: Optional[int] = None) -> ArithmeticPlan:
+                          hf_config: Optional[object] = None, threads: Optional[int] = None,
+                          measure: bool = True) -> ArithmeticPlan:
     """`choose_arithmetic` with this machine's CPU flags, measuring (on the model's MLP shapes, on `threads` threads
-    as the scheduler will run: --num-threads) only what the flags do not settle."""
+    as the scheduler will run: --num-threads) only what the flags do not settle. `measure=False` decides from the
+    flags alone: the nodes of a multi-node server each make their plan, and flags agree where timings may not."""
     flags = read_cpu_flags()
     machine = platform.machine()
-    gemms = gemms_to_measure(device, dtype, cpu_gemm, flags, machine)
+    gemms = gemms_to_measure(device, dtype, cpu_gemm, flags, machine) if measure else ()
     measurements = None
     if gemms:
         before = torch.get_num_threads()
