@@ -88,6 +88,24 @@ def test_large_batch_gemm_measurement_times_each_method():
     assert all(r > 0 for r in rates.values()), rates
 
 
+def test_a_gemm_that_cannot_run_is_left_out(monkeypatch):
+    """A torch build whose int8 (or bf16) matmul raises on this CPU: the measurement leaves that GEMM out and the
+    plan decides as if it had not been measured, instead of failing the server's start."""
+    real = gm.method_factory
+
+    def unsupported(weight):
+        raise RuntimeError("_int_mm is not supported on this CPU")
+
+    def factory(gemm):
+        return unsupported if gemm == "int8" else real(gemm)
+
+    monkeypatch.setattr(gm, "method_factory", factory)
+    rates = gm.measure_large_batch_gemms(["bfloat16", "int8"], mlp=(64, 160), rows=(17, 40), rounds=2)
+    assert list(rates) == ["bfloat16"] and rates["bfloat16"] > 0
+    plan = choose_arithmetic("cpu", "auto", "auto", BF16_VNNI_FLAGS, measurements=rates)
+    assert (plan.large_batch_gemm, plan.reason) == ("bfloat16", "the CPU has native bf16 dot products")
+
+
 def test_plan_for_this_machine_measures_on_the_model_shapes(monkeypatch):
     calls = []
 

@@ -44,37 +44,46 @@ def _method(gemm: str, weight: torch.Tensor) -> LinearMethod:
     return DENSE if gemm == "float32" else method_factory(gemm)(weight)
 
 
-def measure_large_batch_gemms(gemms: Sequence[str], mlp: tuple[int, int] = DEFAULT_MLP,
-                              rows: Sequence[int] = MEASURE_ROWS, rounds: int = ROUNDS) -> dict[str, float]:
-    """GFLOP/s of each GEMM's linear method over an MLP's two matmuls ([rows, hidden] x [hidden, intermediate] and
-    back) at each row count: the total work over the best round's time."""
-    hidden, intermediate = mlp
-    gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(intermediate, hidden, generator=gen) / hidden ** 0.5,
-               torch.randn(hidden, intermediate, generator=gen) / intermediate ** 0.5]
-    work = []  # (method, weight, input) per GEMM
-    for gemm in gemms:
-        calls = []
+def _prepared(gemm: str, weights: list[torch.Tensor], rows: Sequence[int],
+              gen: torch.Generator) -> Optional[list[tuple[LinearMethod, torch.Tensor, torch.Tensor]]]:
+    """(method, weight, input) for each matmul, each called once (oneDNN picks and caches its kernels, a CPU
+    extension is built); None where the method cannot run on this machine (a torch build without it)."""
+    calls = []
+    try:
         for w in weights:
             method = _method(gemm, w)
             for m in rows:
                 x = torch.randn(m, w.shape[1], generator=gen)
                 calls.append((method, w, x.to(method.input_dtype(m) or x.dtype)))
-        work.append(calls)
-    flops = sum(2 * x.shape[0] * w.shape[0] * w.shape[1] for _, w, x in work[0])
-    best = [float("inf")] * len(gemms)
+        for method, w, x in calls:
+            method.apply_native(w, x, None)
+    except (RuntimeError, NotImplementedError) as err:
+        logger.warning("The %s GEMM cannot run here and is not measured: %s", gemm, err)
+        return None
+    return calls
+
+
+def measure_large_batch_gemms(gemms: Sequence[str], mlp: tuple[int, int] = DEFAULT_MLP,
+                              rows: Sequence[int] = MEASURE_ROWS, rounds: int = ROUNDS) -> dict[str, float]:
+    """GFLOP/s of each GEMM's linear method over an MLP's two matmuls ([rows, hidden] x [hidden, intermediate] and
+    back) at each row count: the total work over the best round's time. A GEMM that fails to run is left out."""
+    hidden, intermediate = mlp
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(intermediate, hidden, generator=gen) / hidden ** 0.5,
+               torch.randn(hidden, intermediate, generator=gen) / intermediate ** 0.5]
+    flops = sum(2 * m * w.shape[0] * w.shape[1] for w in weights for m in rows)
     with torch.inference_mode():
-        for calls in work:  # a first call of each (oneDNN picks and caches its kernels)
-            for method, w, x in calls:
-                method.apply_native(w, x, None)
+        prepared = [(gemm, _prepared(gemm, weights, rows, gen)) for gemm in gemms]
+        work = [(gemm, calls) for gemm, calls in prepared if calls is not None]
+        best = [float("inf")] * len(work)
         for r in range(rounds):
-            order = range(len(gemms)) if r % 2 == 0 else reversed(range(len(gemms)))
+            order = range(len(work)) if r % 2 == 0 else reversed(range(len(work)))
             for i in order:
                 start = time.perf_counter()
-                for method, w, x in work[i]:
+                for method, w, x in work[i][1]:
                     method.apply_native(w, x, None)
                 best[i] = min(best[i], time.perf_counter() - start)
-    return {gemm: flops / t / 1e9 for gemm, t in zip(gemms, best)}
+    return {gemm: flops / t / 1e9 for (gemm, _), t in zip(work, best)}
 
 
 def _mlp_shape(hf_config: Optional[object]) -> tuple[int, int]:
