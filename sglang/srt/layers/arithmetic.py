@@ -10,8 +10,8 @@ picks, per CPU class, the GEMM for prefill, extend and decode batches above `--g
 bf16 where the CPU has native bf16, float32 otherwise. Where the CPU also has integer dot products (VNNI, AMX-INT8;
 for float32, on AVX512 CPUs), the int8 GEMM (layers/int8_linear.py) replaces that GEMM if a startup measurement on
 the model's shapes finds it at least `INT8_MIN_GAIN` times as fast (`gemms_to_measure`,
-model_loader/gemm_measurement.py). `--cpu-gemm` overrides that
-choice; `--dtype bfloat16` / `float32` still load the model in that dtype.
+model_loader/gemm_measurement.py). `--cpu-gemm` overrides that choice; `--dtype bfloat16` / `float32` still load
+the model in that dtype.
 
 The GGUF block kernels of small batches (and the fused decode step) multiply float32 activations by default. On a
 CPU with AVX512-VNNI, `--gguf-activations auto` quantizes the activations to int8 per 32-value block instead
@@ -66,7 +66,6 @@ AVX2 = "avx2"
 ARM_BF16 = "arm-bf16"
 OTHER = "other"
 
-_GEMM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 NATIVE_BF16_CLASSES = (AMX, AVX512_BF16, ARM_BF16)
 
 
@@ -179,8 +178,9 @@ def choose_arithmetic(
     made for a checkpoint without GGUF blocks and the KV cache dtype.
 
     `measurements` maps GEMM names to measured throughput (any unit); it decides only where the CPU flags do not:
-    between float32 and bfloat16 on a CPU this function does not classify, and between bfloat16 and int8 on a CPU
-    with native bf16 (int8 only at `INT8_MIN_GAIN` times bf16's rate or more).
+    between float32 and bfloat16 on a CPU this function does not classify, and between int8 and the GEMM the flags
+    pick where the CPU has integer dot products (`gemms_to_measure`; int8 only at `INT8_MIN_GAIN` times that GEMM's
+    rate or more).
     """
     if gguf_activations not in GGUF_ACTIVATIONS:
         raise ValueError(f"--gguf-activations must be one of {GGUF_ACTIVATIONS}, got {gguf_activations!r}")
