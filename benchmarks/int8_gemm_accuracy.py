@@ -243,13 +243,11 @@ def main() -> None:
     parser.add_argument("--alternatives", action="store_true", help="only the table of alternatives and the LM head")
     args = parser.parse_args()
     model, sequences = reference_model()
-    if args.alternatives:
-        base = teacher_forced_logprobs(model, sequences)
-        named = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n}
-        alternatives(model, sequences, base, named)
-        return
     base = teacher_forced_logprobs(model, sequences)
     layers = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lm_head" not in n}
+    if args.alternatives:
+        alternatives(model, sequences, base, layers)
+        return
     original = {n: m.forward for n, m in layers.items()}
     variants: dict[str, Callable[[str], Callable | None]] = {
         "bf16 everywhere": lambda n: bf16,

@@ -69,6 +69,10 @@ OTHER = "other"
 NATIVE_BF16_CLASSES = (AMX, AVX512_BF16, ARM_BF16)
 
 
+def _x86(machine: str) -> bool:
+    return machine.lower() in ("x86_64", "amd64")
+
+
 def cpu_class(flags: Iterable[str], machine: str = "x86_64") -> str:
     flags = frozenset(flags)
     if machine.lower() in ("aarch64", "arm64"):
@@ -199,7 +203,7 @@ def choose_arithmetic(
         act, why = "float32", f"--dtype {dtype}"
     elif cpu_gemm == "float32":
         act, why = "float32", "--cpu-gemm float32 asks for float32 arithmetic"
-    elif machine.lower() in ("x86_64", "amd64") and VNNI_FLAGS <= flags:
+    elif _x86(machine) and VNNI_FLAGS <= flags:
         act, why = "int8", "the CPU has AVX512-VNNI integer dot products"
     else:
         act, why = "float32", "no AVX512-VNNI on this CPU: float32 FMAs are the faster kernels"
@@ -231,7 +235,7 @@ def choose_prefill_attention(plan: ArithmeticPlan, flags: frozenset[str], machin
         return "float32", f"K/V are {dtype_name(plan.kv_dtype)}"
     if plan.large_batch_gemm == "float32" and requested == "auto":
         return "float32", "float32 GEMMs: float32 arithmetic"
-    if machine.lower() not in ("x86_64", "amd64") or not BF16_DOT_FLAGS <= flags:
+    if not _x86(machine) or not BF16_DOT_FLAGS <= flags:
         return "float32", "no AVX512-BF16 dot products on this CPU"
     if requested == "bfloat16":
         return "bfloat16", "--prefill-attention bfloat16"
@@ -367,7 +371,7 @@ def gemms_to_measure(device: str, dtype: str, cpu_gemm: str, flags: Iterable[str
     cls = cpu_class(flags, machine)
     if cls == OTHER:
         return ("float32", "bfloat16")
-    if machine.lower() not in ("x86_64", "amd64") or not int8_matmul_native(flags, machine):
+    if not _x86(machine) or not int8_matmul_native(flags, machine):
         return ()
     if cls in NATIVE_BF16_CLASSES:
         return ("bfloat16", "int8")
@@ -390,6 +394,6 @@ INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 
 def int8_matmul_native(flags: Iterable[str], machine: str = "x86_64") -> bool:
     """Whether the int8 GEMM calls torch._int_mm (True) or its exact float32 form (False)."""
-    if machine.lower() not in ("x86_64", "amd64"):
+    if not _x86(machine):
         return True
     return bool(INT8_DOT_FLAGS & frozenset(flags))

@@ -28,7 +28,7 @@ from typing import Optional, Union
 import torch
 
 from sglang.srt.layers.arithmetic import ArithmeticPlan, choose_arithmetic, gemms_to_measure
-from sglang.srt.layers.linear import DENSE, LinearMethod
+from sglang.srt.layers.linear import LinearMethod
 from sglang.srt.model_loader.dtype import read_cpu_flags
 from sglang.srt.model_loader.gemm_methods import method_factory
 
@@ -41,18 +41,15 @@ DEFAULT_MLP = (576, 1536)
 ROUNDS = 4
 
 
-def _method(gemm: str, weight: torch.Tensor) -> LinearMethod:
-    return DENSE if gemm == "float32" else method_factory(gemm)(weight)
-
-
 def _prepared(gemm: str, weights: list[torch.Tensor], rows: Sequence[int],
               gen: torch.Generator) -> Optional[list[tuple[LinearMethod, torch.Tensor, torch.Tensor]]]:
     """(method, weight, input) for each matmul, each called once (oneDNN picks and caches its kernels, a CPU
     extension is built); None where the method cannot run on this machine (a torch build without it)."""
     calls = []
     try:
+        make = method_factory(gemm)
         for w in weights:
-            method = _method(gemm, w)
+            method = make(w)
             for m in rows:
                 x = torch.randn(m, w.shape[1], generator=gen)
                 calls.append((method, w, x.to(method.input_dtype(m) or x.dtype)))

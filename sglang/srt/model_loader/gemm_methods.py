@@ -25,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 
 def method_factory(gemm: str) -> Callable[[torch.Tensor], LinearMethod]:
+    """Makes the linear method of a large-batch GEMM from a float32 weight (float32: the layer's own dense GEMM)."""
+    if gemm == "float32":
+        return lambda weight: DENSE
     if gemm == "bfloat16":
         return BF16LinearMethod
     if gemm == "int8":
