@@ -11,7 +11,8 @@ from server_fixtures import running_server
 
 from sglang import Engine
 from sglang.srt.layers import cpu_ops
-from sglang.srt.layers.arithmetic import BF16_DOT_FLAGS, VNNI_FLAGS
+from sglang.srt.layers.arithmetic import choose_arithmetic
+from sglang.srt.layers.cpu_classes import BF16_DOT_FLAGS, VNNI_FLAGS
 from sglang.srt.model_loader.dtype import read_cpu_flags
 from tests.conftest import SMOLLM2
 from tests.greedy_cases import BF16_MARGIN, GREEDY, PROMPTS, assert_same_or_near_tie, generate_ids, many_prompts
@@ -35,7 +36,12 @@ def test_bf16_prefill_then_quantized_decode_keeps_greedy_tokens(bf16_engine, ref
     assert info["arithmetic"]["weight_dtype"] == "float32"
     assert info["arithmetic"]["kv_cache_dtype"] == "float32"
     assert info["arithmetic"]["large_batch_gemm"] == "bfloat16"
-    assert info["arithmetic"]["small_batch_max_rows"] == 64  # the bf16 GEMM takes over above 64 rows
+    # The row limit above which the bf16 GEMM takes over depends on the CPU class (64 with AVX512-BF16 or on AVX2,
+    # 32 with AMX): the server reports what the plan gives for this machine's flags.
+    expected = choose_arithmetic("cpu", "auto", "bfloat16", read_cpu_flags())
+    rows = expected.small_batch_max_rows
+    assert info["arithmetic"]["small_batch_max_rows"] == rows
+    assert info["arithmetic"]["cpu_class"] == expected.cpu_class
     assert info["cpu_gemm"] == "bfloat16"
     assert [s["dp_rank"] for s in info["internal_states"]] == [0]
     # Decode batches quantize their activations to int8 where the CPU has AVX512-VNNI (float32 elsewhere).
@@ -48,12 +54,12 @@ def test_bf16_prefill_then_quantized_decode_keeps_greedy_tokens(bf16_engine, ref
     prompts = many_prompts(16)
     for prompt, ours, expected in zip(prompts, generate_ids(bf16_engine, prompts), reference(prompts)):
         assert_same_or_near_tie(smollm2_hf, smollm2_tokenizer, prompt, ours, expected, BF16_MARGIN)
-    # One at a time: a prompt of more rows than the small-batch limit (64) is prefilled by the bf16 GEMM, a short
-    # one by the quantized blocks; both then decode on the blocks.
+    # One at a time: a prompt of more rows than the small-batch limit is prefilled by the bf16 GEMM, a short one
+    # by the quantized blocks; both then decode on the blocks.
     long_prompt = " ".join(PROMPTS[1:] * 2)
-    assert len(smollm2_tokenizer.encode(long_prompt)) > info["arithmetic"]["small_batch_max_rows"]
-    assert len(smollm2_tokenizer.encode(PROMPTS[0])) < info["arithmetic"]["small_batch_max_rows"]
-    singles = [PROMPTS[0], long_prompt]
+    short_prompt = next(p for p in PROMPTS if len(smollm2_tokenizer.encode(p)) < rows)
+    assert len(smollm2_tokenizer.encode(long_prompt)) > rows
+    singles = [short_prompt, long_prompt]
     for prompt, expected in zip(singles, reference(singles)):
         ours = bf16_engine.generate(prompt=prompt, sampling_params=GREEDY)["output_ids"]
         assert_same_or_near_tie(smollm2_hf, smollm2_tokenizer, prompt, ours, expected, BF16_MARGIN)
