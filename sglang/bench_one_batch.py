@@ -128,13 +128,16 @@ def main() -> None:
                         help="Q8_0 blocks for the small batches of a checkpoint without GGUF blocks (see the server)")
     parser.add_argument("--prefill-attention", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="prefill attention over bf16 K/V (see --prefill-attention of the server)")
+    parser.add_argument("--large-batch-weights", default="auto", choices=["auto", "blocks", "dense"],
+                        help="what large batches of a checkpoint without GGUF blocks read (see the server)")
     args = parser.parse_args()
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     server_args = ServerArgs(model_path=args.model_path, dtype=args.dtype, cpu_gemm=args.cpu_gemm,
                              gguf_activations=args.gguf_activations,
                              small_batch_quantization=args.small_batch_quantization,
-                             prefill_attention=args.prefill_attention)
+                             prefill_attention=args.prefill_attention,
+                             large_batch_weights=args.large_batch_weights)
     info = load_model_info(server_args)
     need = max(args.batch_size) * (args.input_len + args.output_len) + 16
     runner, mem = build_runner(info, server_args.device, need, max(args.batch_size), args.gguf_kernel_max_rows)
@@ -143,10 +146,11 @@ def main() -> None:
         gemm = info.arithmetic.large_batch_gemm if info.arithmetic is not None else ""
         act = info.arithmetic.gguf_activations if info.arithmetic is not None else ""
         small = info.arithmetic.small_batch_quantization if info.arithmetic is not None else ""
+        large = info.arithmetic.large_batch_weights if info.arithmetic is not None else ""
         attention = info.arithmetic.prefill_attention if info.arithmetic is not None else ""
         result = {"dtype": str(info.dtype), "large_batch_gemm": gemm, "gguf_activations": act,
                   "prefill_attention": attention,
-                  "small_batch_quantization": small, "gguf": bool(info.gguf_path),
+                  "small_batch_quantization": small, "large_batch_weights": large, "gguf": bool(info.gguf_path),
                   "gguf_kernel_max_rows": runner.gguf_kernel_max_rows, "threads": torch.get_num_threads(),
                   **run_once(runner, mem, bs, args.input_len, args.output_len)}
         print(json.dumps(result))

@@ -13,16 +13,9 @@ import torch
 import torch.nn.functional as F
 from test_models import PagedCache, build_models, max_diff, prompt_of, tiny_config
 
-from sglang.srt.layers.arithmetic import (
-    AMX,
-    AVX2,
-    AVX512_BF16,
-    OTHER,
-    choose_arithmetic,
-    cpu_class,
-    head_small_batch_rows,
-)
+from sglang.srt.layers.arithmetic import choose_arithmetic, head_small_batch_rows
 from sglang.srt.layers.bf16_linear import BF16LinearMethod
+from sglang.srt.layers.cpu_classes import AMX, AVX2, AVX512_BF16, OTHER, cpu_class
 from sglang.srt.layers.int8_linear import Int8LinearMethod
 from sglang.srt.layers.linear import DENSE, Linear
 from sglang.srt.model_loader.dtype import parse_cpu_flags, read_cpu_flags

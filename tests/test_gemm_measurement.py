@@ -10,7 +10,8 @@ from test_cpu_arithmetic import AMX_FLAGS, AVX2_FLAGS, BF16_VNNI_FLAGS
 from test_models import tiny_config
 
 import sglang.srt.model_loader.gemm_measurement as gm
-from sglang.srt.layers.arithmetic import AMX, AVX2, AVX512_BF16, INT8_MIN_GAIN, choose_arithmetic, gemms_to_measure
+from sglang.srt.layers.arithmetic import INT8_MIN_GAIN, choose_arithmetic, gemms_to_measure
+from sglang.srt.layers.cpu_classes import AMX, AVX2, AVX512_BF16
 
 VNNI_NO_BF16_FLAGS = AVX2_FLAGS + "avx512f avx512bw avx512vl avx512_vnni".split()
 
@@ -44,14 +45,38 @@ def test_native_bf16_cpus_take_int8_only_where_measured_clearly_faster(flags, cl
                              measurements={"float32": 1, "bfloat16": 1, "int8": 99}).large_batch_gemm == "float32"
 
 
+def test_float32_measured_faster_than_bf16_serves_large_batches():
+    """An AVX512-BF16 CPU whose bf16 dot products run slower than its float32 FMAs (an Intel server part that hides
+    its AMX units): the measured float32 GEMM takes large batches, and the blocks of a plain checkpoint, which stay
+    its only copy, feed the float32 GEMM; int8 still needs its 1.1x over the faster of the two."""
+    plan = choose_arithmetic("cpu", "auto", "auto", BF16_VNNI_FLAGS,
+                             measurements={"float32": 300, "bfloat16": 160, "int8": 280})
+    assert (plan.large_batch_gemm, plan.block_gemm) == ("float32", "float32")
+    assert plan.reason.startswith("the float32 GEMM ran 1.88x the bf16 GEMM's rate in a startup measurement")
+    assert (plan.small_batch_quantization, plan.large_batch_weights) == ("q8_0", "blocks")
+    assert "the float32 GEMM over them" in plan.describe()
+    assert plan.prefill_attention == "float32" and plan.kv_dtype == torch.bfloat16
+    faster_int8 = choose_arithmetic("cpu", "auto", "auto", BF16_VNNI_FLAGS,
+                                    measurements={"float32": 300, "bfloat16": 160, "int8": 400})
+    assert (faster_int8.large_batch_gemm, faster_int8.block_gemm) == ("int8", "float32")
+    assert faster_int8.reason == "the int8 GEMM ran 1.33x the float32 GEMM's rate in a startup measurement"
+    bf16 = choose_arithmetic("cpu", "auto", "auto", BF16_VNNI_FLAGS,
+                             measurements={"float32": 190, "bfloat16": 840, "int8": 900})
+    assert (bf16.large_batch_gemm, bf16.block_gemm, bf16.reason) == (
+        "bfloat16", "bfloat16", "the CPU has native bf16 dot products (the int8 GEMM ran 1.07x its rate in a startup "
+                                "measurement)")
+
+
 def test_gemms_to_measure_per_cpu_class():
-    """Only what the flags leave open is measured: bf16 against int8 on native-bf16 CPUs with integer dot products,
-    float32 against bf16 on CPUs of no known class; nothing with an explicit --dtype / --cpu-gemm or off CPU."""
-    assert gemms_to_measure("cpu", "auto", "auto", BF16_VNNI_FLAGS) == ("bfloat16", "int8")
+    """Only what the flags leave open is measured: bf16 against int8 on native-bf16 CPUs with integer dot products
+    (and float32 against both where the bf16 dot products are AVX512-BF16's, without AMX: some such CPUs multiply
+    float32 faster), float32 against bf16 on CPUs of no known class; nothing with an explicit --dtype / --cpu-gemm or
+    off CPU."""
+    assert gemms_to_measure("cpu", "auto", "auto", BF16_VNNI_FLAGS) == ("float32", "bfloat16", "int8")
     assert gemms_to_measure("cpu", "auto", "auto", AMX_FLAGS) == ("bfloat16", "int8")
     no_vnni = [f for f in BF16_VNNI_FLAGS if f != "avx512_vnni"]
-    assert gemms_to_measure("cpu", "auto", "auto", no_vnni) == ()
-    assert gemms_to_measure("cpu", "auto", "auto", [*no_vnni, "avx_vnni"]) == ("bfloat16", "int8")
+    assert gemms_to_measure("cpu", "auto", "auto", no_vnni) == ("float32", "bfloat16")
+    assert gemms_to_measure("cpu", "auto", "auto", [*no_vnni, "avx_vnni"]) == ("float32", "bfloat16", "int8")
     # AVX512-VNNI without bf16 (Cascade Lake, Ice Lake): int8 against float32; an AVX2-only CPU measures nothing
     assert gemms_to_measure("cpu", "auto", "auto", VNNI_NO_BF16_FLAGS) == ("float32", "int8")
     assert gemms_to_measure("cpu", "auto", "auto", AVX2_FLAGS) == ()
@@ -120,7 +145,7 @@ def test_plan_for_this_machine_measures_on_the_model_shapes(monkeypatch):
     config = tiny_config("llama")
     plan = gm.plan_for_this_machine("cpu", "auto", "auto", hf_config=config, threads=1)
     assert plan.large_batch_gemm == "int8" and "1.80x" in plan.reason
-    assert calls == [(("bfloat16", "int8"), (config.hidden_size, config.intermediate_size), 1)]
+    assert calls == [(("float32", "bfloat16", "int8"), (config.hidden_size, config.intermediate_size), 1)]
     assert torch.get_num_threads() == threads
     # a node of a multi-node server decides from the flags alone
     unmeasured = gm.plan_for_this_machine("cpu", "auto", "auto", hf_config=config, measure=False)

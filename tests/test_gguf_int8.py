@@ -20,7 +20,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from sglang.srt.layers.arithmetic import VNNI_FLAGS  # noqa: E402
+from sglang.srt.layers.cpu_classes import VNNI_FLAGS  # noqa: E402
 from sglang.srt.layers.quantization import gguf_blocks as gb  # noqa: E402
 from sglang.srt.model_loader.dtype import read_cpu_flags  # noqa: E402
 from tests.test_gguf_kernels import random_raw, reference_dequantize  # noqa: E402

@@ -87,7 +87,7 @@ def test_outlier_column_count():
 
 
 def test_outliers_multiply_in_bf16_where_the_cpu_has_it():
-    from sglang.srt.layers.arithmetic import int8_outlier_dtype
+    from sglang.srt.layers.cpu_classes import int8_outlier_dtype
 
     avx2 = "fpu avx fma avx2".split()
     assert int8_outlier_dtype(avx2) == torch.float32
@@ -122,7 +122,7 @@ def test_int8_method_float32_form_gives_the_same_output():
 
 
 def test_int8_matmul_native_where_the_cpu_has_integer_dot_products():
-    from sglang.srt.layers.arithmetic import int8_matmul_native
+    from sglang.srt.layers.cpu_classes import int8_matmul_native
 
     avx2 = "fpu avx fma avx2".split()
     assert not int8_matmul_native(avx2)

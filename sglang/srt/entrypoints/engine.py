@@ -206,6 +206,7 @@ def engine_server_info(server_args: ServerArgs, states: list[SchedulerState]) ->
         max_total_num_tokens=state["max_total_num_tokens"],
         max_req_input_len=state["max_req_input_len"],
         arithmetic=state["arithmetic"],
+        weights={"bytes": state["weight_bytes"], "by_format": state["weights"]},
         internal_states=[s.to_dict() for s in states],
         version=_version(),
     )

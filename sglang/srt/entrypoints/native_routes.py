@@ -132,6 +132,7 @@ async def server_info(request: Request):
         max_total_num_tokens=internal.info.max_total_num_tokens,
         max_req_input_len=internal.info.max_req_input_len,
         arithmetic=internal.info.arithmetic,
+        weights={"bytes": internal.info.weight_bytes, "by_format": internal.info.weights},
         internal_states=[{
             "dp_rank": s.info.dp_rank,
             "last_gen_throughput": s.last_gen_throughput,

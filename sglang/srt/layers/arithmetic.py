@@ -33,8 +33,15 @@ plan is not float32 (`prefill_attention`, layers/csrc/extend_attention_bf16.h; `
 scaled queries and the softmax weights are rounded to bf16 like a bf16 GEMM's inputs, 1.7-2x faster than the float32
 kernel (benchmarks/RESULTS.md, 2026-11-25). Elsewhere the kernel computes in float32.
 
+Where such a checkpoint's blocks are made and the CPU has native bf16, they are its only weights
+(`--large-batch-weights auto|blocks|dense`, `choose_large_batch_weights`): large batches convert them a slab at a
+time for the float32 or bf16 GEMM, whichever is faster (`block_gemm`; layers/quantization/block_gemm.py), instead of
+keeping a float32 copy and a GEMM copy. On a CPU with AVX512-BF16 but no AMX the startup measurement also times the
+float32 GEMM against the bf16 one: some such CPUs multiply float32 faster.
+
 `choose_arithmetic` is a pure function of its inputs (CPU flags, measurements) so every CPU class can be tested on
-any machine; `read_cpu_flags` (model_loader/dtype.py) is the one place that reads /proc/cpuinfo, and
+any machine (the classes: layers/cpu_classes.py); `read_cpu_flags` (model_loader/dtype.py) is the one place that
+reads /proc/cpuinfo, and
 model_loader/gemm_measurement.py measures and makes this machine's plan.
 """
 
@@ -47,45 +54,26 @@ from typing import Optional, Union
 
 import torch
 
+from sglang.srt.layers.cpu_classes import (
+    AMX,
+    AVX2,
+    AVX512_BF16,
+    BF16_DOT_FLAGS,
+    NATIVE_BF16_CLASSES,
+    OTHER,
+    VNNI_FLAGS,
+    cpu_class,
+    int8_matmul_native,
+    is_x86,
+)
 from sglang.srt.mem_cache.kv_dtype import resolve_kv_cache_dtype
 from sglang.srt.model_loader.dtype import dtype_name, resolve_dtype
 
 CPU_GEMMS = ("auto", "float32", "bfloat16", "int8")
 GGUF_ACTIVATIONS = ("auto", "float32", "int8")
 SMALL_BATCH_QUANTIZATIONS = ("auto", "none", "q8_0")
+LARGE_BATCH_WEIGHTS = ("auto", "blocks", "dense")
 PREFILL_ATTENTIONS = ("auto", "float32", "bfloat16")
-# What the int8-activation kernels need (names as in /proc/cpuinfo).
-VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
-# What the bf16 dot products of prefill attention need.
-BF16_DOT_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
-
-# CPU classes, from the flags that decide which GEMM is fastest.
-AMX = "amx"
-AVX512_BF16 = "avx512-bf16"
-AVX2 = "avx2"
-ARM_BF16 = "arm-bf16"
-OTHER = "other"
-
-NATIVE_BF16_CLASSES = (AMX, AVX512_BF16, ARM_BF16)
-
-
-def _x86(machine: str) -> bool:
-    return machine.lower() in ("x86_64", "amd64")
-
-
-def cpu_class(flags: Iterable[str], machine: str = "x86_64") -> str:
-    flags = frozenset(flags)
-    if machine.lower() in ("aarch64", "arm64"):
-        return ARM_BF16 if "bf16" in flags else OTHER
-    if "amx_bf16" in flags:
-        return AMX
-    if "avx512_bf16" in flags:
-        return AVX512_BF16
-    if "avx2" in flags:
-        return AVX2
-    return OTHER
-
-
 @dataclass(frozen=True)
 class ArithmeticPlan:
     device: str
@@ -94,6 +82,9 @@ class ArithmeticPlan:
     # GEMM for prefill / extend / decode batches above the small-batch row limit: float32 | bfloat16 | int8
     large_batch_gemm: str
     reason: str
+    # the float GEMM that large batches run over quantized blocks (layers/quantization/block_gemm.py): the faster of
+    # float32 / bf16 (large_batch_gemm itself unless that is int8, which needs a copy of its own)
+    block_gemm: str = "bfloat16"
     # --kv-cache-dtype resolved (choose_kv_cache_dtype); None: the KV cache uses the weight dtype
     kv_cache_dtype: Optional[torch.dtype] = None
     kv_cache_dtype_reason: str = ""
@@ -102,6 +93,10 @@ class ArithmeticPlan:
     gguf_activations_reason: str = ""
     # blocks made at load for the small batches of a model without GGUF blocks: none | q8_0
     small_batch_quantization: str = "none"
+    # what the large batches of such a checkpoint read: blocks (the Q8_0 blocks through a bf16 GEMM, one copy of the
+    # weights) | dense (float32 weights and the large-batch GEMM's own copy)
+    large_batch_weights: str = "dense"
+    large_batch_weights_reason: str = ""
     # the most rows a matmul (and a decode batch, in the fused step) takes on the quantized blocks; above it the
     # large-batch GEMM and the layer-by-layer path. --gguf-kernel-max-rows overrides it.
     small_batch_max_rows: int = 64
@@ -122,8 +117,18 @@ class ArithmeticPlan:
         return (f"Arithmetic: {where}; {stored}; prefill and large batches "
                 f"{self.large_batch_gemm} GEMM ({self.reason}); GGUF blocks with {self.gguf_activations} "
                 f"activations ({self.gguf_activations_reason}) up to {self.small_batch_max_rows} rows; "
-                f"checkpoints without GGUF blocks: {self.small_batch_quantization} blocks for small batches; "
+                f"checkpoints without GGUF blocks: {self._plain_checkpoints()}; "
                 f"prefill attention {self.prefill_attention} ({self.prefill_attention_reason})")
+
+    def _plain_checkpoints(self) -> str:
+        if self.large_batch_weights == "blocks":
+            if self.large_batch_gemm == "int8":
+                return (f"{self.small_batch_quantization} blocks for small batches and an int8 copy for large ones, "
+                        f"no float weights ({self.large_batch_weights_reason})")
+            name = "bf16" if self.block_gemm == "bfloat16" else self.block_gemm
+            return (f"{self.small_batch_quantization} blocks for every batch, the {name} GEMM over them for large "
+                    f"ones ({self.large_batch_weights_reason})")
+        return f"{self.small_batch_quantization} blocks for small batches"
 
     def to_dict(self) -> dict[str, Union[str, int]]:
         return {
@@ -136,6 +141,9 @@ class ArithmeticPlan:
             "gguf_activations": self.gguf_activations,
             "gguf_activations_reason": self.gguf_activations_reason,
             "small_batch_quantization": self.small_batch_quantization,
+            "large_batch_weights": self.large_batch_weights,
+            "large_batch_weights_reason": self.large_batch_weights_reason,
+            "block_gemm": self.block_gemm,
             "small_batch_max_rows": self.small_batch_max_rows,
             "prefill_attention": self.prefill_attention,
             "prefill_attention_reason": self.prefill_attention_reason,
@@ -177,6 +185,7 @@ def choose_arithmetic(
     small_batch_quantization: str = "auto",
     kv_cache_dtype: str = "auto",
     prefill_attention: str = "auto",
+    large_batch_weights: str = "auto",
 ) -> ArithmeticPlan:
     """The arithmetic for a server: model dtype, the large-batch GEMM, the GGUF kernels' activations, the blocks
     made for a checkpoint without GGUF blocks and the KV cache dtype.
@@ -193,6 +202,8 @@ def choose_arithmetic(
     if small_batch_quantization not in SMALL_BATCH_QUANTIZATIONS:
         raise ValueError(f"--small-batch-quantization must be one of {SMALL_BATCH_QUANTIZATIONS}, "
                          f"got {small_batch_quantization!r}")
+    if large_batch_weights not in LARGE_BATCH_WEIGHTS:
+        raise ValueError(f"--large-batch-weights must be one of {LARGE_BATCH_WEIGHTS}, got {large_batch_weights!r}")
     flags = frozenset(cpu_flags)
     plan = _choose_gemm(device, dtype, cpu_gemm, flags, machine, measurements, config_dtype)
     if gguf_activations != "auto":
@@ -203,23 +214,54 @@ def choose_arithmetic(
         act, why = "float32", f"--dtype {dtype}"
     elif cpu_gemm == "float32":
         act, why = "float32", "--cpu-gemm float32 asks for float32 arithmetic"
-    elif _x86(machine) and VNNI_FLAGS <= flags:
+    elif is_x86(machine) and VNNI_FLAGS <= flags:
         act, why = "int8", "the CPU has AVX512-VNNI integer dot products"
     else:
         act, why = "float32", "no AVX512-VNNI on this CPU: float32 FMAs are the faster kernels"
     if small_batch_quantization == "auto":
-        # where a reduced-precision GEMM already serves large batches (a float32 plan stays float32)
-        on = plan.cpu_class != "" and plan.weight_dtype == torch.float32 and plan.large_batch_gemm != "float32"
+        # where a reduced-precision GEMM already serves large batches, or the automatic plan of a CPU with native bf16
+        # measured float32 faster; a float32 plan asked for, or an AVX2 CPU's, stays float32
+        native = automatic(dtype, cpu_gemm) and plan.cpu_class in NATIVE_BF16_CLASSES
+        on = plan.cpu_class != "" and plan.weight_dtype == torch.float32 and (
+            plan.large_batch_gemm != "float32" or native)
         small_batch_quantization = "q8_0" if on else "none"
     elif small_batch_quantization == "q8_0" and (plan.cpu_class == "" or plan.weight_dtype != torch.float32):
         raise ValueError("--small-batch-quantization q8_0 needs float32 weights on CPU (--dtype auto or float32)")
+    if plan.large_batch_gemm in ("float32", "bfloat16"):
+        plan = dataclasses.replace(plan, block_gemm=plan.large_batch_gemm)
+    elif plan.cpu_class not in NATIVE_BF16_CLASSES:
+        plan = dataclasses.replace(plan, block_gemm="float32")
     kv, kv_why = choose_kv_cache_dtype(kv_cache_dtype, plan, dtype, cpu_gemm)
+    weights, weights_why = choose_large_batch_weights(large_batch_weights, plan, small_batch_quantization)
     plan = dataclasses.replace(plan, gguf_activations=act, gguf_activations_reason=why,
-                               small_batch_quantization=small_batch_quantization,
+                               small_batch_quantization=small_batch_quantization, large_batch_weights=weights,
+                               large_batch_weights_reason=weights_why,
                                small_batch_max_rows=small_batch_rows(plan, flags, act), kv_cache_dtype=kv,
                                kv_cache_dtype_reason=kv_why)
     attention, attention_why = choose_prefill_attention(plan, flags, machine, prefill_attention)
     return dataclasses.replace(plan, prefill_attention=attention, prefill_attention_reason=attention_why)
+
+
+def choose_large_batch_weights(requested: str, plan: ArithmeticPlan, small_batch_quantization: str) -> tuple[str, str]:
+    """Whether the large batches of a checkpoint without GGUF blocks multiply its Q8_0 blocks (converted a slab at a
+    time for the `block_gemm` GEMM, float32 or bf16: layers/quantization/block_gemm.py) instead of a float32 copy of
+    the weights and the large-batch GEMM's own copy. `auto`: blocks wherever the plan makes the blocks and the CPU
+    has native bf16: the model then holds ~1.06 bytes per weight instead of 4 + 1.06 + the GEMM copy's 1-2, and runs
+    large batches at 0.9-1.04x the rate of the faster dense copy (benchmarks/RESULTS.md, 2026-11-27). Where the int8
+    GEMM was measured fastest its copy stays beside the blocks (2.1 bytes per weight in all: the int8 GEMM ran
+    2.2x the float32 GEMM there), its outlier columns read from the blocks."""
+    if requested == "dense":
+        return "dense", "--large-batch-weights dense"
+    if small_batch_quantization != "q8_0":
+        if requested == "blocks":
+            raise ValueError("--large-batch-weights blocks needs Q8_0 blocks for small batches "
+                             "(--small-batch-quantization q8_0, or auto on a CPU with native bf16)")
+        return "dense", "no blocks are made for small batches"
+    if requested == "blocks":
+        return "blocks", "--large-batch-weights blocks"
+    if plan.cpu_class not in NATIVE_BF16_CLASSES:
+        return "dense", "this CPU class keeps its float32 plan"
+    return "blocks", "one copy of the weights"
 
 
 def choose_prefill_attention(plan: ArithmeticPlan, flags: frozenset[str], machine: str,
@@ -235,7 +277,7 @@ def choose_prefill_attention(plan: ArithmeticPlan, flags: frozenset[str], machin
         return "float32", f"K/V are {dtype_name(plan.kv_dtype)}"
     if plan.large_batch_gemm == "float32" and requested == "auto":
         return "float32", "float32 GEMMs: float32 arithmetic"
-    if not _x86(machine) or not BF16_DOT_FLAGS <= flags:
+    if not is_x86(machine) or not BF16_DOT_FLAGS <= flags:
         return "float32", "no AVX512-BF16 dot products on this CPU"
     if requested == "bfloat16":
         return "bfloat16", "--prefill-attention bfloat16"
@@ -343,6 +385,9 @@ def _choose_gemm(
     int8_open = "int8" in gemms_to_measure(device, dtype, cpu_gemm, cpu_flags, machine)
     if cls in NATIVE_BF16_CLASSES:
         base, why = "bfloat16", "the CPU has native bf16 dot products"
+        over = _gain(measurements or {}, "float32", "bfloat16")
+        if over is not None and over > 1:
+            base, why = "float32", f"the float32 GEMM ran {over:.2f}x the bf16 GEMM's rate in a startup measurement"
     elif int8_open:
         base, why = "float32", "no native bf16 on this CPU"
     else:
@@ -351,18 +396,21 @@ def _choose_gemm(
     name = "bf16" if base == "bfloat16" else base
     if gain is not None and gain >= INT8_MIN_GAIN:
         return ArithmeticPlan(device, cls, weight_dtype, "int8",
-                              f"the int8 GEMM ran {gain:.2f}x the {name} GEMM's rate in a startup measurement")
+                              f"the int8 GEMM ran {gain:.2f}x the {name} GEMM's rate in a startup measurement",
+                              block_gemm=base)
     measured = "" if gain is None else f" (the int8 GEMM ran {gain:.2f}x its rate in a startup measurement)"
-    return ArithmeticPlan(device, cls, weight_dtype, base, why + measured)
+    return ArithmeticPlan(device, cls, weight_dtype, base, why + measured, block_gemm=base)
 
 
 def gemms_to_measure(device: str, dtype: str, cpu_gemm: str, flags: Iterable[str],
                      machine: str = "x86_64") -> tuple[str, ...]:
     """The large-batch GEMMs whose order the CPU flags leave open, which the plan measures at startup
     (model_loader/gemm_measurement.py); () where the flags settle it, or --dtype / --cpu-gemm do:
-    - float32 against bf16 on a CPU of no known class;
+    - float32 against bf16 on a CPU of no known class, and on an x86 CPU with AVX512-BF16 but no AMX, whose bf16 dot
+      products may be slower than its float32 FMAs (an Intel server part that hides its AMX units: 0.5x; AMD Zen 4:
+      ~4x; benchmarks/RESULTS.md, 2026-11-27);
     - on an x86 CPU with integer dot products that torch._int_mm uses (AVX512-VNNI, AVX-VNNI, AMX-INT8), the int8
-      GEMM against the GEMM the flags pick: bf16 where the CPU has native bf16 (AVX512-BF16, AMX), float32 on an
+      GEMM against the GEMM the flags pick (or those two): bf16 where the CPU has native bf16, float32 on an
       AVX512 CPU without it (AVX512-VNNI without BF16: Cascade Lake, Ice Lake). A CPU whose widest FMAs are AVX2's
       keeps float32, whose blocks serve up to 2,048 rows there (`small_batch_rows`)."""
     flags = frozenset(flags)
@@ -371,29 +419,13 @@ def gemms_to_measure(device: str, dtype: str, cpu_gemm: str, flags: Iterable[str
     cls = cpu_class(flags, machine)
     if cls == OTHER:
         return ("float32", "bfloat16")
-    if not _x86(machine) or not int8_matmul_native(flags, machine):
+    x86_int8 = is_x86(machine) and int8_matmul_native(flags, machine)
+    if cls == AVX512_BF16 and is_x86(machine):
+        return ("float32", "bfloat16", "int8") if x86_int8 else ("float32", "bfloat16")
+    if not x86_int8:
         return ()
     if cls in NATIVE_BF16_CLASSES:
         return ("bfloat16", "int8")
     if cls == AVX2 and "avx512f" in flags:
         return ("float32", "int8")
     return ()
-
-
-def int8_outlier_dtype(flags: Iterable[str], machine: str = "x86_64") -> torch.dtype:
-    """What the int8 GEMM multiplies its largest input columns in (layers/int8_linear.py): bf16 where the CPU has
-    native bf16 dot products, float32 elsewhere."""
-    return torch.bfloat16 if cpu_class(flags, machine) in NATIVE_BF16_CLASSES else torch.float32
-
-
-# Flags under which torch._int_mm multiplies in integer dot-product instructions (AVX512-VNNI, AVX-VNNI, AMX).
-# Elsewhere on x86 it runs a generic loop at 2-4 GOP/s (benchmarks/RESULTS.md, 2026-11-26 evening), and the int8
-# GEMM multiplies the same int8 values as float32 instead, exactly (layers/int8_linear.int8_matmul).
-INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
-
-
-def int8_matmul_native(flags: Iterable[str], machine: str = "x86_64") -> bool:
-    """Whether the int8 GEMM calls torch._int_mm (True) or its exact float32 form (False)."""
-    if not _x86(machine):
-        return True
-    return bool(INT8_DOT_FLAGS & frozenset(flags))

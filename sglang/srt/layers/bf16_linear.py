@@ -92,3 +92,7 @@ class BF16LinearMethod(LinearMethod):
 
     def describe(self) -> str:
         return "bf16 GEMM" + (" (prepacked)" if self.packed is not None else "")
+
+    @property
+    def weight_format(self) -> str:
+        return "bfloat16 GEMM copies"

@@ -28,8 +28,9 @@ from typing import Optional
 import torch
 
 from sglang.srt.layers import cpu_ops
-from sglang.srt.layers.arithmetic import int8_matmul_native, int8_outlier_dtype
+from sglang.srt.layers.cpu_classes import int8_matmul_native, int8_outlier_dtype
 from sglang.srt.layers.linear import LinearMethod
+from sglang.srt.layers.quantization.gguf_blocks import GGUFQuantWeight
 from sglang.srt.model_loader.dtype import read_cpu_flags
 
 # How many input columns stay out of the int8 product: 64 for SmolLM2's 576 and 1536 (measured), at most 1/8 of K.
@@ -97,11 +98,16 @@ def rescale_add(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
 
 
 class Int8LinearMethod(LinearMethod):
-    def __init__(self, weight: torch.Tensor, outlier_dtype: torch.dtype = torch.float32, native: bool = True) -> None:
+    """`columns`: where the outlier columns' weights come from when the layer keeps no float weight of its own (its
+    GGUF blocks: model_loader/q8_blocks.py); the layer's weight otherwise."""
+
+    def __init__(self, weight: torch.Tensor, outlier_dtype: torch.dtype = torch.float32, native: bool = True,
+                 columns: Optional[GGUFQuantWeight] = None, out_dtype: Optional[torch.dtype] = None) -> None:
         q, scale = quantize_rows(weight.detach().float())
         self.weight_t = q.t().contiguous()  # [K, N], the layout _int_mm takes
         self.weight_scale = scale.view(1, -1)
-        self.out_dtype = weight.dtype
+        self.out_dtype = out_dtype or weight.dtype
+        self.columns = columns
         self.outlier_dtype = outlier_dtype
         self.outliers = outlier_columns(weight.shape[1])
         self.native = native  # torch._int_mm, or its exact float32 form (int8_matmul)
@@ -114,7 +120,8 @@ class Int8LinearMethod(LinearMethod):
         acc = int8_matmul(xq, self.weight_t, native=not exact_float)
         outliers = None
         if self.outliers:
-            w_cols = weight.index_select(1, cols).to(self.outlier_dtype)
+            source = weight.index_select(1, cols) if self.columns is None else self.columns.columns(cols)
+            w_cols = source.to(self.outlier_dtype)
             outliers = torch.mm(xo.to(self.outlier_dtype), w_cols.t())
         out = rescale_add(acc, xs, self.weight_scale, outliers).to(self.out_dtype)
         if bias is not None:
@@ -125,15 +132,20 @@ class Int8LinearMethod(LinearMethod):
     def nbytes(self) -> int:
         return self.weight_t.numel() + self.weight_scale.numel() * 4
 
+    @property
+    def weight_format(self) -> str:
+        return "int8 GEMM copies"
+
     def describe(self) -> str:
         how = "" if self.native else ", multiplied as exact float32 GEMMs"
         return (f"int8 GEMM (per-token activation scales, the {self.outliers} largest input columns in "
                 f"{'bf16' if self.outlier_dtype == torch.bfloat16 else 'float32'}{how})")
 
 
-def method_for_this_cpu() -> Callable[[torch.Tensor], Int8LinearMethod]:
+def method_for_this_cpu() -> Callable[..., Int8LinearMethod]:
     """Makes Int8LinearMethods with this CPU's choices: the outlier columns in bf16 where it has native bf16, and
-    torch._int_mm where it has integer dot products (its exact float32 form elsewhere); layers/arithmetic.py."""
+    torch._int_mm where it has integer dot products (its exact float32 form elsewhere); layers/arithmetic.py. The
+    maker takes the weight and, optionally, Int8LinearMethod's `columns` and `out_dtype`."""
     flags, machine = read_cpu_flags(), platform.machine()
     outlier_dtype, native = int8_outlier_dtype(flags, machine), int8_matmul_native(flags, machine)
-    return lambda weight: Int8LinearMethod(weight, outlier_dtype, native)
+    return lambda weight, **kw: Int8LinearMethod(weight, outlier_dtype, native, **kw)

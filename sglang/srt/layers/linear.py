@@ -41,6 +41,11 @@ class LinearMethod(ABC):
     def describe(self) -> str:
         return type(self).__name__
 
+    @property
+    def weight_format(self) -> str:
+        """What the weight copy this method holds is, for the weights report (model_loader/weight_report.py)."""
+        return self.describe()
+
 
 class DenseLinearMethod(LinearMethod):
     """The framework GEMM on the float weight (MKL / oneDNN on CPU, cuBLAS on CUDA)."""

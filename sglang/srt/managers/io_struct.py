@@ -73,6 +73,8 @@ class SchedulerInfo:
     arithmetic: dict[str, Union[str, int]] = field(default_factory=dict)
     # The data-parallel replica this scheduler is (0 without --dp-size).
     dp_rank: int = 0
+    # The weights held, bytes by format (model_loader/weight_report.py); they add up to weight_bytes.
+    weights: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,13 @@ from sglang.srt.layers.sampler import SampleOutput, Sampler, compute_logprobs
 from sglang.srt.mem_cache.kv_pool import KVPool
 from sglang.srt.mem_cache.memory_pools import KVCacheSpec
 from sglang.srt.model_executor.decode_strategy import DecodePlan, plan_decode
-from sglang.srt.model_loader.gemm_methods import attach_large_batch_gemm
+from sglang.srt.model_loader.dtype import checkpoint_dtype
+from sglang.srt.model_loader.gemm_methods import attach_large_batch_gemm, blocks_large_method
 from sglang.srt.model_loader.gguf_quant import attach_gguf_quant_weights
 from sglang.srt.model_loader.loader import load_model
 from sglang.srt.model_loader.pooling_config import read_pooling_config
-from sglang.srt.model_loader.q8_blocks import attach_q8_0_blocks
+from sglang.srt.model_loader.q8_blocks import attach_q8_0_blocks, keep_linears_in
+from sglang.srt.model_loader.weight_report import describe_weights, weight_bytes_by_format
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 logger = logging.getLogger(__name__)
@@ -44,6 +46,29 @@ class StepOutput:
     input_logprobs: Optional[torch.Tensor]
 
 
+def blocks_only(gguf_path: Optional[str], gguf_kernel_max_rows: int, arithmetic: Optional[ArithmeticPlan],
+                device: torch.device) -> bool:
+    """Whether the plan serves every batch of this checkpoint from Q8_0 blocks made at load (one copy of the
+    weights: model_loader/q8_blocks.py), so that its linear weights may load in the checkpoint's own dtype."""
+    return (arithmetic is not None and arithmetic.large_batch_weights == "blocks" and not gguf_path
+            and gguf_kernel_max_rows > 0 and device.type == "cpu" and arithmetic.weight_dtype == torch.float32)
+
+
+def load_for_plan(model_dir: str, dtype: torch.dtype, device: torch.device, gguf_path: Optional[str],
+                  gguf_kernel_max_rows: int, arithmetic: Optional[ArithmeticPlan], config: Any = None) -> Any:
+    """The model of `model_dir` loaded as the plan serves it: where blocks serve every batch, the linear weights
+    are read in the checkpoint's dtype (bf16 / fp16), never widened to float32 in full."""
+    prepare = None
+    if blocks_only(gguf_path, gguf_kernel_max_rows, arithmetic, device):
+        stored = checkpoint_dtype(config if config is not None else model_dir)
+        if stored in (torch.bfloat16, torch.float16):
+            def prepare(meta_model: Any) -> None:
+                reason = keep_linears_in(meta_model, stored)
+                if reason is not None:
+                    logger.info("Linear weights load as %s: %s", dtype, reason)
+    return load_model(model_dir, dtype, device, config=config, prepare=prepare)
+
+
 def attach_fast_paths(model: Any, gguf_path: Optional[str], hf_config: Any, gguf_kernel_max_rows: int,
                       arithmetic: Optional[ArithmeticPlan]) -> int:
     """Give a freshly loaded model its derived weight copies (GGUF blocks for small batches, the large-batch GEMM
@@ -52,13 +77,19 @@ def attach_fast_paths(model: Any, gguf_path: Optional[str], hf_config: Any, gguf
     quant_bytes = 0
     if gguf_path and gguf_kernel_max_rows > 0 and param.device.type == "cpu":
         quant_bytes = attach_gguf_quant_weights(model, gguf_path, hf_config, gguf_kernel_max_rows)
+    only_blocks = False
     if quant_bytes == 0 and arithmetic is not None and arithmetic.small_batch_quantization == "q8_0":
-        quant_bytes = attach_q8_0_blocks(model, gguf_kernel_max_rows)
-    if arithmetic is not None and param.device.type == "cpu" and param.dtype == torch.float32:
+        only_blocks = blocks_only(gguf_path, gguf_kernel_max_rows, arithmetic, param.device)
+        large = blocks_large_method(arithmetic.large_batch_gemm, arithmetic.block_gemm) if only_blocks else None
+        quant_bytes = attach_q8_0_blocks(model, gguf_kernel_max_rows, large)
+        only_blocks = only_blocks and quant_bytes > 0
+    if (arithmetic is not None and not only_blocks and param.device.type == "cpu"
+            and param.dtype == torch.float32):
         quant_bytes += attach_large_batch_gemm(model, arithmetic.large_batch_gemm)
     if arithmetic is not None:
         set_gguf_activations(model, arithmetic.gguf_activations)
     return quant_bytes
+
 
 
 class ModelRunner:
@@ -76,11 +107,13 @@ class ModelRunner:
         self.dtype = dtype
         self.hf_config = hf_config
         self.gguf_kernel_max_rows = gguf_kernel_max_rows
-        self.model = load_model(model_dir, dtype, self.device)
+        self.model = load_for_plan(model_dir, dtype, self.device, gguf_path, gguf_kernel_max_rows, arithmetic)
         self.arithmetic = arithmetic
         self.quant_bytes = attach_fast_paths(self.model, gguf_path, hf_config, gguf_kernel_max_rows, arithmetic)
         self.vocab_size = hf_config.get_text_config().vocab_size
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.weights_by_format: dict[str, int] = {}
+        self.weight_bytes = 0
+        self.account_weights()
         self.attn_backend = TorchSDPABackend()
         if arithmetic is not None and self.device.type == "cpu" and cpu_ops.available():
             cpu_ops.set_extend_attention_bf16(arithmetic.prefill_attention == "bfloat16")
@@ -90,6 +123,13 @@ class ModelRunner:
         self.pooling_output: Optional[str] = getattr(self.model, "pooling_output", None)
         self.is_encoder = bool(getattr(self.model, "is_encoder", False))
         self.pooler = Pooler(read_pooling_config(model_dir, self.is_encoder))
+
+    def account_weights(self) -> None:
+        """Count the served model's weights by format (every form held: parameters, blocks, GEMM copies) and log
+        them in the one `Weights:` line."""
+        self.weights_by_format = weight_bytes_by_format(self.model)
+        self.weight_bytes = sum(self.weights_by_format.values())
+        logger.info(describe_weights(self.model))
 
     def kv_cache_spec(self) -> KVCacheSpec:
         config = self.hf_config.get_text_config()  # the decoder's settings, also for vision-language configs

@@ -24,8 +24,7 @@ from torch import nn
 from sglang.srt.layers.linear import MergedLinear
 from sglang.srt.layers.pooler import Pooler
 from sglang.srt.mem_cache.kv_pool import KVPool
-from sglang.srt.model_executor.model_runner import ModelRunner, attach_fast_paths
-from sglang.srt.model_loader.loader import load_model
+from sglang.srt.model_executor.model_runner import ModelRunner, attach_fast_paths, load_for_plan
 from sglang.srt.model_loader.pooling_config import read_pooling_config
 from sglang.srt.model_loader.resolve import ModelNotFoundError, gguf_source_for, resolve_model_path
 from sglang.srt.model_loader.weights import weight_files
@@ -78,7 +77,8 @@ def replace_weights(runner: ModelRunner, kv_pool: KVPool, model_path: str, load_
     serving = runner.model
     config = getattr(serving, "config", None)
     try:
-        new_model: Any = load_model(model_dir, runner.dtype, runner.device, config=config)
+        new_model: Any = load_for_plan(model_dir, runner.dtype, runner.device, gguf_path, runner.gguf_kernel_max_rows,
+                                       runner.arithmetic, config=config)
         _check_same_parameters(serving, new_model)
         quant_bytes = attach_fast_paths(new_model, gguf_path, runner.hf_config, runner.gguf_kernel_max_rows,
                                         runner.arithmetic)
@@ -86,23 +86,40 @@ def replace_weights(runner: ModelRunner, kv_pool: KVPool, model_path: str, load_
     except Exception as e:  # any load error: the serving model was never touched
         logger.warning("Weight update from %s failed: %s", model_path, e)
         raise WeightUpdateError(f"Failed to update weights: {e}.\nRolling back to original weights.") from e
-    saved = (runner.model, runner.quant_bytes, runner.weight_bytes, runner.pooler)
+    saved = (runner.model, runner.quant_bytes, runner.pooler)
     runner.model, runner.quant_bytes, runner.pooler = new_model, quant_bytes, pooler
-    runner.weight_bytes = sum(p.numel() * p.element_size() for p in new_model.parameters())
+    runner.account_weights()
     try:
         runner.bind_kv_pool(kv_pool)  # the old fused step points into the old blocks: plan again
     except Exception as e:
-        runner.model, runner.quant_bytes, runner.weight_bytes, runner.pooler = saved
+        runner.model, runner.quant_bytes, runner.pooler = saved
+        runner.account_weights()
         runner.bind_kv_pool(kv_pool)
         raise WeightUpdateError(f"Failed to update weights: {e}.\nRolling back to original weights.") from e
     del saved, serving
     gc.collect()
 
 
+def _served_values(model: nn.Module, module_name: str, param: torch.Tensor) -> torch.Tensor:
+    """A parameter's values; for a layer whose blocks alone serve it (a meta placeholder: model_loader/q8_blocks.py),
+    the blocks' dequantized values."""
+    if param.device.type != "meta":
+        return param
+    module = model.get_submodule(module_name)
+    method = getattr(module, "linear_method", None)
+    if method is None and module is getattr(model, "lm_head", None):
+        method = getattr(getattr(model, "logits_processor", None), "head_method", None)
+    quant_weight = getattr(method, "quant_weight", None)
+    if quant_weight is None:
+        raise KeyError(f"Parameter {module_name} holds no values in the served model.")
+    return quant_weight.dequantize()
+
+
 def checkpoint_tensor(model: nn.Module, name: str) -> torch.Tensor:
     """The tensor a checkpoint stores under `name`: a parameter, or its rows of a fused q/k/v or gate/up one."""
     try:
-        return model.get_parameter(name)
+        param = model.get_parameter(name)
+        return _served_values(model, name.rsplit(".", 1)[0], param)
     except AttributeError:
         pass
     for prefix, module in model.named_modules():
@@ -112,7 +129,7 @@ def checkpoint_tensor(model: nn.Module, name: str) -> torch.Tensor:
         for leaf, param in module.named_parameters(recurse=False):
             for shard_name, (start, size) in module.shard_rows.items():
                 if name == (f"{parent}.{shard_name}.{leaf}" if parent else f"{shard_name}.{leaf}"):
-                    return param.narrow(0, start, size)
+                    return _served_values(model, prefix, param).narrow(0, start, size)
     raise KeyError(f"Parameter {name} not found in the served model.")
 
 

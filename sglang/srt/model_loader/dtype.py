@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import json
+import os
 import platform
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -90,3 +92,22 @@ def resolve_dtype(dtype: str, device: str, config_dtype: Union[str, torch.dtype,
     if resolved is None:
         raise ValueError(f"Unknown dtype {dtype!r}; expected one of: auto, {', '.join(sorted(_DTYPE_NAMES))}")
     return resolved
+
+
+def checkpoint_dtype(config: Any) -> Optional[torch.dtype]:
+    """The dtype a checkpoint's config says its weights are stored in (`dtype` / `torch_dtype`), or None. `config` is
+    a transformers config or a model directory."""
+    if isinstance(config, (str, os.PathLike)):
+        path = os.path.join(config, "config.json")
+        try:
+            with open(path) as f:
+                raw = json.load(f)
+        except (OSError, ValueError):
+            return None
+        text = raw.get("text_config") or {}
+        value = raw.get("dtype") or raw.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+    else:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        value = (getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+                 or getattr(text, "dtype", None) or getattr(text, "torch_dtype", None))
+    return _as_dtype(value)

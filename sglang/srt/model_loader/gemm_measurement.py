@@ -97,7 +97,7 @@ def plan_for_this_machine(device: str, dtype: str, cpu_gemm: str,
                           gguf_activations: str = "auto", small_batch_quantization: str = "auto",
                           kv_cache_dtype: str = "auto", prefill_attention: str = "auto",
                           hf_config: Optional[object] = None, threads: Optional[int] = None,
-                          measure: bool = True) -> ArithmeticPlan:
+                          measure: bool = True, large_batch_weights: str = "auto") -> ArithmeticPlan:
     """`choose_arithmetic` with this machine's CPU flags, measuring (on the model's MLP shapes, on `threads` threads
     as the scheduler will run: --num-threads) only what the flags do not settle. `measure=False` decides from the
     flags alone: the nodes of a multi-node server each make their plan, and flags agree where timings may not."""
@@ -115,4 +115,4 @@ def plan_for_this_machine(device: str, dtype: str, cpu_gemm: str,
         logger.info("Startup GEMM measurement (GFLOP/s on the model's MLP shapes): %s",
                     ", ".join(f"{g} {r:.0f}" for g, r in measurements.items()))
     return choose_arithmetic(device, dtype, cpu_gemm, flags, machine, measurements, config_dtype, gguf_activations,
-                             small_batch_quantization, kv_cache_dtype, prefill_attention)
+                             small_batch_quantization, kv_cache_dtype, prefill_attention, large_batch_weights)

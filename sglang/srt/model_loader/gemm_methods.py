@@ -19,6 +19,8 @@ from torch import nn
 from sglang.srt.layers.arithmetic import head_small_batch_rows
 from sglang.srt.layers.bf16_linear import BF16LinearMethod
 from sglang.srt.layers.linear import DENSE, Linear, LinearMethod, linear_methods
+from sglang.srt.layers.quantization.block_gemm import BlockGEMMLinearMethod
+from sglang.srt.layers.quantization.gguf_blocks import GGUFQuantWeight
 from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
 
 logger = logging.getLogger(__name__)
@@ -35,6 +37,21 @@ def method_factory(gemm: str) -> Callable[[torch.Tensor], LinearMethod]:
 
         return method_for_this_cpu()
     raise ValueError(f"no large-batch linear method for GEMM {gemm!r}")
+
+
+def blocks_large_method(large_batch_gemm: str, block_gemm: str) -> Callable[[GGUFQuantWeight, torch.Tensor],
+                                                                         LinearMethod]:
+    """Makes the large-batch method of a layer whose Q8_0 blocks are its only float-free weights
+    (model_loader/q8_blocks.py), from its blocks and its float weight: the int8 GEMM where the plan measured it
+    fastest (an int8 copy; the outlier columns' weights are read from the blocks), else the `block_gemm` GEMM
+    (float32 or bf16) over the blocks themselves."""
+    if large_batch_gemm == "int8":
+        from sglang.srt.layers.int8_linear import method_for_this_cpu
+
+        make = method_for_this_cpu()
+        return lambda blocks, weight: make(weight, columns=blocks, out_dtype=torch.float32)
+    dtype = torch.float32 if block_gemm == "float32" else torch.bfloat16
+    return lambda blocks, weight: BlockGEMMLinearMethod(blocks, dtype)
 
 
 def _with_large(current: LinearMethod, weight: torch.Tensor,

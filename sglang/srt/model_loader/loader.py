@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -37,11 +37,13 @@ def skip_random_init() -> Iterator[None]:
             setattr(nn.init, name, fn)
 
 
-def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device, config: Any = None) -> nn.Module:
+def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device, config: Any = None,
+               prepare: Optional[Callable[[nn.Module], Any]] = None) -> nn.Module:
     """The model of `model_dir` in `dtype` on `device`, weights loaded, in eval mode, without gradients.
 
     `config` (default: the directory's own) lets a weight update build the serving architecture around
-    another checkpoint's weights."""
+    another checkpoint's weights. `prepare` runs on the model while it is still on the meta device, before any
+    storage is allocated (e.g. model_loader/q8_blocks.keep_linears_in)."""
     from transformers import AutoConfig
 
     start = time.perf_counter()
@@ -52,6 +54,8 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device, c
     # weights that the checkpoint overwrites anyway would cost seconds for larger models.
     with skip_random_init():
         model: Any = model_class(config, dtype=dtype, device=torch.device("meta"))
+    if prepare is not None:
+        prepare(model)
     model.to_empty(device=device)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):

@@ -48,7 +48,8 @@ def load_model_info(server_args: ServerArgs) -> ModelInfo:
     arithmetic = plan_for_this_machine(server_args.device, server_args.dtype, server_args.cpu_gemm, config_dtype,
                                        server_args.gguf_activations, server_args.small_batch_quantization,
                                        server_args.kv_cache_dtype, server_args.prefill_attention, hf_config,
-                                       server_args.num_threads, measure=server_args.nnodes == 1)
+                                       server_args.num_threads, measure=server_args.nnodes == 1,
+                                       large_batch_weights=server_args.large_batch_weights)
     dtype = arithmetic.weight_dtype
     text_config = hf_config.get_text_config()
     eos = _as_list(getattr(hf_config, "eos_token_id", None) or getattr(text_config, "eos_token_id", None))

@@ -11,17 +11,25 @@ and only batches of at most `max_rows` rows use it; prefill and larger batches k
 bf16 copies: model_loader/gemm_methods.py).
 
 The arithmetic plan (layers/arithmetic.py) decides where this applies: `--small-batch-quantization`.
+
+With `--large-batch-weights blocks` (the plan's choice on CPUs with native bf16) the blocks are the layers' only
+weights: the model is loaded with its linear weights in the checkpoint's dtype (`keep_linears_in`, so
+no float32 copy of a bf16 checkpoint is ever made), each layer's blocks are made from them, and the float weight
+is then released; large batches multiply the blocks through the float32 or bf16 GEMM a slab at a time
+(layers/quantization/block_gemm.py).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Optional
 
 import numpy as np
 import torch
+from torch import nn
 
-from sglang.srt.layers.linear import Linear
+from sglang.srt.layers.linear import Linear, LinearMethod
 from sglang.srt.layers.quantization.gguf_blocks import (
     QK,
     GGUFQuantWeight,
@@ -55,40 +63,107 @@ def _decoder_linears(model: Any) -> list[Linear]:
     return out
 
 
-def why_no_q8_0_blocks(model: Any) -> str | None:
-    """Why `attach_q8_0_blocks` leaves `model` as it is, or None when it applies."""
-    if not kernels_available():
-        return f"the GGUF kernels are unavailable ({kernels_unavailable_reason()})"
+def _untied_head(model: Any) -> Optional[nn.Module]:
+    """The LM head module when it holds a weight of its own (not the input embeddings)."""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or getattr(head, "weight", None) is None or head is embed:
+        return None
+    return head
+
+
+def _shape_reason(model: Any) -> Optional[str]:
     linears = _decoder_linears(model)
     if not linears:
         return f"{type(model).__name__} is not a dense Llama-family decoder"
-    if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in model.parameters()):
-        return "the model is not float32 on CPU"
-    if any(isinstance(m.linear_method, GGUFLinearMethod) for m in linears):
-        return "the model already has GGUF blocks"
     if any(m.weight.shape[1] % QK for m in linears):
         return f"an input width is not a multiple of {QK}"
     return None
 
 
-def attach_q8_0_blocks(model: Any, max_rows: int) -> int:
+def why_no_q8_0_blocks(model: Any) -> str | None:
+    """Why `attach_q8_0_blocks` leaves `model` as it is, or None when it applies."""
+    if not kernels_available():
+        return f"the GGUF kernels are unavailable ({kernels_unavailable_reason()})"
+    reason = _shape_reason(model)
+    if reason is not None:
+        return reason
+    linear_weights = {id(m.weight) for m in _decoder_linears(model)}
+    head = _untied_head(model)
+    if head is not None:
+        linear_weights.add(id(head.weight))
+    # the linear weights may be in the checkpoint's dtype (keep_linears_in); everything else float32
+    if any(p.device.type != "cpu" or (p.dtype != torch.float32 and id(p) not in linear_weights)
+           for p in model.parameters()):
+        return "the model is not float32 on CPU"
+    if any(isinstance(m.linear_method, GGUFLinearMethod) for m in _decoder_linears(model)):
+        return "the model already has GGUF blocks"
+    return None
+
+
+def keep_linears_in(model: nn.Module, dtype: torch.dtype) -> Optional[str]:
+    """On a model built on the meta device, give the decoder's linear weights (and an LM head that is not the input
+    embeddings) `dtype` instead of the model's, so that loading a checkpoint stored in `dtype` makes no wider copy;
+    `attach_q8_0_blocks(..., blocks_only=True)` then turns them into blocks. Returns why it does not apply (the
+    model is left as it is), or None."""
+    reason = (f"the GGUF kernels are unavailable ({kernels_unavailable_reason()})" if not kernels_available()
+              else _shape_reason(model))
+    if reason is not None:
+        return reason
+    owners: list[nn.Module] = list(_decoder_linears(model))
+    head = _untied_head(model)
+    if head is not None:
+        owners.append(head)
+    for module in owners:
+        old: torch.Tensor = module.weight  # type: ignore[assignment]
+        module.weight = nn.Parameter(torch.empty(old.shape, dtype=dtype, device=old.device), requires_grad=False)
+    return None
+
+
+def _release(module: nn.Module, dtype: torch.dtype) -> None:
+    """Drop a layer's float weight once its blocks serve every batch: a meta tensor of the model's dtype keeps the
+    shape and dtype that code reads, and any arithmetic on it fails loudly instead of reading stale values."""
+    old: torch.Tensor = module.weight  # type: ignore[assignment]
+    module.weight = nn.Parameter(torch.empty(old.shape, dtype=dtype, device="meta"), requires_grad=False)
+
+
+# Makes the method for the large batches of a layer whose float weight is released: from its blocks and, while it is
+# still there, its float weight (model_loader/gemm_methods.blocks_large_method).
+LargeFromBlocks = Callable[[GGUFQuantWeight, torch.Tensor], LinearMethod]
+
+
+def attach_q8_0_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlocks] = None) -> int:
     """Give every decoder linear layer and the LM head of a float32 Llama-family model Q8_0 blocks for batches of
-    at most `max_rows` rows; returns the bytes attached (0 when it does not apply, with the reason logged)."""
+    at most `max_rows` rows; returns the bytes attached (0 when it does not apply, with the reason logged).
+
+    `large`: no float weights are kept. Each layer's large batches run the method `large` makes from its blocks and
+    float weight (the GEMM over the blocks, or an int8 copy whose outlier columns come from the blocks), and the
+    float weight is released as soon as that is made, so the model never holds all of it twice."""
     reason = why_no_q8_0_blocks(model) if max_rows > 0 else "--gguf-kernel-max-rows is 0"
     if reason is not None:
         logger.info("No Q8_0 blocks for small batches: %s", reason)
         return 0
+    dtype = model.model.embed_tokens.weight.dtype
     attached = 0
     for module in _decoder_linears(model):
         weight = quantize_q8_0(module.weight)
-        module.set_linear_method(GGUFLinearMethod(weight, max_rows))
+        method = GGUFLinearMethod(weight, max_rows)
+        if large is not None:
+            method.large = large(weight, module.weight)
+            _release(module, dtype)
+        module.set_linear_method(method)
         attached += weight.nbytes
     head = getattr(model, "lm_head", None)
     processor = getattr(model, "logits_processor", None)
     if head is not None and processor is not None and head.weight.shape[1] % QK == 0:
         weight = quantize_q8_0(head.weight)
-        processor.set_head_method(GGUFLinearMethod(weight, max_rows))
+        method = GGUFLinearMethod(weight, max_rows)
+        if large is not None:
+            method.large = large(weight, head.weight)
+            if _untied_head(model) is not None:
+                _release(head, dtype)
+        processor.set_head_method(method)
         attached += weight.nbytes
-    logger.info("Attached %.1f MB of Q8_0 blocks (quantized at load) for matmuls of up to %d rows",
-                attached / 2**20, max_rows)
+    what = "every matmul (no float weights kept)" if large is not None else f"matmuls of up to {max_rows} rows"
+    logger.info("Attached %.1f MB of Q8_0 blocks (quantized at load) for %s", attached / 2**20, what)
     return attached

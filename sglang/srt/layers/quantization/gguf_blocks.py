@@ -53,7 +53,8 @@ DISABLE_ENV = "SGLANG_DISABLE_GGUF_KERNELS"
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "gguf_linear.cpp"
 # The headers of the kernels (decode_stack.cpp includes them too): part of each extension's build hash.
 KERNEL_HEADERS = [_SOURCE.parent / name
-                  for name in ("gguf_kernels.h", "gguf_int8.h", "gguf_layout.h", "gguf_dequant_gemm.h")]
+                  for name in ("gguf_kernels.h", "gguf_int8.h", "gguf_layout.h", "gguf_dequant_gemm.h",
+                                "gguf_dequant_rows.h")]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -323,6 +324,13 @@ class GGUFQuantWeight:
     def dequantize(self) -> torch.Tensor:
         """Float32 [n, k], bit-identical to `gguf.quants.dequantize` of the raw blocks."""
         return dequantize_raw(self.qtype, self.raw(), self.n, self.k)
+
+    def columns(self, cols: torch.Tensor) -> torch.Tensor:
+        """Float32 [n, len(cols)]: the dequantized weight's columns `cols` (int64), read from the blocks."""
+        ext = kernel_module()
+        if ext is None:
+            return self.dequantize().index_select(1, cols)
+        return ext.gather_columns(self.packed, self.qtype == "Q4_1", self.n, self.k, cols.contiguous())
 
     def _resolve_kernel(self) -> Any:
         ext = kernel_module()

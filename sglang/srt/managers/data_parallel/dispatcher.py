@@ -92,6 +92,7 @@ def merge_infos(infos: Sequence[SchedulerInfo]) -> SchedulerInfo:
         max_running_requests=sum(i.max_running_requests for i in infos),
         weight_bytes=sum(i.weight_bytes for i in infos),
         kv_bytes=sum(i.kv_bytes for i in infos),
+        weights={name: sum(i.weights.get(name, 0) for i in infos) for name in first.weights},
     )
 
 

@@ -139,6 +139,7 @@ class Scheduler:
             arithmetic=({**self.runner.arithmetic.to_dict(), "small_batch_max_rows": self.runner.gguf_kernel_max_rows}
                         if self.runner.arithmetic is not None else {}),
             dp_rank=self.dp_rank,
+            weights=dict(self.runner.weights_by_format),
         )
 
     # ---- main loop ------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <vector>
 
+#include "gguf_dequant_rows.h"
 #include "gguf_kernels.h"
 
 namespace {
@@ -139,6 +140,55 @@ bool has_vector_quantize() {
   return int8::avx512_supported();
 }
 
+// Rows [row0, row0 + out.size(0)) of the packed weight [N, K] into out, a bf16 or float32 matrix (row0 a multiple of
+// 16, the rows within N), split between torch's intra-op threads by row group. `vector`: the AVX2 path where it was
+// compiled in.
+void dequant_rows(const torch::Tensor& packed, bool q4, int64_t N, int64_t K, int64_t row0, torch::Tensor& out,
+                  bool vector) {
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed must be contiguous uint8");
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((bf16 || out.scalar_type() == torch::kFloat32) && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(1) == K,
+              "out must be a contiguous bf16 or float32 matrix [rows, K]");
+  TORCH_CHECK(K > 0 && K % kQK == 0, "K must be a positive multiple of 32");
+  const int64_t rows = out.size(0);
+  TORCH_CHECK(row0 >= 0 && row0 % kRows == 0 && row0 + rows <= N, "rows must start at a multiple of 16 within N");
+  TORCH_CHECK(packed.numel() == row_groups(N) * (K / kQK) * group_block_bytes(q4), "packed has the wrong size");
+  if (rows == 0) return;
+  const int64_t g0 = row0 / kRows, g1 = (row0 + rows + kRows - 1) / kRows;
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const int64_t end = row0 + rows;  // the last group may stop short of 16 rows
+  at::parallel_for(g0, g1, 1, [&](int64_t a, int64_t b) {
+    const int64_t offset = (a - g0) * kRows * K;
+    if (bf16) {
+      rows::dequant_groups(q4, wp, end, K, a, b, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) + offset,
+                           vector);
+    } else {
+      rows::dequant_groups(q4, wp, end, K, a, b, out.data_ptr<float>() + offset, vector);
+    }
+  });
+}
+
+// Columns `cols` (int64, each in [0, K)) of the packed weight [N, K] as float32 [N, cols.size(0)].
+torch::Tensor gather_columns(const torch::Tensor& packed, bool q4, int64_t N, int64_t K, const torch::Tensor& cols) {
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed must be contiguous uint8");
+  TORCH_CHECK(cols.scalar_type() == torch::kInt64 && cols.dim() == 1 && cols.is_contiguous(),
+              "cols must be a contiguous int64 vector");
+  TORCH_CHECK(K > 0 && K % kQK == 0 && N > 0, "K must be a positive multiple of 32 and N positive");
+  TORCH_CHECK(packed.numel() == row_groups(N) * (K / kQK) * group_block_bytes(q4), "packed has the wrong size");
+  const int64_t ncols = cols.size(0);
+  const int64_t* cp = cols.data_ptr<int64_t>();
+  for (int64_t j = 0; j < ncols; ++j) TORCH_CHECK(cp[j] >= 0 && cp[j] < K, "column ", cp[j], " is outside [0, K)");
+  auto out = torch::empty({N, ncols}, packed.options().dtype(torch::kFloat32));
+  if (ncols == 0) return out;
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, row_groups(N), 1, [&](int64_t a, int64_t b) {
+    rows::gather_columns(q4, wp, N, K, cp, ncols, a, b, op + a * kRows * ncols);
+  });
+  return out;
+}
+
 bool has_openmp() {
 #ifdef _OPENMP
   return true;
@@ -172,5 +222,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "[M, K/32]); vector: the AVX512 quantizer instead of the portable one",
         py::arg("x"), py::arg("q4"), py::arg("vector"));
   m.def("has_vector_quantize", &has_vector_quantize, "whether the AVX512 int8 quantizer can run on this CPU");
+  m.def("dequant_rows", &dequant_rows,
+        "rows [row0, row0 + out.size(0)) of packed Q4_1 / Q8_0 weights [N, K] into out (bf16 or float32); vector: "
+        "the AVX2 path where compiled in",
+        py::arg("packed"), py::arg("q4"), py::arg("N"), py::arg("K"), py::arg("row0"), py::arg("out"),
+        py::arg("vector") = true, py::call_guard<py::gil_scoped_release>());
+  m.def("gather_columns", &gather_columns,
+        "columns cols of packed Q4_1 / Q8_0 weights [N, K] as float32 [N, len(cols)]", py::arg("packed"),
+        py::arg("q4"), py::arg("N"), py::arg("K"), py::arg("cols"), py::call_guard<py::gil_scoped_release>());
   m.def("has_openmp", &has_openmp, "whether the kernels were compiled with OpenMP (multi-threaded)");
 }

@@ -1,0 +1,201 @@
+// Packed GGUF Q4_1 / Q8_0 row groups (gguf_layout.h) back to plain bf16 or float32 rows, for a GEMM that consumes the blocks
+// a slab of output rows at a time (layers/quantization/block_gemm.py): a batch too large for the block kernels
+// multiplies with the same blocks that small batches read, through the CPU's bf16 GEMM, without a second copy of
+// the weights. Each value is d * q (+ m for Q4_1) in float32, as is or rounded to the nearest bf16 (ties to even).
+//
+// The packed block holds, per half of 8 rows, one 32-byte vector per 4 (Q8_0) or 8 (Q4_1) inputs whose 4-byte lane
+// r belongs to row r: an 8 x 8 (Q8_0) or 8 x 4 (Q4_1) transpose of 32-bit lanes gives each row its 32 inputs in
+// order. The AVX2 path transposes in registers; the portable path reads the lanes one by one.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "gguf_layout.h"
+
+namespace gguf_kernels {
+namespace rows {
+
+inline uint16_t bf16_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  b += 0x7FFFu + ((b >> 16) & 1u);
+  return static_cast<uint16_t>(b >> 16);
+}
+
+// A converted value as stored: bf16 bits (uint16_t) or float32.
+inline void put(uint16_t* o, float v) { *o = bf16_bits(v); }
+inline void put(float* o, float v) { *o = v; }
+
+// Portable: rows [0, nvalid) of one row group, nb blocks, into out (row stride ldo, in elements of Out).
+template <typename Out>
+inline void group_portable(bool q4, const uint8_t* gp, int64_t nb, int64_t nvalid, Out* out, int64_t ldo) {
+  const int64_t bb = q4 ? Q41Layout::kBlockBytes : Q80Layout::kBlockBytes;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* bp = gp + b * bb;
+    for (int64_t row = 0; row < nvalid; ++row) {
+      const int64_t h = row / kHalf, r = row % kHalf;
+      Out* o = out + row * ldo + b * kQK;
+      if (q4) {
+        const float d = fp16_to_fp32(bp + Q41Layout::d(h) + 2 * r), m = fp16_to_fp32(bp + Q41Layout::m(h) + 2 * r);
+        for (int64_t j = 0; j < 4; ++j) {
+          const uint8_t* lane = bp + Q41Layout::vec(j, h) + 4 * r;
+          for (int64_t s = 0; s < 8; ++s) {
+            const int q = (lane[s / 2] >> (4 * (s % 2))) & 0xF;
+            put(o + 8 * j + s, d * static_cast<float>(q) + m);
+          }
+        }
+      } else {
+        const float d = fp16_to_fp32(bp + Q80Layout::d(h) + 2 * r);
+        for (int64_t j = 0; j < 8; ++j) {
+          const uint8_t* lane = bp + Q80Layout::vec(j, h) + 4 * r;
+          for (int64_t i = 0; i < 4; ++i) put(o + 4 * j + i, d * static_cast<float>(static_cast<int8_t>(lane[i])));
+        }
+      }
+    }
+  }
+}
+
+#ifdef GGUF_LINEAR_AVX2
+
+// 8 float32 -> 8 bf16 (round to nearest even), in the low 128 bits.
+inline __m128i to_bf16x8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  const __m256i packed = _mm256_packus_epi32(rounded, rounded);  // per 128-bit lane: 4 words, repeated
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+
+// Transposes 8 vectors of 8 32-bit lanes in place: afterwards v[r] lane j = before v[j] lane r.
+inline void transpose8x8(__m256i v[8]) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi32(v[2 * i], v[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi32(v[2 * i], v[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    u[4 * i + 0] = _mm256_unpacklo_epi64(t[4 * i + 0], t[4 * i + 2]);
+    u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i + 0], t[4 * i + 2]);
+    u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  // u[0..3]: rows 0,1,2,3 (low 128) and 4,5,6,7 (high 128) of lanes j = 0..3; u[4..7] the same for j = 4..7
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x20);
+    v[4 + i] = _mm256_permute2x128_si256(u[i], u[4 + i], 0x31);
+  }
+}
+
+// 8 converted values stored at o: as bf16 or as float32.
+inline void store8(uint16_t* o, __m256 f) { _mm_storeu_si128(reinterpret_cast<__m128i*>(o), to_bf16x8(f)); }
+inline void store8(float* o, __m256 f) { _mm256_storeu_ps(o, f); }
+
+// 32 int8 (in input order) times d, as 32 values at o.
+template <typename Out>
+inline void store_q8_row(__m256i q, __m256 d, Out* o) {
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  for (int p = 0; p < 4; ++p) {
+    store8(o + 8 * p, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[p])), d));
+  }
+}
+
+template <typename Out>
+inline void group_avx2(bool q4, const uint8_t* gp, int64_t nb, int64_t nvalid, Out* out, int64_t ldo) {
+  alignas(32) float d[kRows], m[kRows];
+  for (int64_t b = 0; b < nb; ++b) {
+    if (q4) {
+      const uint8_t* bp = gp + b * Q41Layout::kBlockBytes;
+      for (int64_t h = 0; h < 2; ++h) {
+        _mm256_store_ps(d + h * kHalf, load_half8(bp + Q41Layout::d(h)));
+        _mm256_store_ps(m + h * kHalf, load_half8(bp + Q41Layout::m(h)));
+        // lanes j = 0..3 (8 inputs each) of the 8 rows, transposed with 4 zero vectors: v[r] lanes 0..3 = row r
+        __m256i v[8];
+        for (int64_t j = 0; j < 4; ++j) v[j] = load_vec(bp + Q41Layout::vec(j, h));
+        for (int64_t j = 4; j < 8; ++j) v[j] = _mm256_setzero_si256();
+        transpose8x8(v);
+        const __m128i low = _mm_set1_epi8(0x0F);
+        for (int64_t r = 0; r < kHalf && h * kHalf + r < nvalid; ++r) {
+          const __m128i bytes = _mm256_castsi256_si128(v[r]);  // 16 bytes: inputs (2t, 2t + 1) in byte t
+          const __m128i lo = _mm_and_si128(bytes, low), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+          const __m128i q0 = _mm_unpacklo_epi8(lo, hi), q1 = _mm_unpackhi_epi8(lo, hi);  // inputs 0-15, 16-31
+          const __m256 dv = _mm256_set1_ps(d[h * kHalf + r]), mv = _mm256_set1_ps(m[h * kHalf + r]);
+          Out* o = out + (h * kHalf + r) * ldo + b * kQK;
+          const __m128i parts[4] = {q0, _mm_srli_si128(q0, 8), q1, _mm_srli_si128(q1, 8)};
+          for (int p = 0; p < 4; ++p) {
+            store8(o + 8 * p, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[p])), dv, mv));
+          }
+        }
+      }
+    } else {
+      const uint8_t* bp = gp + b * Q80Layout::kBlockBytes;
+      for (int64_t h = 0; h < 2; ++h) {
+        _mm256_store_ps(d + h * kHalf, load_half8(bp + Q80Layout::d(h)));
+        __m256i v[8];
+        for (int64_t j = 0; j < 8; ++j) v[j] = load_vec(bp + Q80Layout::vec(j, h));
+        transpose8x8(v);
+        for (int64_t r = 0; r < kHalf && h * kHalf + r < nvalid; ++r) {
+          store_q8_row(v[r], _mm256_set1_ps(d[h * kHalf + r]), out + (h * kHalf + r) * ldo + b * kQK);
+        }
+      }
+    }
+  }
+}
+
+#endif
+
+// Rows [16 * g0, min(N, 16 * g1)) of the weight as bf16 (Out = uint16_t) or float32, written from out (the slab's
+// first row), row stride K.
+template <typename Out>
+inline void dequant_groups(bool q4, const uint8_t* packed, int64_t N, int64_t K, int64_t g0, int64_t g1, Out* out,
+                           bool vector) {
+  const int64_t nb = K / kQK;
+  const int64_t group_bytes = nb * (q4 ? Q41Layout::kBlockBytes : Q80Layout::kBlockBytes);
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t nvalid = std::min<int64_t>(kRows, N - g * kRows);
+    Out* o = out + (g - g0) * kRows * K;
+#ifdef GGUF_LINEAR_AVX2
+    if (vector) {
+      group_avx2(q4, packed + g * group_bytes, nb, nvalid, o, K);
+      continue;
+    }
+#endif
+    (void)vector;
+    group_portable(q4, packed + g * group_bytes, nb, nvalid, o, K);
+  }
+}
+
+// Weight columns cols[0, ncols) of rows [16 * g0, min(N, 16 * g1)) as float32, out[row][j] = W[row][cols[j]] (row
+// stride ncols, from the slab's first row): the few input columns that a large batch multiplies apart from its
+// int8 product (layers/int8_linear.py), read from the blocks instead of a float copy of the weight.
+inline void gather_columns(bool q4, const uint8_t* packed, int64_t N, int64_t K, const int64_t* cols, int64_t ncols,
+                           int64_t g0, int64_t g1, float* out) {
+  const int64_t nb = K / kQK;
+  const int64_t bb = q4 ? Q41Layout::kBlockBytes : Q80Layout::kBlockBytes;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* gp = packed + g * nb * bb;
+    const int64_t nvalid = std::min<int64_t>(kRows, N - g * kRows);
+    for (int64_t row = 0; row < nvalid; ++row) {
+      const int64_t h = row / kHalf, r = row % kHalf;
+      float* o = out + (g * kRows + row - g0 * kRows) * ncols;
+      for (int64_t j = 0; j < ncols; ++j) {
+        const int64_t b = cols[j] / kQK, i = cols[j] % kQK;
+        const uint8_t* bp = gp + b * bb;
+        if (q4) {
+          const uint8_t byte = bp[Q41Layout::vec(i / 8, h) + 4 * r + (i % 8) / 2];
+          const int q = (byte >> (4 * (i % 2))) & 0xF;
+          o[j] = fp16_to_fp32(bp + Q41Layout::d(h) + 2 * r) * static_cast<float>(q) +
+                 fp16_to_fp32(bp + Q41Layout::m(h) + 2 * r);
+        } else {
+          const int8_t q = static_cast<int8_t>(bp[Q80Layout::vec(i / 4, h) + 4 * r + i % 4]);
+          o[j] = fp16_to_fp32(bp + Q80Layout::d(h) + 2 * r) * static_cast<float>(q);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace rows
+}  // namespace gguf_kernels

@@ -1,0 +1,55 @@
+"""What the served model's weights occupy, by format: the `Weights:` line of the log and `weights` in
+/get_server_info.
+
+A layer may hold its weights in several forms (a float weight, GGUF blocks for small batches, a bf16 or int8 copy
+for large ones); each form is counted once, under its own name, and only where it holds storage (a layer whose
+blocks serve every batch keeps a meta placeholder of no bytes: model_loader/q8_blocks.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from sglang.srt.layers.linear import LinearMethod, linear_methods
+from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
+from sglang.srt.model_loader.dtype import dtype_name
+
+
+def _method_copies(method: LinearMethod) -> list[tuple[Any, str, int]]:
+    """(identity, format, bytes) of the weight forms a linear method holds beside the layer's own parameter."""
+    out: list[tuple[Any, str, int]] = []
+    if isinstance(method, GGUFLinearMethod):
+        qw = method.quant_weight
+        out.append((id(qw.packed), f"{qw.qtype} blocks", qw.nbytes))
+        method = method.large
+    nbytes = int(getattr(method, "nbytes", 0) or 0)
+    if nbytes:
+        out.append((id(method), method.weight_format, nbytes))
+    return out
+
+
+def weight_bytes_by_format(model: nn.Module) -> dict[str, int]:
+    """Format name -> bytes held, largest first: parameters by dtype, then each kind of block or copy."""
+    totals: dict[str, int] = {}
+    seen: set[Any] = set()
+    for param in model.parameters():
+        if param.device.type == "meta" or id(param) in seen:
+            continue
+        seen.add(id(param))
+        name = dtype_name(param.dtype)
+        totals[name] = totals.get(name, 0) + param.numel() * param.element_size()
+    for method in linear_methods(model):
+        for key, name, nbytes in _method_copies(method):
+            if key not in seen:
+                seen.add(key)
+                totals[name] = totals.get(name, 0) + nbytes
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
+def describe_weights(model: nn.Module) -> str:
+    """One log line: `Weights: 2.21 GB as Q8_0 blocks 1.80 GB, float32 0.41 GB`."""
+    by_format = weight_bytes_by_format(model)
+    parts = ", ".join(f"{name} {nbytes / 1e9:.2f} GB" for name, nbytes in by_format.items())
+    return f"Weights: {sum(by_format.values()) / 1e9:.2f} GB as {parts or 'nothing'}"
