@@ -170,9 +170,11 @@ def main() -> None:
                   f"{result.get('median_tpot_ms', 0):.1f} ms, RSS peak {sampler.peak / 1e9:.2f} GB", flush=True)
     finally:
         sampler.running = False
-        os.killpg(proc.pid, signal.SIGTERM)
         try:
+            os.killpg(proc.pid, signal.SIGTERM)  # the server's whole session: its workers too
             proc.wait(timeout=60)
+        except ProcessLookupError:
+            pass
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from sglang.srt.layers.arithmetic import resolve_small_batch_rows
+from sglang.srt.layers.small_batch_rows import resolve_small_batch_rows
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.mem_cache.memory_pools import MemoryPools, build_memory_pools
 from sglang.srt.model_executor.model_runner import ModelRunner, StepOutput

@@ -13,11 +13,12 @@ import torch
 import torch.nn.functional as F
 from test_models import PagedCache, build_models, max_diff, prompt_of, tiny_config
 
-from sglang.srt.layers.arithmetic import choose_arithmetic, head_small_batch_rows
+from sglang.srt.layers.arithmetic import choose_arithmetic
 from sglang.srt.layers.bf16_linear import BF16LinearMethod
 from sglang.srt.layers.cpu_classes import AMX, AVX2, AVX512_BF16, OTHER, cpu_class
 from sglang.srt.layers.int8_linear import Int8LinearMethod
 from sglang.srt.layers.linear import DENSE, Linear
+from sglang.srt.layers.small_batch_rows import head_small_batch_rows
 from sglang.srt.model_loader.dtype import parse_cpu_flags, read_cpu_flags
 from sglang.srt.model_loader.gemm_methods import attach_large_batch_gemm
 
@@ -209,7 +210,7 @@ def test_small_batch_rows_per_cpu_class():
     int8 fused step beats the AVX512 bf16 GEMM path up to there too), except on AMX CPUs, whose bf16 GEMM takes
     over above 32, and on CPUs whose widest FMAs are AVX2's, where the float32 blocks beat the float32 GEMM up to
     2,048 rows; --gguf-kernel-max-rows overrides."""
-    from sglang.srt.layers.arithmetic import resolve_small_batch_rows
+    from sglang.srt.layers.small_batch_rows import resolve_small_batch_rows
 
     bf16 = choose_arithmetic("cpu", "auto", "auto", BF16_VNNI_FLAGS)
     assert bf16.large_batch_gemm == "bfloat16"

@@ -16,12 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from sglang.srt.layers.arithmetic import head_small_batch_rows
 from sglang.srt.layers.bf16_linear import BF16LinearMethod
 from sglang.srt.layers.linear import DENSE, Linear, LinearMethod, linear_methods
 from sglang.srt.layers.quantization.block_gemm import BlockGEMMLinearMethod
 from sglang.srt.layers.quantization.gguf_blocks import GGUFQuantWeight
 from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
+from sglang.srt.layers.small_batch_rows import head_small_batch_rows
 
 logger = logging.getLogger(__name__)
 

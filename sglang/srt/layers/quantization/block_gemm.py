@@ -4,9 +4,8 @@ A layer whose only weights are its Q4_1 / Q8_0 blocks (model_loader/q8_blocks.py
 blocks`) multiplies a batch of more rows than the block kernels serve by converting its blocks, a slab of output
 rows at a time, into a scratch matrix (csrc/gguf_dequant_rows.h) and running the CPU's GEMM on each slab: the float32
 GEMM (MKL) or the bf16 one (oneDNN: AVX512-BF16 or AMX), whichever the plan measured faster (layers/arithmetic.py).
-A slab is small enough to stay in the core's cache between being written and being read by the GEMM, so memory
-carries ~1.06 bytes per weight (Q8_0) per forward instead of the 2-4 of a float copy, and the process holds no second
-copy of the weights: the point of this method.
+Memory carries ~1.06 bytes per weight (Q8_0) from DRAM per forward plus the slab, which the GEMM reads back while it
+is still in the caches, and the process holds no second copy of the weights: the point of this method.
 
 The values multiplied are the blocks' own (d * q, + m for Q4_1): exactly in float32, rounded to bf16 for the bf16
 GEMM, whose activations are rounded to bf16 too (products accumulate in float32, as in layers/bf16_linear.py).
@@ -24,10 +23,10 @@ from sglang.srt.layers.linear import LinearMethod
 from sglang.srt.layers.quantization.gguf_blocks import GGUFQuantWeight, kernel_module
 from sglang.srt.model_loader.dtype import dtype_name
 
-# Bytes of one slab of converted weight rows: within a core's L2 on the CPUs this runs on, and large enough that
-# each GEMM call has thousands of FLOPs per byte of call overhead (benchmarks/bench_block_gemm.py,
-# benchmarks/RESULTS.md).
-SLAB_BYTES = 4 << 20
+# Bytes of one slab of converted weight rows. Larger slabs let the GEMM block its work better: at 1.7B shapes and
+# 128-2,048 rows, float32 slabs of 16 MiB ran 0.96-1.04x a float32 copy of the weights, 4 MiB 0.89-0.93x, 1 MiB
+# 0.79-0.85x (benchmarks/bench_block_gemm.py; benchmarks/RESULTS.md, 2026-11-27). One scratch buffer serves all layers.
+SLAB_BYTES = 16 << 20
 
 
 class _Scratch(threading.local):

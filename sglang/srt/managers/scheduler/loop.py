@@ -12,7 +12,7 @@ import torch
 import zmq
 
 from sglang.srt.constrained.base_grammar_backend import create_grammar_backend
-from sglang.srt.layers.arithmetic import resolve_small_batch_rows
+from sglang.srt.layers.small_batch_rows import resolve_small_batch_rows
 from sglang.srt.managers.finish_reason import ABORT_BEFORE_PREFILL, FinishAbort
 from sglang.srt.managers.io_struct import (
     AbortReq,

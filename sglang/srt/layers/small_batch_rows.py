@@ -1,0 +1,55 @@
+"""How many token rows the quantized blocks (and the fused decode step) serve before the large-batch GEMM of the
+arithmetic plan (layers/arithmetic.py) takes over, per CPU class: the plan's `small_batch_max_rows`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from sglang.srt.layers.cpu_classes import AMX, AVX2
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.arithmetic import ArithmeticPlan
+
+# How many rows the quantized blocks (and the fused decode step) serve before the large-batch GEMM takes over.
+# Measured on an AVX512-BF16 / VNNI CPU (benchmarks/RESULTS.md, 2026-11-25): since the int8 activation quantizer
+# runs in AVX512, the fused int8 decode step beats the layer-by-layer bf16 GEMM path at 40, 48 and 64 sequences of
+# 130 tokens (1.1-1.3x) and at 48 and 64 of 400 (1.05-1.2x); at 128-256 the two tie. A CPU with AMX multiplies
+# bf16 in its tile unit, several times faster than these AVX512 dot products, so there the bf16 GEMM keeps the
+# batches above 32 rows (not measured on AMX: the limit it had before).
+SMALL_BATCH_ROWS = 64
+AMX_SMALL_BATCH_ROWS = 32
+# Where large batches run float32 GEMMs on a CPU whose widest FMAs are AVX2's (no AVX512F), the blocks with float32
+# activations convert each row group once for many rows (gguf_dequant_gemm.h) and beat the float32 GEMM up to about
+# 2,048 rows: decode steps of 96 and 128 sequences 1.3-1.56x faster on the fused step (benchmarks/RESULTS.md,
+# 2026-11-25 late evening); a prefill's 120 layer matmuls, each layer's weights read from memory as in a real
+# prefill, 1.16x at 1,024 rows and 1.06-1.22x at 2,048 but 0.8-1.0x at 3,072-4,096, and whole prefills of 520-1,950
+# tokens 1.08-1.18x (2026-11-26).
+AVX2_SMALL_BATCH_ROWS = 2048
+
+
+def small_batch_rows(plan: ArithmeticPlan, flags: frozenset[str] = frozenset(), activations: str = "float32") -> int:
+    if plan.cpu_class == AMX and plan.large_batch_gemm == "bfloat16":
+        return AMX_SMALL_BATCH_ROWS
+    if (plan.cpu_class == AVX2 and "avx512f" not in flags and plan.large_batch_gemm == "float32"
+            and activations == "float32"):
+        return AVX2_SMALL_BATCH_ROWS
+    return SMALL_BATCH_ROWS
+
+
+# The LM head is one matmul outside the fused step, so it takes whichever kernel is faster at its row count: its
+# Q8_0 blocks with two int8 activation terms against the prepacked bf16 GEMM, measured for SmolLM2's 49152 x 576
+# head on an AVX512-BF16 / VNNI CPU (benchmarks/RESULTS.md, 2026-11-25): blocks faster up to 12 rows, a tie at 16,
+# the bf16 GEMM 1.3x faster at 32 and 1.4x at 64.
+BF16_HEAD_SMALL_BATCH_ROWS = 16
+
+
+def head_small_batch_rows(large_batch_gemm: str, rows: int) -> int:
+    """The most rows the LM head runs on its quantized blocks, where other matmuls run them up to `rows`."""
+    return min(rows, BF16_HEAD_SMALL_BATCH_ROWS) if large_batch_gemm == "bfloat16" else rows
+
+
+def resolve_small_batch_rows(requested: Optional[int], plan: Optional[ArithmeticPlan]) -> int:
+    """--gguf-kernel-max-rows as given, or (None) the plan's choice; 64 without a plan."""
+    if requested is not None:
+        return requested
+    return plan.small_batch_max_rows if plan is not None else SMALL_BATCH_ROWS
