@@ -50,8 +50,10 @@ def blocks_only(gguf_path: Optional[str], gguf_kernel_max_rows: int, arithmetic:
                 device: torch.device) -> bool:
     """Whether the plan serves every batch of this checkpoint from Q8_0 blocks made at load (one copy of the
     weights: model_loader/q8_blocks.py), so that its linear weights may load in the checkpoint's own dtype."""
+    # Tensor-parallel ranks keep their shards dense: the ranks after the first run no blocks (tp_worker.py).
     return (arithmetic is not None and arithmetic.large_batch_weights == "blocks" and not gguf_path
-            and gguf_kernel_max_rows > 0 and device.type == "cpu" and arithmetic.weight_dtype == torch.float32)
+            and gguf_kernel_max_rows > 0 and device.type == "cpu" and arithmetic.weight_dtype == torch.float32
+            and get_tp_group().size == 1)
 
 
 def load_for_plan(model_dir: str, dtype: torch.dtype, device: torch.device, gguf_path: Optional[str],
