@@ -34,7 +34,7 @@ def load(path: str) -> dict[str, dict[int, float]]:
 def draw(series: dict[str, dict[int, float]], out: str, title: str, width: int = 900, height: int = 560) -> None:
     img = Image.new("RGB", (width, height), "white")
     d = ImageDraw.Draw(img)
-    font = ImageFont.load_default()
+    font = ImageFont.load_default(size=13)
     left, right, top, bottom = 80, width - 200, 50, height - 60
     top_value = max((v for s in series.values() for v in s.values()), default=1.0)
     step = 10 ** math.floor(math.log10(top_value)) if top_value > 0 else 1
