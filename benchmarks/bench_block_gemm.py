@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import re
 import time
 
 import torch
 
 from sglang.srt.layers.bf16_linear import BF16LinearMethod
+from sglang.srt.layers.cpu_classes import VNNI_FLAGS
 from sglang.srt.layers.linear import DENSE
 from sglang.srt.layers.quantization.block_gemm import BlockGEMMLinearMethod
+from sglang.srt.model_loader.dtype import read_cpu_flags
 from sglang.srt.model_loader.q8_blocks import quantize_q8_0
 
 SHAPES = {  # hidden, intermediate, q heads x head dim, kv heads x head dim
@@ -34,12 +34,8 @@ SHAPES = {  # hidden, intermediate, q heads x head dim, kv heads x head dim
 
 
 def cpu_flags() -> str:
-    try:
-        text = open("/proc/cpuinfo").read()
-    except OSError:
-        return platform.machine()
-    flags = set(re.findall(r"\b(avx[^ \n]*|amx[^ \n]*|fma)\b", text))
-    return " ".join(sorted(flags))
+    """The flags that decide the arithmetic (avx*, amx*, fma), from the engine's own reading of /proc/cpuinfo."""
+    return " ".join(sorted(f for f in read_cpu_flags() if f.startswith(("avx", "amx")) or f == "fma"))
 
 
 def layer_weights(hidden: int, inter: int, q: int, kv: int, gen: torch.Generator) -> list[torch.Tensor]:
@@ -109,7 +105,7 @@ def main() -> None:
     rate = read_rate()
     q8_bytes = sum(qw.nbytes for qw in blocks[0])
     x1 = [torch.randn(1, qw.k, generator=gen) for qw in blocks[0]]
-    int8 = "avx512_vnni" in cpu_flags()
+    int8 = VNNI_FLAGS <= read_cpu_flags()  # the plan's int8 activations (layers/arithmetic.py)
 
     def batch1() -> None:
         for layer in blocks:

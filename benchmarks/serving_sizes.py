@@ -15,7 +15,7 @@ the server's whole process tree every half second, stops it and appends one JSON
   --engine llamacpp --llama-server /path/to/llama-server --model /path/to/model.Q8_0.gguf
 
 Each line holds the client's figures (output tok/s, median TTFT / TPOT, ...), the workload, the engine, the label,
-the peak and final RSS of the server tree in bytes, and the server's /get_server_info `weights` where it has one.
+the load average before the workload, the peak and final RSS of the server tree in bytes, and the server's /get_server_info `weights` where it has one.
 """
 
 from __future__ import annotations
@@ -151,6 +151,7 @@ def main() -> None:
         ready_s = time.time() - started
         weights = server_weights(url)
         for name in args.workloads.split(","):
+            load_before = os.getloadavg()  # a figure taken while something else ran is no figure
             tmp = Path(args.out).with_suffix(".tmp.jsonl")
             tmp.unlink(missing_ok=True)
             client = [sys.executable, "-m", "sglang.bench_serving", "--backend", backend, "--base-url", url,
@@ -161,7 +162,8 @@ def main() -> None:
             result = json.loads(tmp.read_text().splitlines()[-1])
             tmp.unlink()
             row = {"engine": args.engine, "label": args.label, "model": args.model, "workload": name,
-                   "ready_s": round(ready_s, 1), "rss_peak": sampler.peak, "rss_now": sampler.last,
+                   "ready_s": round(ready_s, 1), "load_avg_before": load_before, "rss_peak": sampler.peak,
+                   "rss_now": sampler.last,
                    "weights": weights, "date": time.strftime("%Y-%m-%d %H:%M"), **result}
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")

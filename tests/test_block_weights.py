@@ -56,6 +56,16 @@ def test_rows_convert_to_the_blocks_values(qtype, vector, dtype):
         ext.dequant_rows(qw.packed, qtype == "Q4_1", n, k, 8, torch.empty(8, k, dtype=torch.bfloat16), vector)
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_columns_read_from_the_blocks_are_the_reference_values(qtype):
+    """The outlier columns an int8 copy multiplies apart, read from the blocks (any rows, a partial last row group)."""
+    qw = _weights(qtype, 40, 96, seed=3)
+    cols = torch.tensor([0, 5, 31, 32, 63, 95])
+    assert torch.equal(qw.columns(cols), qw.dequantize()[:, cols])
+    with pytest.raises(RuntimeError, match="outside"):
+        qw.columns(torch.tensor([96]))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("slab_bytes", [1, 4096, 1 << 20])
 def test_block_gemm_equals_the_gemm_of_the_blocks_values(slab_bytes, dtype):

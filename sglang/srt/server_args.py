@@ -144,9 +144,10 @@ class ServerArgs:
     # Q8_0 blocks quantized at load for the small batches of a checkpoint without GGUF blocks (plain safetensors),
     # which gives it the fused CPU decode step: auto = where large batches run a bf16 GEMM; see layers/arithmetic.py.
     small_batch_quantization: str = "auto"
-    # What large batches of such a checkpoint multiply: blocks = the same Q8_0 blocks, converted to bf16 a slab at a
-    # time for the bf16 GEMM (one copy of the weights); dense = float32 weights plus the --cpu-gemm copy; auto =
-    # blocks where the blocks are made and the CPU has native bf16; see layers/arithmetic.py.
+    # What large batches of such a checkpoint multiply: blocks = no float weights: the same Q8_0 blocks, converted a
+    # slab at a time for the float32 or bf16 GEMM (one copy of the weights), or an int8 copy where the int8 GEMM was
+    # measured fastest; dense = float32 weights plus the --cpu-gemm copy; auto = blocks where the blocks are made and
+    # the CPU has native bf16; see layers/arithmetic.py.
     large_batch_weights: str = "auto"
     # Prefill / extend attention over bf16 K/V on CPU: auto = AVX512-BF16 dot products where the CPU has them and
     # the plan is not float32, float32 otherwise; see sglang/srt/layers/arithmetic.py.

@@ -94,8 +94,9 @@ class ArithmeticPlan:
     gguf_activations_reason: str = ""
     # blocks made at load for the small batches of a model without GGUF blocks: none | q8_0
     small_batch_quantization: str = "none"
-    # what the large batches of such a checkpoint read: blocks (the Q8_0 blocks through a bf16 GEMM, one copy of the
-    # weights) | dense (float32 weights and the large-batch GEMM's own copy)
+    # what the large batches of such a checkpoint read: blocks (no float weights: the Q8_0 blocks through the
+    # block_gemm GEMM, or an int8 copy where int8 is the large-batch GEMM) | dense (float32 weights and the
+    # large-batch GEMM's own copy)
     large_batch_weights: str = "dense"
     large_batch_weights_reason: str = ""
     # the most rows a matmul (and a decode batch, in the fused step) takes on the quantized blocks; above it the
@@ -355,7 +356,7 @@ def _choose_gemm(
                               f"the int8 GEMM ran {gain:.2f}x the {name} GEMM's rate in a startup measurement",
                               block_gemm=base)
     measured = "" if gain is None else f" (the int8 GEMM ran {gain:.2f}x its rate in a startup measurement)"
-    return ArithmeticPlan(device, cls, weight_dtype, base, why + measured, block_gemm=base)
+    return ArithmeticPlan(device, cls, weight_dtype, base, why + measured)
 
 
 def gemms_to_measure(device: str, dtype: str, cpu_gemm: str, flags: Iterable[str],

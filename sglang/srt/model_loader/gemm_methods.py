@@ -41,7 +41,7 @@ def method_factory(gemm: str) -> Callable[[torch.Tensor], LinearMethod]:
 
 def blocks_large_method(large_batch_gemm: str, block_gemm: str) -> Callable[[GGUFQuantWeight, torch.Tensor],
                                                                          LinearMethod]:
-    """Makes the large-batch method of a layer whose Q8_0 blocks are its only float-free weights
+    """Makes the large-batch method of a layer whose Q8_0 blocks replace its float weight
     (model_loader/q8_blocks.py), from its blocks and its float weight: the int8 GEMM where the plan measured it
     fastest (an int8 copy; the outlier columns' weights are read from the blocks), else the `block_gemm` GEMM
     (float32 or bf16) over the blocks themselves."""

@@ -1,7 +1,8 @@
-// Packed GGUF Q4_1 / Q8_0 row groups (gguf_layout.h) back to plain bf16 or float32 rows, for a GEMM that consumes the blocks
-// a slab of output rows at a time (layers/quantization/block_gemm.py): a batch too large for the block kernels
-// multiplies with the same blocks that small batches read, through the CPU's bf16 GEMM, without a second copy of
-// the weights. Each value is d * q (+ m for Q4_1) in float32, as is or rounded to the nearest bf16 (ties to even).
+// Packed GGUF Q4_1 / Q8_0 row groups (gguf_layout.h) back to plain bf16 or float32 rows, for a GEMM that consumes
+// the blocks a slab of output rows at a time (layers/quantization/block_gemm.py): a batch too large for the block
+// kernels multiplies with the same blocks that small batches read, through the CPU's float32 or bf16 GEMM, without a
+// second copy of the weights. Each value is d * q (+ m for Q4_1) in float32, as is or rounded to the nearest bf16
+// (ties to even). `gather_columns` reads a few whole columns the same way (the int8 GEMM's outlier columns).
 //
 // The packed block holds, per half of 8 rows, one 32-byte vector per 4 (Q8_0) or 8 (Q4_1) inputs whose 4-byte lane
 // r belongs to row r: an 8 x 8 (Q8_0) or 8 x 4 (Q4_1) transpose of 32-bit lanes gives each row its 32 inputs in
@@ -28,6 +29,24 @@ inline uint16_t bf16_bits(float f) {
 inline void put(uint16_t* o, float v) { *o = bf16_bits(v); }
 inline void put(float* o, float v) { *o = v; }
 
+// Where row `row` (0-15 in its row group) of one packed block bp keeps its values: its scale d and, for Q4_1, its
+// minimum m (Q8_0: none), and the quantized value of its input i (0-31). The weight is `block_weight`.
+inline void block_scales(bool q4, const uint8_t* bp, int64_t row, float* d, float* m) {
+  const int64_t h = row / kHalf, r = row % kHalf;
+  *d = fp16_to_fp32(bp + (q4 ? Q41Layout::d(h) : Q80Layout::d(h)) + 2 * r);
+  *m = q4 ? fp16_to_fp32(bp + Q41Layout::m(h) + 2 * r) : 0.0f;
+}
+
+inline int block_quant(bool q4, const uint8_t* bp, int64_t row, int64_t i) {
+  const int64_t h = row / kHalf, r = row % kHalf;
+  if (q4) return (bp[Q41Layout::vec(i / 8, h) + 4 * r + (i % 8) / 2] >> (4 * (i % 2))) & 0xF;
+  return static_cast<int8_t>(bp[Q80Layout::vec(i / 4, h) + 4 * r + i % 4]);
+}
+
+inline float block_weight(bool q4, float d, float m, int q) {
+  return q4 ? d * static_cast<float>(q) + m : d * static_cast<float>(q);
+}
+
 // Portable: rows [0, nvalid) of one row group, nb blocks, into out (row stride ldo, in elements of Out).
 template <typename Out>
 inline void group_portable(bool q4, const uint8_t* gp, int64_t nb, int64_t nvalid, Out* out, int64_t ldo) {
@@ -35,24 +54,10 @@ inline void group_portable(bool q4, const uint8_t* gp, int64_t nb, int64_t nvali
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* bp = gp + b * bb;
     for (int64_t row = 0; row < nvalid; ++row) {
-      const int64_t h = row / kHalf, r = row % kHalf;
+      float d, m;
+      block_scales(q4, bp, row, &d, &m);
       Out* o = out + row * ldo + b * kQK;
-      if (q4) {
-        const float d = fp16_to_fp32(bp + Q41Layout::d(h) + 2 * r), m = fp16_to_fp32(bp + Q41Layout::m(h) + 2 * r);
-        for (int64_t j = 0; j < 4; ++j) {
-          const uint8_t* lane = bp + Q41Layout::vec(j, h) + 4 * r;
-          for (int64_t s = 0; s < 8; ++s) {
-            const int q = (lane[s / 2] >> (4 * (s % 2))) & 0xF;
-            put(o + 8 * j + s, d * static_cast<float>(q) + m);
-          }
-        }
-      } else {
-        const float d = fp16_to_fp32(bp + Q80Layout::d(h) + 2 * r);
-        for (int64_t j = 0; j < 8; ++j) {
-          const uint8_t* lane = bp + Q80Layout::vec(j, h) + 4 * r;
-          for (int64_t i = 0; i < 4; ++i) put(o + 4 * j + i, d * static_cast<float>(static_cast<int8_t>(lane[i])));
-        }
-      }
+      for (int64_t i = 0; i < kQK; ++i) put(o + i, block_weight(q4, d, m, block_quant(q4, bp, row, i)));
     }
   }
 }
@@ -178,20 +183,12 @@ inline void gather_columns(bool q4, const uint8_t* packed, int64_t N, int64_t K,
     const uint8_t* gp = packed + g * nb * bb;
     const int64_t nvalid = std::min<int64_t>(kRows, N - g * kRows);
     for (int64_t row = 0; row < nvalid; ++row) {
-      const int64_t h = row / kHalf, r = row % kHalf;
-      float* o = out + (g * kRows + row - g0 * kRows) * ncols;
+      float* o = out + ((g - g0) * kRows + row) * ncols;
       for (int64_t j = 0; j < ncols; ++j) {
-        const int64_t b = cols[j] / kQK, i = cols[j] % kQK;
-        const uint8_t* bp = gp + b * bb;
-        if (q4) {
-          const uint8_t byte = bp[Q41Layout::vec(i / 8, h) + 4 * r + (i % 8) / 2];
-          const int q = (byte >> (4 * (i % 2))) & 0xF;
-          o[j] = fp16_to_fp32(bp + Q41Layout::d(h) + 2 * r) * static_cast<float>(q) +
-                 fp16_to_fp32(bp + Q41Layout::m(h) + 2 * r);
-        } else {
-          const int8_t q = static_cast<int8_t>(bp[Q80Layout::vec(i / 4, h) + 4 * r + i % 4]);
-          o[j] = fp16_to_fp32(bp + Q80Layout::d(h) + 2 * r) * static_cast<float>(q);
-        }
+        const uint8_t* bp = gp + cols[j] / kQK * bb;
+        float d, m;
+        block_scales(q4, bp, row, &d, &m);
+        o[j] = block_weight(q4, d, m, block_quant(q4, bp, row, cols[j] % kQK));
       }
     }
   }
