@@ -124,7 +124,7 @@ def main() -> None:
                         help="GEMM for prefill and larger batches with float32 weights (see --cpu-gemm of the server)")
     parser.add_argument("--gguf-activations", default="auto", choices=["auto", "float32", "int8"],
                         help="activations of the GGUF block kernels (see --gguf-activations of the server)")
-    parser.add_argument("--small-batch-quantization", default="auto", choices=["auto", "none", "q8_0"],
+    parser.add_argument("--small-batch-quantization", default="auto", choices=["auto", "none", "q8_0", "q4_1"],
                         help="Q8_0 blocks for the small batches of a checkpoint without GGUF blocks (see the server)")
     parser.add_argument("--prefill-attention", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="prefill attention over bf16 K/V (see --prefill-attention of the server)")

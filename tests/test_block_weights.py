@@ -110,7 +110,7 @@ def test_plan_serves_plain_checkpoints_from_blocks_on_native_bf16_cpus():
         "dense", "this CPU class keeps its float32 plan")
     asked = choose_arithmetic("cpu", cpu_flags=AVX2_FLAGS, **BLOCKS_PLAN)
     assert (asked.large_batch_weights, asked.block_gemm) == ("blocks", "float32")  # AVX2's fast GEMM
-    with pytest.raises(ValueError, match="--large-batch-weights blocks needs Q8_0 blocks"):
+    with pytest.raises(ValueError, match="--large-batch-weights blocks needs blocks for small batches"):
         choose_arithmetic("cpu", cpu_flags=AVX2_FLAGS, large_batch_weights="blocks")
     with pytest.raises(ValueError, match="--large-batch-weights must be one of"):
         choose_arithmetic("cpu", cpu_flags=AVX2_FLAGS, large_batch_weights="q4")

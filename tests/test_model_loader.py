@@ -158,9 +158,8 @@ def _llama_cpp_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def _tiny_llama_tensors(seed: int) -> dict[str, np.ndarray]:
+def _tiny_llama_tensors(seed: int, t: dict = TINY) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    t = TINY
     head_dim = t["hidden"] // t["heads"]
     shapes = {"model.embed_tokens.weight": (t["vocab"], t["hidden"]), "model.norm.weight": (t["hidden"],),
               "lm_head.weight": (t["vocab"], t["hidden"])}
@@ -206,10 +205,11 @@ def _byte_level_vocab() -> tuple[list[str], list[str]]:
     return tokens, merges
 
 
-def _write_tiny_gguf(path: Path, tensors: dict[str, np.ndarray]) -> None:
+def _write_tiny_gguf(path: Path, tensors: dict[str, np.ndarray], t: dict = TINY, linear_qtype: str = "") -> None:
+    """A llama GGUF of `tensors` (dims `t`); `linear_qtype` (e.g. "Q4_0") stores the 2-D weights other than the
+    embeddings in those blocks, as llama.cpp's quantizer writes them."""
     import gguf
 
-    t = TINY
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny-test-llama")
     writer.add_context_length(64)
@@ -235,7 +235,11 @@ def _write_tiny_gguf(path: Path, tensors: dict[str, np.ndarray]) -> None:
             value = _llama_cpp_permute(value, t["heads"])
         elif name.endswith("k_proj.weight"):
             value = _llama_cpp_permute(value, t["kv_heads"])
-        writer.add_tensor(_gguf_name(name), value)
+        if linear_qtype and value.ndim == 2 and name != "model.embed_tokens.weight":
+            qtype = gguf.GGMLQuantizationType[linear_qtype]
+            writer.add_tensor(_gguf_name(name), gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(_gguf_name(name), value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

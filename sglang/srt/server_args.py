@@ -269,7 +269,7 @@ _CHOICES = {
     "dtype": ["auto", "half", "float16", "bfloat16", "bf16", "float", "float32"],
     "cpu_gemm": ["auto", "float32", "bfloat16", "int8"],
     "gguf_activations": ["auto", "float32", "int8"],
-    "small_batch_quantization": ["auto", "none", "q8_0"],
+    "small_batch_quantization": ["auto", "none", "q8_0", "q4_1"],
     "large_batch_weights": ["auto", "blocks", "dense"],
     "prefill_attention": ["auto", "float32", "bfloat16"],
     "tokenizer_mode": ["auto", "slow"],

@@ -21,9 +21,10 @@ An explicit `--dtype float32` or `--cpu-gemm float32` keeps float32 activations 
 throughout, as the transformers reference computes).
 
 A checkpoint without GGUF blocks (plain safetensors) gets Q8_0 blocks quantized at load for its small batches
-(`--small-batch-quantization auto|none|q8_0`, model_loader/q8_blocks.py), which brings it the fused decode step:
+(`--small-batch-quantization auto|none|q8_0|q4_1`, model_loader/q8_blocks.py), which brings it the fused decode step:
 by default where large batches already run a reduced-precision GEMM (bf16 on CPUs with native bf16), so a
-float32 plan stays float32 everywhere; `q8_0` asks for it on any CPU.
+float32 plan stays float32 everywhere; `q8_0` asks for it on any CPU. `q4_1` (asked for only) reads 0.625 bytes per
+weight instead of 1.0625, at an accuracy cost stated in benchmarks/RESULTS.md.
 
 `--kv-cache-dtype auto` stores K/V in bf16 where the plan is automatic on a CPU with native bf16 (late in a long
 generation K/V are most of the bytes a decode step reads), in the model dtype elsewhere (`choose_kv_cache_dtype`).
@@ -72,7 +73,7 @@ from sglang.srt.model_loader.dtype import dtype_name, resolve_dtype
 
 CPU_GEMMS = ("auto", "float32", "bfloat16", "int8")
 GGUF_ACTIVATIONS = ("auto", "float32", "int8")
-SMALL_BATCH_QUANTIZATIONS = ("auto", "none", "q8_0")
+SMALL_BATCH_QUANTIZATIONS = ("auto", "none", "q8_0", "q4_1")
 LARGE_BATCH_WEIGHTS = ("auto", "blocks", "dense")
 PREFILL_ATTENTIONS = ("auto", "float32", "bfloat16")
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ class ArithmeticPlan:
     # activations of the GGUF block kernels (small batches, fused decode step): float32 | int8
     gguf_activations: str = "float32"
     gguf_activations_reason: str = ""
-    # blocks made at load for the small batches of a model without GGUF blocks: none | q8_0
+    # blocks made at load for the small batches of a model without GGUF blocks: none | q8_0 | q4_1
     small_batch_quantization: str = "none"
     # what the large batches of such a checkpoint read: blocks (no float weights: the Q8_0 blocks through the
     # block_gemm GEMM, or an int8 copy where int8 is the large-batch GEMM) | dense (float32 weights and the
@@ -227,8 +228,9 @@ def choose_arithmetic(
         on = plan.cpu_class != "" and plan.weight_dtype == torch.float32 and (
             plan.large_batch_gemm != "float32" or native)
         small_batch_quantization = "q8_0" if on else "none"
-    elif small_batch_quantization == "q8_0" and (plan.cpu_class == "" or plan.weight_dtype != torch.float32):
-        raise ValueError("--small-batch-quantization q8_0 needs float32 weights on CPU (--dtype auto or float32)")
+    elif small_batch_quantization != "none" and (plan.cpu_class == "" or plan.weight_dtype != torch.float32):
+        raise ValueError(f"--small-batch-quantization {small_batch_quantization} needs float32 weights on CPU "
+                         "(--dtype auto or float32)")
     if plan.large_batch_gemm in ("float32", "bfloat16"):
         plan = dataclasses.replace(plan, block_gemm=plan.large_batch_gemm)
     elif plan.cpu_class not in NATIVE_BF16_CLASSES:
@@ -254,10 +256,10 @@ def choose_large_batch_weights(requested: str, plan: ArithmeticPlan, small_batch
     2.2x the float32 GEMM there), its outlier columns read from the blocks."""
     if requested == "dense":
         return "dense", "--large-batch-weights dense"
-    if small_batch_quantization != "q8_0":
+    if small_batch_quantization == "none":
         if requested == "blocks":
-            raise ValueError("--large-batch-weights blocks needs Q8_0 blocks for small batches "
-                             "(--small-batch-quantization q8_0, or auto on a CPU with native bf16)")
+            raise ValueError("--large-batch-weights blocks needs blocks for small batches "
+                             "(--small-batch-quantization q8_0 or q4_1, or auto on a CPU with native bf16)")
         return "dense", "no blocks are made for small batches"
     if requested == "blocks":
         return "blocks", "--large-batch-weights blocks"

@@ -46,22 +46,22 @@ class StepOutput:
     input_logprobs: Optional[torch.Tensor]
 
 
-def blocks_only(gguf_path: Optional[str], gguf_kernel_max_rows: int, arithmetic: Optional[ArithmeticPlan],
-                device: torch.device) -> bool:
-    """Whether the plan serves every batch of this checkpoint from Q8_0 blocks made at load (one copy of the
-    weights: model_loader/q8_blocks.py), so that its linear weights may load in the checkpoint's own dtype."""
+def blocks_only(gguf_kernel_max_rows: int, arithmetic: Optional[ArithmeticPlan], device: torch.device) -> bool:
+    """Whether the plan serves every batch of this checkpoint from blocks (the GGUF file's, or made at load:
+    model_loader/q8_blocks.py), one copy of the weights, so that its linear weights may load in the checkpoint's
+    own dtype and are released once their blocks are attached."""
     # Tensor-parallel ranks keep their shards dense: the ranks after the first run no blocks (tp_worker.py).
-    return (arithmetic is not None and arithmetic.large_batch_weights == "blocks" and not gguf_path
-            and gguf_kernel_max_rows > 0 and device.type == "cpu" and arithmetic.weight_dtype == torch.float32
-            and get_tp_group().size == 1)
+    return (arithmetic is not None and arithmetic.large_batch_weights == "blocks" and gguf_kernel_max_rows > 0
+            and device.type == "cpu" and arithmetic.weight_dtype == torch.float32 and get_tp_group().size == 1)
 
 
 def load_for_plan(model_dir: str, dtype: torch.dtype, device: torch.device, gguf_path: Optional[str],
                   gguf_kernel_max_rows: int, arithmetic: Optional[ArithmeticPlan], config: Any = None) -> Any:
     """The model of `model_dir` loaded as the plan serves it: where blocks serve every batch, the linear weights
-    are read in the checkpoint's dtype (bf16 / fp16), never widened to float32 in full."""
+    of a plain checkpoint are read in its dtype (bf16 / fp16), never widened to float32 in full. (A GGUF file's
+    converted weights load as float32, exactly its values, which the file's blocks are checked against.)"""
     prepare = None
-    if blocks_only(gguf_path, gguf_kernel_max_rows, arithmetic, device):
+    if not gguf_path and blocks_only(gguf_kernel_max_rows, arithmetic, device):
         stored = checkpoint_dtype(config if config is not None else model_dir)
         if stored in (torch.bfloat16, torch.float16):
             def prepare(meta_model: Any) -> None:
@@ -76,22 +76,22 @@ def attach_fast_paths(model: Any, gguf_path: Optional[str], hf_config: Any, gguf
     """Give a freshly loaded model its derived weight copies (GGUF blocks for small batches, the large-batch GEMM
     copies); returns their bytes. Every loaded model goes through here, at startup and after a weight update."""
     param = next(model.parameters())
+    only_blocks = blocks_only(gguf_kernel_max_rows, arithmetic, param.device)
+    large = (blocks_large_method(arithmetic.large_batch_gemm, arithmetic.block_gemm)
+             if only_blocks and arithmetic is not None else None)
     quant_bytes = 0
     if gguf_path and gguf_kernel_max_rows > 0 and param.device.type == "cpu":
-        quant_bytes = attach_gguf_quant_weights(model, gguf_path, hf_config, gguf_kernel_max_rows)
-    only_blocks = False
-    if quant_bytes == 0 and arithmetic is not None and arithmetic.small_batch_quantization == "q8_0":
-        only_blocks = blocks_only(gguf_path, gguf_kernel_max_rows, arithmetic, param.device)
-        large = blocks_large_method(arithmetic.large_batch_gemm, arithmetic.block_gemm) if only_blocks else None
-        quant_bytes = attach_q8_0_blocks(model, gguf_kernel_max_rows, large)
-        only_blocks = only_blocks and quant_bytes > 0
+        quant_bytes = attach_gguf_quant_weights(model, gguf_path, hf_config, gguf_kernel_max_rows, large)
+    if quant_bytes == 0 and arithmetic is not None and arithmetic.small_batch_quantization != "none":
+        qtype = arithmetic.small_batch_quantization.upper()
+        quant_bytes = attach_q8_0_blocks(model, gguf_kernel_max_rows, large, qtype)
+    only_blocks = only_blocks and quant_bytes > 0
     if (arithmetic is not None and not only_blocks and param.device.type == "cpu"
             and param.dtype == torch.float32):
         quant_bytes += attach_large_batch_gemm(model, arithmetic.large_batch_gemm)
     if arithmetic is not None:
         set_gguf_activations(model, arithmetic.gguf_activations)
     return quant_bytes
-
 
 
 class ModelRunner:
@@ -109,7 +109,9 @@ class ModelRunner:
         self.dtype = dtype
         self.hf_config = hf_config
         self.gguf_kernel_max_rows = gguf_kernel_max_rows
-        self.model = load_for_plan(model_dir, dtype, self.device, gguf_path, gguf_kernel_max_rows, arithmetic)
+        # Built from the served config (--json-model-override-args applied), the one the KV pool is sized from.
+        self.model = load_for_plan(model_dir, dtype, self.device, gguf_path, gguf_kernel_max_rows, arithmetic,
+                                   config=hf_config)
         self.arithmetic = arithmetic
         self.quant_bytes = attach_fast_paths(self.model, gguf_path, hf_config, gguf_kernel_max_rows, arithmetic)
         self.vocab_size = hf_config.get_text_config().vocab_size

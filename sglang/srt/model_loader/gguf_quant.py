@@ -1,9 +1,13 @@
-"""Choosing the GGUF-blocks linear method at load time for a model read from a Q4_1 / Q8_0 GGUF file.
+"""Choosing the GGUF-blocks linear method at load time for a model read from a Q4_0 / Q4_1 / Q8_0 GGUF file.
 
-A model loaded from such a file keeps its float weights (dequantized exactly) and every linear layer and the LM
-head also get the file's original blocks through `GGUFLinearMethod` (layers/quantization/gguf_linear.py), which
-runs batches of at most `max_rows` rows on them. The blocks are attached only where their dequantized values
-equal the loaded weights bit for bit, so both paths compute with the same weights.
+Every linear layer and the LM head get the file's original blocks through `GGUFLinearMethod`
+(layers/quantization/gguf_linear.py), which runs batches of at most `max_rows` rows on them. The blocks are attached
+only where their dequantized values equal the loaded float weights bit for bit, so every path computes with the
+same weights. Where the plan serves every batch from blocks (`--large-batch-weights blocks`, the default on CPUs
+with native bf16) the float weights are then released and large batches multiply the blocks too (or an int8 copy
+made from them: model_loader/gemm_methods.blocks_large_method): the model holds the file's bytes, not a float32 copy.
+Otherwise the float weights stay for large batches.
+Q4_0 tensors arrive as the Q4_1 blocks of the same values (model_loader/gguf_reader.py).
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ from sglang.srt.layers.quantization.gguf_blocks import (
     normalize_qtype,
     rotary_rows_gguf_to_hf,
 )
-from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
 from sglang.srt.model_loader.gguf_reader import read_gguf_quant_tensors
+from sglang.srt.model_loader.q8_blocks import LargeFromBlocks, blocks_method
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +91,11 @@ def _matching(candidates: Sequence[Callable[[], Optional[RawBlocks]]], target: t
     return None
 
 
-def attach_gguf_quant_weights(model: Any, gguf_path: str, config: Any, max_rows: int = DEFAULT_MAX_ROWS) -> int:
-    """Attach GGUF blocks to the linear layers of a Llama-family model; returns the bytes attached."""
+def attach_gguf_quant_weights(model: Any, gguf_path: str, config: Any, max_rows: int = DEFAULT_MAX_ROWS,
+                              large: Optional[LargeFromBlocks] = None) -> int:
+    """Attach GGUF blocks to the linear layers of a Llama-family model; returns the bytes attached (0: none were,
+    the float weights serve). `large`: the blocks serve every batch and the float weights are released
+    (model_loader/q8_blocks.blocks_method)."""
     if not kernels_available():
         logger.info("Quantized GGUF kernels unavailable (%s); using float weights only", kernels_unavailable_reason())
         return 0
@@ -137,12 +144,15 @@ def attach_gguf_quant_weights(model: Any, gguf_path: str, config: Any, max_rows:
     head_weight = None
     if head is not None:
         head_weight = _matching([lambda: block("output.weight"), lambda: block("token_embd.weight")], head.weight)
+    dtype = model.model.embed_tokens.weight.dtype
     for module, weight in plan:
         assert weight is not None
-        module.set_linear_method(GGUFLinearMethod(weight, max_rows))
+        module.set_linear_method(blocks_method(module, weight, max_rows, large, dtype))
         attached += weight.nbytes
-    if head_weight is not None and hasattr(model, "logits_processor"):
-        model.logits_processor.set_head_method(GGUFLinearMethod(head_weight, max_rows))
+    if head_weight is not None and head is not None and hasattr(model, "logits_processor"):
+        release = dtype if head.weight is not model.model.embed_tokens.weight else None
+        model.logits_processor.set_head_method(blocks_method(head, head_weight, max_rows, large, release))
         attached += head_weight.nbytes
-    logger.info("Attached %.1f MB of GGUF blocks for matmuls of up to %d rows", attached / 2**20, max_rows)
+    what = "every matmul (no float weights kept)" if large is not None else f"matmuls of up to {max_rows} rows"
+    logger.info("Attached %.1f MB of GGUF blocks for %s", attached / 2**20, what)
     return attached

@@ -9,14 +9,25 @@ from typing import Any
 
 import numpy as np
 
-from sglang.srt.layers.quantization.gguf_blocks import BLOCK_BYTES, row_bytes
+from sglang.srt.layers.quantization.gguf_blocks import QK, row_bytes
 
 # GGUF metadata value types: fixed sizes in bytes; 8 = string, 9 = array.
 _GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 _GGUF_ALIGNMENT_KEY = "general.alignment"
 # Type ids of the block formats the kernels read (ggml's enum).
-_GGML_TYPE_NAMES = {3: "Q4_1", 8: "Q8_0"}
+_GGML_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+Q4_0_BLOCK_BYTES = 18
+
+
+def q4_0_as_q4_1(raw: np.ndarray) -> np.ndarray:
+    """Q4_0 blocks [n, blocks * 18] (fp16 d, 16 bytes of nibbles, w = d * (q - 8)) as Q4_1 blocks
+    [n, blocks * 20] of exactly the same values: d kept, m = -8 d (a power-of-two scale: exact in fp16 for the
+    scales of real weights). The kernels read Q4_1; the copy is 11% larger than the file's blocks."""
+    n = raw.shape[0]
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(n, -1, Q4_0_BLOCK_BYTES)
+    m = (blocks[..., :2].copy().view(np.float16) * np.float16(-8)).view(np.uint8)
+    return np.ascontiguousarray(np.concatenate([blocks[..., :2], m, blocks[..., 2:]], axis=-1).reshape(n, -1))
 
 
 def gguf_tensor_table(path: str | os.PathLike) -> tuple[np.ndarray, list[tuple[str, list[int], int, int]]]:
@@ -81,9 +92,10 @@ def gguf_tensor_table(path: str | os.PathLike) -> tuple[np.ndarray, list[tuple[s
 def read_gguf_quant_tensors(
     path: str | os.PathLike, names: Sequence[str] | None = None
 ) -> dict[str, tuple[str, np.ndarray, int, int]]:
-    """The Q4_1 / Q8_0 matrices of a GGUF file: {name: (qtype_name, raw uint8 [N, row_bytes], N, K)}.
+    """The Q4_0 / Q4_1 / Q8_0 matrices of a GGUF file: {name: (qtype_name, raw uint8 [N, row_bytes], N, K)}, Q4_0
+    ones as Q4_1 blocks of the same values (`q4_0_as_q4_1`).
 
-    The arrays are read-only views of the memory-mapped file. Only 2-D tensors are returned (gguf lists dims
+    The Q4_1 / Q8_0 arrays are read-only views of the memory-mapped file. Only 2-D tensors are returned (gguf lists dims
     reversed, [K, N]); `names` restricts the result to those tensors.
     """
     wanted = set(names) if names is not None else None
@@ -91,9 +103,13 @@ def read_gguf_quant_tensors(
     out: dict[str, tuple[str, np.ndarray, int, int]] = {}
     for name, dims, ttype, offset in table:
         qname = _GGML_TYPE_NAMES.get(ttype)
-        if (wanted is not None and name not in wanted) or qname not in BLOCK_BYTES or len(dims) != 2:
+        if (wanted is not None and name not in wanted) or qname is None or len(dims) != 2:
             continue
         k, n = dims
+        if qname == "Q4_0":
+            nbytes = n * (k // QK) * Q4_0_BLOCK_BYTES
+            out[name] = ("Q4_1", q4_0_as_q4_1(data[offset : offset + nbytes].reshape(n, -1)), n, k)
+            continue
         nbytes = n * row_bytes(qname, k)
         out[name] = (qname, data[offset : offset + nbytes].reshape(n, row_bytes(qname, k)), n, k)
     return out

@@ -41,13 +41,19 @@ from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
 logger = logging.getLogger(__name__)
 
 
-def quantize_q8_0(weight: torch.Tensor) -> GGUFQuantWeight:
-    """A float weight [n, k] (k a multiple of 32) as Q8_0 blocks, as llama.cpp's reference quantizer makes them."""
+def quantize_blocks(weight: torch.Tensor, qtype: str = "Q8_0") -> GGUFQuantWeight:
+    """A float weight [n, k] (k a multiple of 32) as Q8_0 or Q4_1 blocks, as llama.cpp's reference quantizer makes
+    them."""
     import gguf
 
     n, k = weight.shape
-    raw = gguf.quants.quantize(weight.detach().to(torch.float32).numpy(), gguf.GGMLQuantizationType.Q8_0)
-    return GGUFQuantWeight("Q8_0", np.ascontiguousarray(raw), n, k)
+    raw = gguf.quants.quantize(weight.detach().to(torch.float32).numpy(), gguf.GGMLQuantizationType[qtype])
+    return GGUFQuantWeight(qtype, np.ascontiguousarray(raw), n, k)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> GGUFQuantWeight:
+    """A float weight [n, k] (k a multiple of 32) as Q8_0 blocks."""
+    return quantize_blocks(weight, "Q8_0")
 
 
 def _decoder_linears(model: Any) -> list[Linear]:
@@ -132,38 +138,48 @@ def _release(module: nn.Module, dtype: torch.dtype) -> None:
 LargeFromBlocks = Callable[[GGUFQuantWeight, torch.Tensor], LinearMethod]
 
 
-def attach_q8_0_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlocks] = None) -> int:
-    """Give every decoder linear layer and the LM head of a float32 Llama-family model Q8_0 blocks for batches of
-    at most `max_rows` rows; returns the bytes attached (0 when it does not apply, with the reason logged).
+def blocks_method(module: nn.Module, weight: GGUFQuantWeight, max_rows: int, large: Optional[LargeFromBlocks],
+                  release_dtype: Optional[torch.dtype]) -> GGUFLinearMethod:
+    """The linear method of a layer that gets `weight`'s blocks for batches of at most `max_rows` rows. With `large`
+    the blocks serve every batch: large batches run the method `large` makes, and the layer's float weight is
+    released (as a meta tensor of `release_dtype`; None keeps it, for a weight shared with the embeddings).
+    A large-batch copy of Q4_1 blocks is made from their values, so that every batch size computes with the same
+    weights (Q8_0 blocks are within 1/254 of the float weight they round: the weight serves)."""
+    method = GGUFLinearMethod(weight, max_rows)
+    if large is not None:
+        values = module.weight if weight.qtype == "Q8_0" else weight.dequantize()
+        method.large = large(weight, values)  # type: ignore[arg-type]
+        if release_dtype is not None:
+            _release(module, release_dtype)
+    return method
+
+
+def attach_q8_0_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlocks] = None,
+                       qtype: str = "Q8_0") -> int:
+    """Give every decoder linear layer and the LM head of a float32 Llama-family model blocks quantized at load
+    (`qtype`: Q8_0, or Q4_1 with `--small-batch-quantization q4_1`) for batches of at most `max_rows` rows; returns
+    the bytes attached (0 when it does not apply, with the reason logged).
 
     `large`: no float weights are kept. Each layer's large batches run the method `large` makes from its blocks and
     float weight (the GEMM over the blocks, or an int8 copy whose outlier columns come from the blocks), and the
     float weight is released as soon as that is made, so the model never holds all of it twice."""
     reason = why_no_q8_0_blocks(model) if max_rows > 0 else "--gguf-kernel-max-rows is 0"
     if reason is not None:
-        logger.info("No Q8_0 blocks for small batches: %s", reason)
+        logger.info("No %s blocks for small batches: %s", qtype, reason)
         return 0
     dtype = model.model.embed_tokens.weight.dtype
     attached = 0
     for module in _decoder_linears(model):
-        weight = quantize_q8_0(module.weight)
-        method = GGUFLinearMethod(weight, max_rows)
-        if large is not None:
-            method.large = large(weight, module.weight)
-            _release(module, dtype)
-        module.set_linear_method(method)
+        weight = quantize_blocks(module.weight, qtype)
+        module.set_linear_method(blocks_method(module, weight, max_rows, large, dtype))
         attached += weight.nbytes
     head = getattr(model, "lm_head", None)
     processor = getattr(model, "logits_processor", None)
     if head is not None and processor is not None and head.weight.shape[1] % QK == 0:
-        weight = quantize_q8_0(head.weight)
-        method = GGUFLinearMethod(weight, max_rows)
-        if large is not None:
-            method.large = large(weight, head.weight)
-            if _untied_head(model) is not None:
-                _release(head, dtype)
-        processor.set_head_method(method)
+        weight = quantize_blocks(head.weight, qtype)
+        release = dtype if _untied_head(model) is not None else None
+        processor.set_head_method(blocks_method(head, weight, max_rows, large, release))
         attached += weight.nbytes
     what = "every matmul (no float weights kept)" if large is not None else f"matmuls of up to {max_rows} rows"
-    logger.info("Attached %.1f MB of Q8_0 blocks (quantized at load) for %s", attached / 2**20, what)
+    logger.info("Attached %.1f MB of %s blocks (quantized at load) for %s", attached / 2**20, qtype, what)
     return attached

@@ -1,0 +1,148 @@
+"""One copy of a quantized checkpoint's weights: a GGUF file's own blocks serve every batch under the blocks plan
+(`--large-batch-weights blocks`), its float weights released once the blocks are checked against them; Q4_0 files
+are held as Q4_1 blocks of the same values; `--small-batch-quantization q4_1` makes Q4_1 blocks at load."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from sglang.srt.layers.arithmetic import choose_arithmetic  # noqa: E402
+from sglang.srt.layers.linear import Linear  # noqa: E402
+from sglang.srt.layers.quantization.gguf_blocks import dequantize_raw, kernels_available  # noqa: E402
+from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod  # noqa: E402
+from sglang.srt.model_executor.model_runner import attach_fast_paths, load_for_plan  # noqa: E402
+from sglang.srt.model_loader.gguf_reader import q4_0_as_q4_1  # noqa: E402
+from sglang.srt.model_loader.weight_report import weight_bytes_by_format  # noqa: E402
+from tests.test_cpu_arithmetic import BF16_VNNI_FLAGS  # noqa: E402
+from tests.test_models import build_models, max_diff, tiny_config  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not kernels_available(), reason="the compiled GGUF kernels are unavailable")
+
+TINY_BLOCKS = dict(vocab=260, hidden=64, heads=4, kv_heads=2, inter=128, layers=2)
+
+
+def test_q4_0_blocks_become_q4_1_blocks_of_the_same_values():
+    w = np.random.default_rng(0).standard_normal((8, 96)).astype(np.float32)
+    w[3] = 0.0  # an all-zero block (d = 0)
+    raw = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_0).copy())
+    converted = q4_0_as_q4_1(raw)
+    assert converted.shape == (8, 96 // 32 * 20)
+    assert torch.equal(dequantize_raw("Q4_1", torch.from_numpy(converted), 8, 96), expected)
+
+
+def plan_for(large_gemm: str, small: str = "q8_0"):
+    """The blocks plan of an AVX512-BF16 CPU whose startup measurement found `large_gemm` fastest."""
+    rates = {"float32": 2.0 if large_gemm == "float32" else 0.5, "bfloat16": 1.0,
+             "int8": 3.0 if large_gemm == "int8" else 0.1}
+    plan = choose_arithmetic("cpu", cpu_flags=BF16_VNNI_FLAGS, measurements=rates, small_batch_quantization=small,
+                             large_batch_weights="blocks")
+    assert (plan.large_batch_gemm if large_gemm == "int8" else plan.block_gemm) == large_gemm
+    return plan
+
+
+def assert_served_from_blocks(ours, reference, config, qtype: str, large_gemm: str) -> None:
+    """Every linear layer of `ours` holds `qtype` blocks alone (its float weight released, a large-batch method made
+    from the blocks), the weights report counts blocks and the float32 embeddings and norms, and prefill + fused
+    decode steps give the logits of `reference` (a float model with the blocks' values)."""
+    from tests.test_fused_decode import decode_run
+
+    linears = [m for m in ours.modules() if isinstance(m, Linear)]
+    assert all(m.weight.device.type == "meta" for m in linears)
+    assert all(isinstance(m.linear_method, GGUFLinearMethod) and m.linear_method.large is not None for m in linears)
+    assert {m.linear_method.quant_weight.qtype for m in linears} == {qtype}
+    by_format = weight_bytes_by_format(ours)
+    by_format.pop("int8 GEMM copies", None)
+    embed = config.vocab_size * config.hidden_size * 4
+    norms = (2 * config.num_hidden_layers + 1) * config.hidden_size * 4
+    assert by_format.pop("float32") == embed + norms  # the untied head is released too
+    head = ours.logits_processor.head_method.quant_weight
+    assert sum(by_format.values()) == sum(m.linear_method.quant_weight.nbytes for m in linears) + head.nbytes
+    with torch.no_grad():
+        for mine, theirs in zip(linears, [m for m in reference.modules() if isinstance(m, Linear)]):
+            theirs.weight.copy_(mine.linear_method.quant_weight.dequantize())
+        reference.lm_head.weight.copy_(head.dequantize())
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=generator).tolist() for n in (30, 5)]
+    expected, _ = decode_run(reference, config, False, prompts, steps=4)
+    actual, _ = decode_run(ours, config, True, prompts, steps=4, max_rows=8)
+    tol = 0.8 if large_gemm == "int8" else 0.25  # int8 (per-token activations through the KV cache) / bf16
+    for step, (a, e) in enumerate(zip(actual, expected)):
+        assert max_diff(a, e) < tol, (step, max_diff(a, e))
+        if not torch.equal(a.argmax(-1), e.argmax(-1)):
+            assert large_gemm == "int8", step  # a near-tie of the random model: the next steps decode other tokens
+            break
+
+
+@pytest.mark.parametrize("file_qtype, large_gemm", [("Q4_0", "float32"), ("Q8_0", "bfloat16"), ("Q4_1", "int8")])
+def test_gguf_file_blocks_serve_every_batch(monkeypatch, tmp_path, file_qtype, large_gemm):
+    from transformers import AutoConfig
+
+    from sglang.srt.model_loader.resolve import resolve_model_path
+    from tests.test_model_loader import _tiny_llama_tensors, _write_tiny_gguf
+
+    monkeypatch.setenv("SGLANG_CACHE_DIR", str(tmp_path / "cache"))
+    tensors = {name: (np.ones_like(v) if v.ndim == 1 else v * 0.05)
+               for name, v in _tiny_llama_tensors(seed=3, t=TINY_BLOCKS).items()}
+    gguf_path = tmp_path / "tiny-blocks.gguf"
+    _write_tiny_gguf(gguf_path, tensors, TINY_BLOCKS, linear_qtype=file_qtype)
+    model_dir = resolve_model_path(str(gguf_path))
+    config = AutoConfig.from_pretrained(model_dir)
+    plan = plan_for(large_gemm)
+    ours = load_for_plan(model_dir, torch.float32, torch.device("cpu"), str(gguf_path), 8, plan)
+    reference = load_for_plan(model_dir, torch.float32, torch.device("cpu"), None, 0, None)
+    attached = attach_fast_paths(ours, str(gguf_path), config, 8, plan)
+    assert attached > 0
+    held = "Q4_1" if file_qtype == "Q4_0" else file_qtype
+    assert_served_from_blocks(ours, reference, config, held, large_gemm)
+    # the blocks are the file's: the float weights the conversion wrote equal their values
+    q_blocks = ours.model.layers[1].mlp.down_proj.linear_method.quant_weight.dequantize()
+    assert torch.equal(q_blocks, reference.model.layers[1].mlp.down_proj.weight)
+
+
+@pytest.mark.parametrize("large_gemm", ["float32", "int8"])
+def test_q4_1_blocks_made_at_load_serve_every_batch(tmp_path, large_gemm):
+    config = tiny_config("llama", num_hidden_layers=3, hidden_size=128, intermediate_size=256,
+                         tie_word_embeddings=False, torch_dtype="bfloat16")
+    build_models(tmp_path, config, dtype=torch.bfloat16)
+    plan = plan_for(large_gemm, small="q4_1")
+    assert plan.small_batch_quantization == "q4_1" and plan.large_batch_weights == "blocks"
+    ours = load_for_plan(str(tmp_path), torch.float32, torch.device("cpu"), None, 8, plan)
+    assert {m.weight.dtype for m in ours.modules() if isinstance(m, Linear)} == {torch.bfloat16}
+    reference = load_for_plan(str(tmp_path), torch.float32, torch.device("cpu"), None, 0, None)
+    attach_fast_paths(ours, None, config, 8, plan)
+    assert_served_from_blocks(ours, reference, config, "Q4_1", large_gemm)
+
+
+def test_q4_1_needs_float32_weights_on_cpu():
+    with pytest.raises(ValueError, match="--small-batch-quantization q4_1 needs float32 weights"):
+        choose_arithmetic("cpu", dtype="bfloat16", cpu_flags=BF16_VNNI_FLAGS, small_batch_quantization="q4_1")
+
+
+def test_default_gguf_served_from_its_blocks_keeps_greedy_tokens(reference, smollm2_hf, smollm2_tokenizer):
+    """SmolLM2's Q4_1 GGUF under the blocks plan: the file's Q4_1 / Q8_0 blocks are its only linear weights (no
+    float32 copy), and a batch of 16 prompts and a long prompt keep the float model's greedy tokens (near-tie rule)."""
+    from sglang import Engine
+    from tests.greedy_cases import BF16_MARGIN, GREEDY, PROMPTS, assert_same_or_near_tie, generate_ids, many_prompts
+
+    with Engine(model_path="HuggingFaceTB/SmolLM2-135M-Instruct", small_batch_quantization="q8_0",
+                large_batch_weights="blocks") as engine:
+        info = engine.get_server_info()
+        by_format = dict(info["weights"]["by_format"])
+        by_format.pop("int8 GEMM copies", None)
+        config = smollm2_hf.config
+        embed = config.vocab_size * config.hidden_size * 4  # tied: the head reads the Q8_0 blocks of the file
+        norms = (2 * config.num_hidden_layers + 1) * config.hidden_size * 4
+        assert by_format.pop("float32") == embed + norms
+        assert set(by_format) == {"Q4_1 blocks", "Q8_0 blocks"}
+        prompts = many_prompts(16)
+        for prompt, ours, expected in zip(prompts, generate_ids(engine, prompts), reference(prompts)):
+            assert_same_or_near_tie(smollm2_hf, smollm2_tokenizer, prompt, ours, expected, BF16_MARGIN)
+        long_prompt = " ".join(PROMPTS[1:] * 2)
+        ours = engine.generate(prompt=long_prompt, sampling_params=GREEDY)["output_ids"]
+        assert_same_or_near_tie(smollm2_hf, smollm2_tokenizer, long_prompt, ours, reference([long_prompt])[0],
+                                BF16_MARGIN)
