@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Optional
 
 from sglang.srt.entrypoints.openai.chat_images import flatten_content
-from sglang.srt.entrypoints.openai.chat_output import ChoiceOutputParser
+from sglang.srt.entrypoints.openai.chat_output import ChoiceOutputParser, wire_delta
 from sglang.srt.entrypoints.openai.common import (
     OpenAIHandler,
     build_usage,
@@ -135,8 +135,8 @@ class ChatHandler(OpenAIHandler):
         def chunk(index: int, delta: dict, reason=None, matched=None, logprobs=None) -> bytes:
             return sse_json({
                 "id": chunk_id, "object": "chat.completion.chunk", "created": created, "model": req.model,
-                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason,
-                             "matched_stop": matched}],
+                "choices": [{"index": index, "delta": wire_delta(delta), "logprobs": logprobs,
+                             "finish_reason": reason, "matched_stop": matched}],
                 "usage": None,
             })
 
@@ -173,7 +173,8 @@ class ChatHandler(OpenAIHandler):
                 finals[index] = out
                 yield chunk(index, {}, reason, matched)
         if include_usage:
-            yield usage_chunk(chunk_id, "chat.completion.chunk", created, req.model, finals, req.n)
+            yield usage_chunk(chunk_id, "chat.completion.chunk", created, req.model, finals, req.n,
+                              keep_nulls=True)
 
 
 def chat_logprobs(meta: dict) -> dict:

@@ -98,3 +98,20 @@ class ChoiceOutputParser:
                 entry["function"]["name"] = item.name
             entry["function"]["arguments"] += item.parameters
         return [out[i] for i in sorted(out) if out[i]["function"].get("name") or out[i]["function"]["arguments"]]
+
+
+def wire_delta(delta: dict[str, Any]) -> dict[str, Any]:
+    """A stream delta as SGLang sends it: `role`, `content`, `reasoning_content` and `tool_calls` always present
+    (null when empty); each tool-call piece has `id`, `index`, `type` and `function.name` (null after the first
+    piece of a call) beside `function.arguments`."""
+    calls = delta.get("tool_calls")
+    return {
+        "role": delta.get("role"),
+        "content": delta.get("content"),
+        "reasoning_content": delta.get("reasoning_content"),
+        "tool_calls": None if calls is None else [
+            {"id": c.get("id"), "index": c.get("index"), "type": "function",
+             "function": {"name": c["function"].get("name"), "arguments": c["function"].get("arguments")}}
+            for c in calls
+        ],
+    }

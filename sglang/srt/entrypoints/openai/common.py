@@ -93,8 +93,11 @@ def as_list(out: Any) -> list[dict]:
     return out if isinstance(out, list) else [out]
 
 
-def usage_chunk(chunk_id: str, obj: str, created: int, model: str, finals: dict[int, dict], n: int) -> bytes:
-    usage = build_usage([finals[i] for i in sorted(finals)], n).model_dump(exclude_none=True)
+def usage_chunk(chunk_id: str, obj: str, created: int, model: str, finals: dict[int, dict], n: int,
+                keep_nulls: bool = False) -> bytes:
+    """The last chunk of a stream with `include_usage`: no choices, the usage of all of them. As SGLang does, the
+    chat stream's usage keeps its null keys and the completions stream's drops them."""
+    usage = build_usage([finals[i] for i in sorted(finals)], n).model_dump(exclude_none=not keep_nulls)
     return sse_json({"id": chunk_id, "object": obj, "created": created, "model": model, "choices": [],
                      "usage": usage})
 

@@ -66,12 +66,13 @@ class CompletionHandler(OpenAIHandler):
         chunk_id = ""
         prompts = self._prompt_texts(req) if req.echo else None
         sent: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
         finals: dict[int, dict] = {}
 
-        def chunk(index: int, text: str, reason: Optional[str], matched) -> bytes:
+        def chunk(index: int, text: str, logprobs: Optional[dict], reason: Optional[str], matched) -> bytes:
             return sse_json({
                 "id": chunk_id, "object": "text_completion", "created": created, "model": req.model,
-                "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": reason,
+                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
                              "matched_stop": matched}],
                 "usage": None,
             })
@@ -79,29 +80,37 @@ class CompletionHandler(OpenAIHandler):
         async for out in outputs:
             chunk_id = chunk_id or out["meta_info"]["id"]
             index = out.get("index", 0)
+            first = index not in sent
             text = out["text"]
             delta = text[sent.get(index, 0):]
-            if index not in sent and prompts is not None:
+            if first and prompts is not None:
                 delta = prompts[index // req.n] + delta
             sent[index] = len(text)
+            # Each chunk carries the logprobs of its own new tokens (and, with echo, the prompt's in the first).
+            logprobs = None
+            if req.logprobs is not None:
+                meta = out["meta_info"]
+                logprobs = completion_logprobs(meta, req.echo and first, start=sent_tokens.get(index, 0))
+                sent_tokens[index] = len(meta.get("output_token_logprobs") or [])
             reason, matched = finish_reason_of(out["meta_info"])
             if reason is not None:
                 finals[index] = out
-            if delta or reason is not None:
-                yield chunk(index, delta, reason, matched)
+            if delta or reason is not None or (logprobs is not None and logprobs["tokens"]):
+                yield chunk(index, delta, logprobs, reason, matched)
         if include_usage:
             yield usage_chunk(chunk_id, "text_completion", created, req.model, finals, req.n)
 
 
-def completion_logprobs(meta: dict, echo: bool) -> dict:
+def completion_logprobs(meta: dict, echo: bool, start: int = 0) -> dict:
+    """OpenAI completion logprobs of the output tokens from `start` on, after the prompt's with `echo`."""
     tokens: list[Any] = []
     tops: list[Any] = []
     if echo:
         tokens += meta.get("input_token_logprobs") or []
         tops += meta.get("input_top_logprobs") or [None] * len(meta.get("input_token_logprobs") or [])
-    out_tokens = meta.get("output_token_logprobs") or []
+    out_tokens = (meta.get("output_token_logprobs") or [])[start:]
     tokens += out_tokens
-    tops += meta.get("output_top_logprobs") or [None] * len(out_tokens)
+    tops += (meta.get("output_top_logprobs") or [])[start:] or [None] * len(out_tokens)
     return {
         "text_offset": [-1] * len(tokens),
         "token_logprobs": [lp for lp, _i, _t in tokens],

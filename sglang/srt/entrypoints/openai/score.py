@@ -8,7 +8,7 @@ softmax over the label logprobs with `apply_softmax`.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 from fastapi import APIRouter, Request
 
@@ -25,8 +25,12 @@ def _is_ids(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
-def build_score_input(body: Any) -> tuple[GenerateReqInput, list[int], bool]:
-    """The generation request of a /v1/score body, its label ids and apply_softmax. Raises ValueError."""
+INVALID_COMBINATION = "Invalid combination of query/items types for score_request."
+
+
+def build_score_input(body: Any, vocab_size: int) -> tuple[Optional[GenerateReqInput], list[int], bool]:
+    """The generation request of a /v1/score body (None when there are no items to score), its label ids and
+    apply_softmax. Raises ValueError with SGLang's messages where SGLang has one."""
     if not isinstance(body, dict):
         raise ValueError("The request body must be a JSON object.")
     labels = body.get("label_token_ids")
@@ -34,25 +38,29 @@ def build_score_input(body: Any) -> tuple[GenerateReqInput, list[int], bool]:
         raise ValueError("label_token_ids must be provided")
     if not _is_ids(labels) or any(t < 0 for t in labels):
         raise ValueError("label_token_ids must be a list of non-negative integers")
+    for t in labels:
+        if t >= vocab_size:
+            raise ValueError(f"Token ID {t} is out of vocabulary (vocab size: {vocab_size})")
     query, items = body.get("query"), body.get("items")
     if isinstance(items, str) or (_is_ids(items) and items):
         items = [items]
-    if query is None or not isinstance(items, list) or not items:
-        raise ValueError("query and a non-empty items list must be provided")
     item_first = bool(body.get("item_first", False))
-    if isinstance(query, str) and all(isinstance(i, str) for i in items):
+    apply_softmax = bool(body.get("apply_softmax", False))
+    if isinstance(query, str) and isinstance(items, list) and all(isinstance(i, str) for i in items):
+        if not items:  # nothing to score, as SGLang answers an empty text items list
+            return None, list(labels), apply_softmax
         texts = [item + query if item_first else query + item for item in items]
         obj = GenerateReqInput(text=texts)
-    elif _is_ids(query) and all(_is_ids(i) for i in items):
+    elif _is_ids(query) and isinstance(items, list) and items and all(_is_ids(i) for i in items):
         ids = [item + query if item_first else query + item for item in items]
         obj = GenerateReqInput(input_ids=ids)
     else:
-        raise ValueError("query and items must both be text (a string and strings) or token ids (lists of integers)")
+        raise ValueError(INVALID_COMBINATION)
     n = len(items)
     obj.sampling_params = [{"max_new_tokens": 1, "temperature": 0.0} for _ in range(n)]
     obj.return_logprob = [True] * n
     obj.token_ids_logprob = [list(labels) for _ in range(n)]
-    return obj, list(labels), bool(body.get("apply_softmax", False))
+    return obj, list(labels), apply_softmax
 
 
 def scores_of(output: dict, labels: list[int], apply_softmax: bool) -> list[float]:
@@ -72,14 +80,11 @@ def scores_of(output: dict, labels: list[int], apply_softmax: bool) -> list[floa
 async def score(request: Request):
     state = server_state(request)
     try:
-        obj, labels, apply_softmax = build_score_input(await read_json(request))
-        bad = [t for t in labels if t >= state.tm.vocab_size]
-        if bad:
-            raise ValueError(f"label_token_ids contains token id {bad[0]} outside the vocabulary "
-                             f"[0, {state.tm.vocab_size}).")
+        obj, labels, apply_softmax = build_score_input(await read_json(request), state.tm.vocab_size)
         outputs: list[dict] = []
-        async for out in state.tm.generate_request(obj):
-            outputs = out if isinstance(out, list) else [out]
+        if obj is not None:
+            async for out in state.tm.generate_request(obj):
+                outputs = out if isinstance(out, list) else [out]
     except (ValueError, TypeError) as e:
         return error_response(str(e))
     return ORJSONResponse({
