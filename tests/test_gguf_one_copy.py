@@ -45,7 +45,7 @@ def plan_for(large_gemm: str, small: str = "q8_0"):
     return plan
 
 
-def assert_served_from_blocks(ours, reference, config, qtype: str, large_gemm: str) -> None:
+def assert_served_from_blocks(ours, reference, config, qtype: str, large_gemm: str, made_at_load: bool) -> None:
     """Every linear layer of `ours` holds `qtype` blocks alone (its float weight released, a large-batch method made
     from the blocks), the weights report counts blocks and the float32 embeddings and norms, and prefill + fused
     decode steps give the logits of `reference` (a float model with the blocks' values)."""
@@ -61,6 +61,7 @@ def assert_served_from_blocks(ours, reference, config, qtype: str, large_gemm: s
     norms = (2 * config.num_hidden_layers + 1) * config.hidden_size * 4
     assert by_format.pop("float32") == embed + norms  # the untied head is released too
     head = ours.logits_processor.head_method.quant_weight
+    assert head.qtype == ("Q8_0" if made_at_load else qtype)  # a head made at load stays Q8_0
     assert sum(by_format.values()) == sum(m.linear_method.quant_weight.nbytes for m in linears) + head.nbytes
     with torch.no_grad():
         for mine, theirs in zip(linears, [m for m in reference.modules() if isinstance(m, Linear)]):
@@ -98,7 +99,7 @@ def test_gguf_file_blocks_serve_every_batch(monkeypatch, tmp_path, file_qtype, l
     attached = attach_fast_paths(ours, str(gguf_path), config, 8, plan)
     assert attached > 0
     held = "Q4_1" if file_qtype == "Q4_0" else file_qtype
-    assert_served_from_blocks(ours, reference, config, held, large_gemm)
+    assert_served_from_blocks(ours, reference, config, held, large_gemm, made_at_load=False)
     # the blocks are the file's: the float weights the conversion wrote equal their values
     q_blocks = ours.model.layers[1].mlp.down_proj.linear_method.quant_weight.dequantize()
     assert torch.equal(q_blocks, reference.model.layers[1].mlp.down_proj.weight)
@@ -115,7 +116,7 @@ def test_q4_1_blocks_made_at_load_serve_every_batch(tmp_path, large_gemm):
     assert {m.weight.dtype for m in ours.modules() if isinstance(m, Linear)} == {torch.bfloat16}
     reference = load_for_plan(str(tmp_path), torch.float32, torch.device("cpu"), None, 0, None)
     attach_fast_paths(ours, None, config, 8, plan)
-    assert_served_from_blocks(ours, reference, config, "Q4_1", large_gemm)
+    assert_served_from_blocks(ours, reference, config, "Q4_1", large_gemm, made_at_load=True)
 
 
 def test_q4_1_needs_float32_weights_on_cpu():

@@ -157,8 +157,9 @@ def blocks_method(module: nn.Module, weight: GGUFQuantWeight, max_rows: int, lar
 def attach_q8_0_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlocks] = None,
                        qtype: str = "Q8_0") -> int:
     """Give every decoder linear layer and the LM head of a float32 Llama-family model blocks quantized at load
-    (`qtype`: Q8_0, or Q4_1 with `--small-batch-quantization q4_1`) for batches of at most `max_rows` rows; returns
-    the bytes attached (0 when it does not apply, with the reason logged).
+    (`qtype`: Q8_0, or Q4_1 with `--small-batch-quantization q4_1`; the LM head Q8_0 either way: in Q4_1 it alone
+    moves most of the log-probability error, benchmarks/weight_format_accuracy.py) for batches of at most
+    `max_rows` rows; returns the bytes attached (0 when it does not apply, with the reason logged).
 
     `large`: no float weights are kept. Each layer's large batches run the method `large` makes from its blocks and
     float weight (the GEMM over the blocks, or an int8 copy whose outlier columns come from the blocks), and the
@@ -176,7 +177,7 @@ def attach_q8_0_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlock
     head = getattr(model, "lm_head", None)
     processor = getattr(model, "logits_processor", None)
     if head is not None and processor is not None and head.weight.shape[1] % QK == 0:
-        weight = quantize_blocks(head.weight, qtype)
+        weight = quantize_blocks(head.weight, "Q8_0")  # as llama.cpp keeps a Q4 model's output weight wider
         release = dtype if _untied_head(model) is not None else None
         processor.set_head_method(blocks_method(head, weight, max_rows, large, release))
         attached += weight.nbytes
