@@ -67,15 +67,16 @@ def reference(smollm2_hf, smollm2_tokenizer):
     return greedy
 
 
-def save_tiny_llama(path, tokenizer, max_position_embeddings: int = 256) -> str:
-    """Save a one-layer random Llama with `tokenizer` (SmolLM2's) under `path`: a server on it answers any request
-    in milliseconds, for tests of the API and the scheduler rather than of the model's arithmetic."""
+def save_tiny_llama(path, tokenizer, max_position_embeddings: int = 256, num_hidden_layers: int = 1) -> str:
+    """Save a small (by default one-layer) random Llama with `tokenizer` (SmolLM2's) under `path`: a server on it
+    answers any request in milliseconds, for tests of the API and the scheduler rather than of the model's
+    arithmetic."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer.save_pretrained(path)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=num_hidden_layers,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_position_embeddings,
         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=True,
     )

@@ -231,6 +231,9 @@ class ServerArgs:
                 json.loads(self.preferred_sampling_params)
             except json.JSONDecodeError as e:
                 raise ValueError(f"--preferred-sampling-params is not valid JSON: {e}") from None
+        from sglang.srt.model_loader.config_overrides import parse_overrides
+
+        parse_overrides(self.json_model_override_args)
 
     def use_jump_forward(self) -> bool:
         """Jump-forward decoding of constrained requests: off unless --enable-jump-forward. It speeds up a lone

@@ -205,5 +205,7 @@ def create_grammar_backend(name: str, tokenizer, vocab_size: int, eos_token_ids:
 
         return LLGuidanceBackend(tokenizer, vocab_size, eos_token_ids)
     if name == "outlines":
-        raise ValueError("--grammar-backend outlines is not available; use xgrammar or llguidance")
+        from sglang.srt.constrained.outlines_backend import OutlinesBackend
+
+        return OutlinesBackend(tokenizer, vocab_size, eos_token_ids)
     raise ValueError(f"Unknown --grammar-backend {name!r}")

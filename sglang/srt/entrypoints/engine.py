@@ -47,12 +47,13 @@ class Engine:
     # ---- generation -----------------------------------------------------------------------------------
     def _make_input(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                     top_logprobs_num, token_ids_logprob, stream, rid, return_text_in_logprobs,
-                    image_data) -> GenerateReqInput:
+                    image_data, custom_logit_processor) -> GenerateReqInput:
         return GenerateReqInput(
             text=prompt, input_ids=input_ids, sampling_params=sampling_params, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
             token_ids_logprob=token_ids_logprob, stream=stream, rid=rid,
             return_text_in_logprobs=return_text_in_logprobs, image_data=image_data,
+            custom_logit_processor=custom_logit_processor,
         )
 
     def generate(
@@ -68,13 +69,14 @@ class Engine:
         stream: bool = False,
         rid: Optional[Union[str, list[str]]] = None,
         return_text_in_logprobs: bool = False,
+        custom_logit_processor: Optional[Union[str, list[Optional[str]]]] = None,
         **unused: Any,
     ) -> Union[dict, list[dict], Iterator[dict]]:
         """Same output dicts as /generate; with stream=True an iterator of cumulative outputs."""
         self._check_alive()
         obj = self._make_input(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                top_logprobs_num, token_ids_logprob, stream, rid, return_text_in_logprobs,
-                               image_data)
+                               image_data, custom_logit_processor)
         gen = self.tokenizer_manager.generate_request(obj)
         if stream:
             return self._iterate(gen)
@@ -106,12 +108,13 @@ class Engine:
         stream: bool = False,
         rid: Optional[Union[str, list[str]]] = None,
         return_text_in_logprobs: bool = False,
+        custom_logit_processor: Optional[Union[str, list[Optional[str]]]] = None,
         **unused: Any,
     ) -> Union[dict, list[dict], AsyncIterator[dict]]:
         self._check_alive()
         obj = self._make_input(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                top_logprobs_num, token_ids_logprob, stream, rid, return_text_in_logprobs,
-                               image_data)
+                               image_data, custom_logit_processor)
         gen = self.tokenizer_manager.generate_request(obj)
         if stream:
             return gen

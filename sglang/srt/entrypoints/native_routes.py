@@ -80,6 +80,8 @@ async def health(request: Request):
 @router.get("/health_generate")
 async def health_generate(request: Request):
     state = server_state(request)
+    if not state.ready.is_set():  # still warming up: not ready, as /health says
+        return Response(status_code=503)
     obj = GenerateReqInput(
         input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0}, rid=f"HEALTH_CHECK_{time.time()}",
         log_metrics=False,

@@ -1,7 +1,8 @@
 """The sampler: processed logits -> next token ids, plus the logprobs a request asked for.
 
 Pipeline per step (batched over rows): float32 logits -> logit_bias -> repetition penalty -> frequency and
-presence penalties -> min_new_tokens mask -> grammar vocab mask -> logprobs (taken here, before temperature)
+presence penalties -> min_new_tokens mask -> grammar vocab mask -> custom logit processors -> logprobs (taken here,
+before temperature)
 -> greedy rows: argmax; other rows: temperature, top-k / top-p / min-p, then one draw per row.
 
 The draw is inverse-CDF sampling with one uniform number per row, and that number is a hash of
@@ -32,6 +33,8 @@ class SampleOutput:
     next_token_logprobs: Optional[torch.Tensor] = None  # float32 [B]: logprob of the chosen token
     top_logprobs: Optional[list[Optional[tuple[list[float], list[int]]]]] = None
     token_ids_logprobs: Optional[list[Optional[list[float]]]] = None
+    # Rows whose custom logit processor failed, with why (their tokens must not be used).
+    failed_rows: Optional[dict[int, str]] = None
 
 
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
@@ -112,6 +115,8 @@ class Sampler:
             next_ids[info.sampled_rows] = self._sample(logits[info.sampled_rows], info)
 
         out = SampleOutput(next_token_ids=next_ids)
+        if info.custom_logit_processors is not None and info.custom_logit_processors.failures:
+            out.failed_rows = info.custom_logit_processors.failures
         if return_logprob:
             logprobs = torch.log_softmax(logits, dim=-1)
             out.next_token_logprobs = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)

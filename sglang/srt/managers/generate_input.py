@@ -22,6 +22,7 @@ class GenerateItem:
     top_logprobs_num: int
     token_ids_logprob: Optional[list[int]]
     image_data: Any = None  # this prompt's image(s): one item or a list
+    custom_logit_processor: Optional[str] = None  # a serialized CustomLogitProcessor
 
 
 @dataclass
@@ -113,6 +114,7 @@ class GenerateReqInput:
             "return_logprob": (self.return_logprob, False),
             "logprob_start_len": (self.logprob_start_len, -1),
             "top_logprobs_num": (self.top_logprobs_num, 0),
+            "custom_logit_processor": (self.custom_logit_processor, None),
         }
         values: dict[str, list] = {}
         for name, (val, default) in per_item.items():
@@ -153,6 +155,7 @@ class GenerateReqInput:
                     top_logprobs_num=values["top_logprobs_num"][i],
                     token_ids_logprob=tids_list[i],
                     image_data=images[i],
+                    custom_logit_processor=values["custom_logit_processor"][i],
                 ))
         return items
 

@@ -25,6 +25,8 @@ class TokenizedGenerateReqInput:
     mm_inputs: Optional[Any] = None
     # The data-parallel replica the client asked for (None: the load balancer chooses).
     data_parallel_rank: Optional[int] = None
+    # A serialized CustomLogitProcessor (needs --enable-custom-logit-processor), or None.
+    custom_logit_processor: Optional[str] = None
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -48,10 +49,18 @@ class Req:
         priority: int = 0,
         token_type_ids: Optional[list[int]] = None,
         mm_inputs: Optional[Any] = None,
+        custom_logit_processor: Optional[str] = None,
     ) -> None:
         self.rid = rid
         self.origin_input_ids = origin_input_ids
+        if isinstance(sampling_params.custom_params, dict):
+            # A custom logit processor reads the request through its params, as in SGLang; the dict lives as long
+            # as the request, so a processor may keep per-request state in it.
+            sampling_params = copy.copy(sampling_params)
+            sampling_params.custom_params = {**sampling_params.custom_params, "__req__": self}
         self.sampling_params = sampling_params
+        # The serialized CustomLogitProcessor this request runs (sampling/custom_logit_processor.py), or None.
+        self.custom_logit_processor = custom_logit_processor
         self.stop_token_ids = stop_token_ids
         self.sampling_seed = sampling_seed
         self.return_logprob = return_logprob

@@ -39,9 +39,10 @@ from sglang.srt.managers.request_errors import (
     wait_until,
 )
 from sglang.srt.managers.rw_lock import RWLock
-from sglang.srt.metrics import ServerMetrics
+from sglang.srt.metrics import ServerMetrics, is_structured_output
 from sglang.srt.model_loader.model_info import ModelInfo
 from sglang.srt.multimodal.request_images import RequestImages, check_image_request
+from sglang.srt.sampling.custom_logit_batch import CUSTOM_LOGIT_PROCESSOR_DISABLED
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import PortArgs, ServerArgs
 
@@ -63,6 +64,9 @@ class ReqState:
     completion_tokens: int = 0
     cached_tokens: int = 0
     retractions: int = 0
+    sent_output_ids: int = 0  # output ids streamed so far (--stream-output sends only the ones after them)
+    log_metrics: bool = True  # counted in /metrics (health probes are not)
+    has_grammar: bool = False
     logprobs: Optional[LogprobFormatter] = None
     last_output_time: Optional[float] = None
     # The pooled row of an --is-embedding request.
@@ -160,6 +164,7 @@ class TokenizerManager:
             rid=item.rid, input_text=input_text, input_ids=input_ids, sampling_params=params,
             return_logprob=item.return_logprob, logprob_start_len=item.logprob_start_len,
             top_logprobs_num=top, token_ids_logprob=tids, mm_inputs=mm_inputs,
+            custom_logit_processor=item.custom_logit_processor,
         )
 
     async def generate_request(self, obj: GenerateReqInput) -> AsyncGenerator[Any, None]:
@@ -181,11 +186,7 @@ class TokenizerManager:
             raise ValueError(NOT_GENERATION_MODEL)
         self._ensure_recv_loop()
         if obj.custom_logit_processor is not None and not self.server_args.enable_custom_logit_processor:
-            raise ValueError("The server is not configured to enable custom logit processor. Please set "
-                             "`--enable-custom-logit-processor` to enable this feature.")
-        if obj.custom_logit_processor is not None:
-            raise ValueError("custom_logit_processor is not supported by this server: it never runs code sent by "
-                             "a client.")
+            raise ValueError(CUSTOM_LOGIT_PROCESSOR_DISABLED)
         items = obj.expand()
         tokenized = [self.tokenize_item(it) for it in items]
         if obj.priority is not None and (not isinstance(obj.priority, int) or isinstance(obj.priority, bool)):
@@ -202,6 +203,8 @@ class TokenizerManager:
             t.priority = obj.priority or 0
             t.data_parallel_rank = obj.data_parallel_rank
             state = self.new_state(t.rid)
+            state.log_metrics = obj.log_metrics
+            state.has_grammar = is_structured_output(t.sampling_params)
             if t.return_logprob:
                 state.logprobs = LogprobFormatter(
                     self.tokenizer if obj.return_text_in_logprobs else None, t.top_logprobs_num > 0,
@@ -256,7 +259,7 @@ class TokenizerManager:
     async def _wait_one(self, state: ReqState, stream: bool) -> AsyncIterator[dict]:
         while True:
             await self.wait_for_output(state)
-            out = self._make_output(state)
+            out = self._make_output(state, stream)
             if state.finished:
                 self._raise_if_error(state)
                 yield out
@@ -276,7 +279,7 @@ class TokenizerManager:
                 f.result()  # a RequestTimeoutError ends the whole stream
                 i = waiters[f]
                 state = pending[i]
-                out = self._make_output(state)
+                out = self._make_output(state, True)
                 out["index"] = i
                 if state.finished:
                     self._raise_if_error(state)
@@ -290,7 +293,7 @@ class TokenizerManager:
         if isinstance(reason, FinishAbort) and (reason.status_code or 0) >= 500:
             raise InternalRequestError(reason.message)
 
-    def _make_output(self, state: ReqState) -> dict:
+    def _make_output(self, state: ReqState, stream: bool = False) -> dict:
         reason = state.finish_reason.to_json() if state.finish_reason is not None else None
         meta: dict[str, Any] = {"id": state.rid, "finish_reason": reason}
         meta["prompt_tokens"] = state.prompt_tokens
@@ -302,9 +305,14 @@ class TokenizerManager:
         meta["cached_tokens"] = state.cached_tokens
         if state.finished:
             meta["e2e_latency"] = time.monotonic() - state.created
+        # As SGLang: with --stream-output a streamed chunk's ids are the new ones only; its text stays cumulative.
+        start = state.sent_output_ids if stream and self.server_args.stream_output else 0
+        output_ids = state.output_ids[start:]
+        if stream:
+            state.sent_output_ids = len(state.output_ids)
         if self.tokenizer is None:
-            return {"output_ids": list(state.output_ids), "token_ids": list(state.output_ids), "meta_info": meta}
-        return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
+            return {"output_ids": output_ids, "token_ids": list(output_ids), "meta_info": meta}
+        return {"text": state.text, "output_ids": output_ids, "meta_info": meta}
 
     # ---- receiving ------------------------------------------------------------------------------------
     def _ensure_recv_loop(self) -> None:
@@ -329,10 +337,9 @@ class TokenizerManager:
             if state is None:
                 continue
             now = time.monotonic()
-            if self.metrics is not None:
-                self.metrics.on_output(state.created, state.last_output_time, len(msg.new_output_ids[i]), now)
-                if msg.finished_reasons[i] is not None:
-                    self.metrics.on_finish(state.created, msg.prompt_tokens[i], msg.completion_tokens[i])
+            if self.metrics is not None and state.log_metrics:
+                since_last = None if state.last_output_time is None else now - state.last_output_time
+                self.metrics.on_output(now - state.created, since_last, len(msg.new_output_ids[i]))
             if msg.new_output_ids[i]:
                 state.last_output_time = now
             state.text += msg.new_texts[i]
@@ -351,6 +358,9 @@ class TokenizerManager:
                 reason = msg.finished_reasons[i]
                 if isinstance(reason, FinishAbort) and reason.message == ABORT_BEFORE_PREFILL:
                     state.prompt_tokens = state.completion_tokens = 0
+                if self.metrics is not None and state.log_metrics:
+                    self.metrics.on_finish(now - state.created, state.prompt_tokens, state.completion_tokens,
+                                           state.cached_tokens, state.has_grammar)
             state.event.set()
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
+from sglang.srt.model_loader.config_overrides import layers_in_config
 from sglang.srt.model_loader.weights import iterate_weights
 from sglang.srt.models.registry import architectures_of, get_model_class
 
@@ -60,7 +61,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device, c
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.rebuild_cache(device)
-    model.load_weights(iterate_weights(model_dir))
+    model.load_weights(layers_in_config(iterate_weights(model_dir), config))
     model.requires_grad_(False)
     model.eval()
     logger.info(

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from sglang.srt.layers.arithmetic import ArithmeticPlan
+from sglang.srt.model_loader.config_overrides import apply_overrides
 from sglang.srt.server_args import ServerArgs
 
 
@@ -38,10 +38,9 @@ def load_model_info(server_args: ServerArgs) -> ModelInfo:
     from sglang.srt.model_loader.resolve import gguf_source_for, resolve_model_path
 
     model_dir = resolve_model_path(server_args.model_path)
-    hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=server_args.trust_remote_code)
-    overrides = json.loads(server_args.json_model_override_args or "{}")
-    for k, v in overrides.items():
-        setattr(hf_config, k, v)
+    # The one config every process builds from: the model, its KV pool and the context length.
+    hf_config = apply_overrides(AutoConfig.from_pretrained(model_dir, trust_remote_code=server_args.trust_remote_code),
+                                server_args.json_model_override_args)
     # Vision-language configs keep the decoder's settings in text_config.
     context_len = server_args.context_length or _config_context_len(hf_config.get_text_config())
     config_dtype = getattr(hf_config, "dtype", None)

@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from sglang.srt.constrained.base_grammar_backend import allocate_bitmask, apply_bitmask
+from sglang.srt.sampling.custom_logit_batch import CustomLogitProcessors
 from sglang.srt.sampling.penalties import BatchedPenalties, MinNewTokensMask, SparseLogitBias
 
 
@@ -52,6 +53,8 @@ class SamplingBatchInfo:
     return_logprob: bool = False
     top_logprobs_nums: Optional[list[int]] = None
     token_ids_logprobs: Optional[list[Optional[list[int]]]] = None
+    # Client-sent processors (--enable-custom-logit-processor), applied last, each to its own rows.
+    custom_logit_processors: Optional[CustomLogitProcessors] = None
 
     @classmethod
     def from_reqs(cls, reqs: list, vocab_size: int, device, logit_rows: Optional[list[int]] = None
@@ -124,6 +127,7 @@ class SamplingBatchInfo:
             top_logprobs_nums=[r.top_logprobs_num if r.return_logprob else 0 for r in reqs] if want_logprob else None,
             token_ids_logprobs=[r.token_ids_logprob if r.return_logprob else None for r in reqs]
             if want_logprob else None,
+            custom_logit_processors=CustomLogitProcessors.from_reqs(reqs),
         )
 
     @property
@@ -136,10 +140,12 @@ class SamplingBatchInfo:
             or self.penalties is not None
             or self.min_tokens_mask is not None
             or self.grammar_bitmask is not None
+            or self.custom_logit_processors is not None
         )
 
     def apply_logit_processing(self, logits: torch.Tensor) -> None:
-        """In place on float32 logits [B, V]: bias, penalties, min_new_tokens mask, grammar mask."""
+        """In place on float32 logits [B, V]: bias, penalties, min_new_tokens mask, grammar mask, then the custom
+        logit processors (after the grammar mask, as SGLang orders them)."""
         if self.logit_bias is not None:
             self.logit_bias.apply(logits)
         if self.penalties is not None:
@@ -148,6 +154,8 @@ class SamplingBatchInfo:
             self.min_tokens_mask.apply(logits)
         if self.grammar_bitmask is not None:
             apply_bitmask(logits, self.grammar_bitmask, self.grammar_rows)
+        if self.custom_logit_processors is not None:
+            self.custom_logit_processors.apply(logits)
 
     def fill_grammar_bitmask(self, reqs: list) -> None:
         """Ask each constrained request's matcher which tokens may come next."""

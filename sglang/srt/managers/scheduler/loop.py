@@ -13,7 +13,7 @@ import zmq
 
 from sglang.srt.constrained.base_grammar_backend import create_grammar_backend
 from sglang.srt.layers.small_batch_rows import resolve_small_batch_rows
-from sglang.srt.managers.finish_reason import ABORT_BEFORE_PREFILL, FinishAbort
+from sglang.srt.managers.finish_reason import ABORT_BEFORE_PREFILL, FinishAbort, bad_request
 from sglang.srt.managers.io_struct import (
     AbortReq,
     ExpertDistributionReq,
@@ -43,6 +43,7 @@ from sglang.srt.managers.scheduler.weight_update import WEIGHT_MESSAGES, WeightC
 from sglang.srt.mem_cache.memory_pools import build_memory_pools
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.model_loader.model_info import ModelInfo
+from sglang.srt.sampling.custom_logit_batch import check_custom_logit_processor
 from sglang.srt.server_args import PortArgs, ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,10 @@ class Scheduler:
     def __init__(self, server_args: ServerArgs, port_args: PortArgs, model_info: ModelInfo, tokenizer) -> None:
         self.args = server_args
         self.tokenizer = tokenizer
+        if server_args.enable_custom_logit_processor:
+            logger.warning("--enable-custom-logit-processor is set: requests may send custom logit processors, "
+                           "which are unpickled and run here. This executes code sent by clients; enable it only "
+                           "for clients you trust.")
         ctx = zmq.Context(2)
         self.recv_from_tokenizer = ctx.socket(zmq.PULL)
         self.recv_from_tokenizer.bind(port_args.scheduler_input_ipc_name)
@@ -227,10 +232,18 @@ class Scheduler:
             stream=msg.stream,
             priority=msg.priority,
             mm_inputs=msg.mm_inputs,
+            custom_logit_processor=msg.custom_logit_processor,
         )
+        params = req.sampling_params  # the request's own copy when it has custom_params
         cap = self.max_req_len - len(req.origin_input_ids) - 1
         if params.max_new_tokens is None or params.max_new_tokens > cap:
             params.max_new_tokens = max(cap, 0)
+        if msg.custom_logit_processor is not None:
+            refusal = check_custom_logit_processor(msg.custom_logit_processor, self.args.enable_custom_logit_processor)
+            if refusal is not None:
+                req.finished_reason = bad_request(refusal)
+                self._enqueue(req)
+                return
         if self.grammar_queue.submit(req) is not None:
             self._enqueue(req)
 
@@ -252,10 +265,12 @@ class Scheduler:
         for req in [r for r in self.waiting if match(r)] + self.grammar_queue.remove_matching(match):
             if req in self.waiting:
                 self.waiting.remove(req)
+            logger.debug("Abort queued request %s", req.rid)
             req.finished_reason = FinishAbort(ABORT_BEFORE_PREFILL)
             self.send_to_detokenizer.send_pyobj(build_output_message([req]))
         for req in self.running + ([self.chunked_req] if self.chunked_req else []):
             if match(req) and req.to_abort is None:
+                logger.debug("Abort running request %s", req.rid)
                 req.to_abort = FinishAbort("Abort in waiting queue" if req.is_chunked else "Aborted by request")
 
     def process_aborts(self) -> None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from sglang.srt.managers.finish_reason import FinishAbort
+from sglang.srt.managers.finish_reason import FinishAbort, bad_request
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.managers.scheduler.grammar import accept_sampled_token, jump_forward_tokens
 from sglang.srt.managers.scheduler.output import check_finished, record_input_logprobs, record_output_logprob
@@ -74,6 +74,9 @@ def _process_req(sched: Scheduler, batch: ScheduleBatch, i: int, req: Req, resul
         req.kv_committed_len = req.seqlen
     assert row_in_sample is not None
     token = sampled[row_in_sample]
+    failed = result.sample.failed_rows if result.sample is not None else None
+    if failed and row_in_sample in failed and req.to_abort is None:
+        req.to_abort = bad_request(failed[row_in_sample])  # its processor raised: the token is not used
     if req.sampling_params.max_new_tokens > 0 and req.to_abort is None:
         req.output_ids.append(token)
         sched.num_generated_tokens += 1
