@@ -124,7 +124,14 @@ def stop_process_tree(pid: int, grace_s: float = 10.0) -> None:
         parent.send_signal(signal.SIGTERM)
     except psutil.NoSuchProcess:
         tree = []
-    _, alive = psutil.wait_procs(tree, timeout=grace_s)
+    kill_survivors(tree, grace_s)
+
+
+def kill_survivors(procs: list, grace_s: float) -> None:
+    """Wait up to `grace_s` seconds for the psutil processes `procs` to end, then kill the rest and reap them."""
+    import psutil
+
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
     for p in alive:
         try:
             p.kill()

@@ -17,6 +17,7 @@ from sglang.srt.constrained.base_grammar_backend import (
 )
 from sglang.test.structured_cases import IP_REGEX, WEATHER_SCHEMA
 from tests.server_fixtures import running_server
+from tests.test_structured_outputs import compiled, feed
 
 
 @pytest.fixture(scope="module")
@@ -24,16 +25,6 @@ def backend(smollm2_tokenizer):
     b = create_grammar_backend("outlines", smollm2_tokenizer, 49152, [2])
     yield b
     b.shutdown()
-
-
-def compiled(backend, kind: str, source: str):
-    result = backend.get_future((kind, source)).result(timeout=120)
-    assert not isinstance(result, InvalidGrammar), result
-    return result
-
-
-def feed(matcher, tokenizer, text: str) -> bool:
-    return all(matcher.accept_token(t) for t in tokenizer.encode(text, add_special_tokens=False))
 
 
 def test_regex_matcher_accepts_matches_and_ends_with_eos(backend, smollm2_tokenizer):

@@ -61,10 +61,6 @@ def kill_process_tree(parent_pid: Optional[int] = None, include_parent: bool = T
             p.terminate()
         except psutil.NoSuchProcess:
             pass
-    _, alive = psutil.wait_procs(targets, timeout=grace_s)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=5)
+    from sglang.utils import kill_survivors
+
+    kill_survivors(targets, grace_s)
