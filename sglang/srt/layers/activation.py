@@ -25,3 +25,21 @@ class SiluAndMul(nn.Module):
         gate = F.silu(x[..., :d])
         # In place on the fresh silu output: one allocation instead of two.
         return gate.mul_(x[..., d:])
+
+
+class GeluAndMul(nn.Module):
+    """gelu(gate) * up for x = [gate | up] along the last dimension (GeGLU, as Gemma's MLP): [..., 2 * d] -> [..., d]
+    in x's dtype. `approximate` is torch's: "tanh" for transformers' gelu_pytorch_tanh, "none" for the exact erf."""
+
+    def __init__(self, approximate: str = "tanh") -> None:
+        super().__init__()
+        if approximate not in ("tanh", "none"):
+            raise ValueError(f"approximate must be 'tanh' or 'none', not {approximate!r}")
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate=self.approximate).mul_(x[..., d:])
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"

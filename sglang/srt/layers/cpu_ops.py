@@ -5,6 +5,8 @@
   in every layer.
 - `extend_attention` does the same for the new tokens of a prefill or extend batch: all sequences in one call,
   causal from each sequence's cached prefix on, in tiles of K/V rows shared by a KV head's query group.
+  Both take a sliding window (`window` > 0: a query sees only the last `window` positions up to its own, as
+  transformers' sliding-window masks do); keys before it are never read.
 - `rope_in_place` rotates the query and key heads where the projection wrote them (one pass, no copies).
 - `silu_and_mul` computes an MLP's activation in one pass over the fused gate/up output, float32 or bf16 (the
   output of the bf16 GEMM goes straight to the bf16 GEMM of down_proj without a float32 round trip).
@@ -44,9 +46,11 @@ def available() -> bool:
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           kv_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, H, D], caches [slots, Hkv, D], kv_indices [B, >= max seq_len] slots, seq_lens [B] -> [B, H, D]."""
-    return _EXTENSION.module().decode_attention(q, k_cache, v_cache, kv_indices, seq_lens, scale)
+                           kv_indices: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           window: int = 0) -> torch.Tensor:
+    """q [B, H, D], caches [slots, Hkv, D], kv_indices [B, >= max seq_len] slots, seq_lens [B] -> [B, H, D];
+    window > 0: each sequence's last `window` tokens only."""
+    return _EXTENSION.module().decode_attention(q, k_cache, v_cache, kv_indices, seq_lens, scale, window)
 
 
 def set_decode_attention_avx512(on: bool) -> bool:
@@ -73,12 +77,13 @@ def has_extend_attention_bf16() -> bool:
 
 def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indices: torch.Tensor,
                      token_starts: torch.Tensor, extend_lens: torch.Tensor, prefix_lens: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, window: int = 0) -> torch.Tensor:
     """Causal attention of the new tokens of each sequence: q [T, H, D] float32, caches [slots, Hkv, D],
     kv_indices [N, >= prefix + extend] slots of each sequence (its cached prefix, then its new tokens);
-    token_starts, extend_lens, prefix_lens [N] int64 -> [T, H, D]."""
+    token_starts, extend_lens, prefix_lens [N] int64 -> [T, H, D]. window > 0: the query at position p sees
+    positions p - window + 1 .. p only."""
     return _EXTENSION.module().extend_attention(q, k_cache, v_cache, kv_indices, token_starts, extend_lens,
-                                                prefix_lens, scale)
+                                                prefix_lens, scale, window)
 
 
 def rope_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -1,4 +1,5 @@
-"""Rotary position embedding (neox / rotate-half layout) with the scaling variants of Llama and Qwen checkpoints.
+"""Rotary position embedding (neox / rotate-half layout) with the scaling variants of Llama, Qwen and Phi-3
+checkpoints.
 
 The cos/sin table is computed once for every position the model supports. A model looks up the rows of the
 current forward once (`lookup`) and every layer reuses them (`apply`), so a decode step pays one gather, not one
@@ -35,6 +36,10 @@ def rope_parameters_from_config(config: Any) -> dict[str, Any]:
         params["rope_theta"] = getattr(config, "rope_theta", None) or 10000.0
     if params.get("partial_rotary_factor") is None:
         params["partial_rotary_factor"] = getattr(config, "partial_rotary_factor", None) or 1.0
+    if rope_type == "longrope" and not params.get("original_max_position_embeddings"):
+        # Phi-3 configs keep the pretrained length next to the scaling dict.
+        params["original_max_position_embeddings"] = (getattr(config, "original_max_position_embeddings", None)
+                                                      or getattr(config, "max_position_embeddings", 2048))
     return params
 
 
@@ -123,6 +128,8 @@ class RotaryEmbedding(nn.Module):
 
     cos_cache: torch.Tensor
     sin_cache: torch.Tensor
+    # The rope types this class computes (LongRopeRotaryEmbedding computes "longrope").
+    rope_types: tuple[str, ...] = SUPPORTED_ROPE_TYPES
 
     def __init__(
         self,
@@ -134,9 +141,9 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.rope_type = rope_parameters.get("rope_type", "default")
-        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+        if self.rope_type not in self.rope_types:
             raise ValueError(
-                f"Unsupported rope type {self.rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+                f"Unsupported rope type {self.rope_type!r}; supported: {', '.join(self.rope_types)}"
             )
         self.rope_parameters = dict(rope_parameters)
         self.base = float(rope_parameters.get("rope_theta", 10000.0))
@@ -213,11 +220,76 @@ class RotaryEmbedding(nn.Module):
         return f"rope_type={self.rope_type}, rotary_dim={self.rotary_dim}, base={self.base}, cache_len={self.cache_len}"
 
 
+class LongRopeRotaryEmbedding(RotaryEmbedding):
+    """LongRoPE (Phi-3): each channel's frequency divided by its `short_factor` while a sequence is at most
+    `original_max_position_embeddings` tokens long, by its `long_factor` once it is longer; cos and sin scaled by the
+    attention factor (given, or sqrt(1 + ln(factor) / ln(original)) with factor = max / original positions).
+
+    As in transformers, the set follows the length of the sequence, not the position: a prompt longer than the
+    original length rotates every token with the long factors, while a sequence that grows past it keeps the keys it
+    cached with the short ones and rotates each new token with the long ones (transformers' forward with a KV cache;
+    its Phi-3 `generate` recomputes the sequence at that step, models/phi3.py). The table holds the long-factor rows of
+    the positions below the original length first, then (from row `original`) each position with the set of a
+    sequence that ends there: `lookup` is exact for a token that is the last of its sequence (every decode token),
+    `lookup_in_sequences` for any token given the length of its sequence.
+    """
+
+    rope_types = ("longrope",)
+
+    @property
+    def original_max_position_embeddings(self) -> int:
+        return int(self.rope_parameters["original_max_position_embeddings"])
+
+    def _cache_len(self) -> int:
+        return self.original_max_position_embeddings + max(self.max_position_embeddings,
+                                                           self.original_max_position_embeddings)
+
+    def attention_factor(self) -> float:
+        params, original = self.rope_parameters, self.original_max_position_embeddings
+        if params.get("attention_factor") is not None:
+            return float(params["attention_factor"])
+        factor = params.get("factor") or self.max_position_embeddings / original
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+    def _compute_cos_sin(self, device: Optional[torch.device]) -> tuple[torch.Tensor, torch.Tensor]:
+        dim, original = self.rotary_dim, self.original_max_position_embeddings
+        # Same float32 recipe as transformers: inv_freq = 1 / (ext_factor * base ** (2i / dim)).
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+
+        def angles(factors: list[float], count: int) -> torch.Tensor:
+            inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * self.base**exponents)
+            return torch.arange(count, dtype=torch.float32)[:, None] * inv_freq[None, :]
+
+        short = angles(self.rope_parameters["short_factor"], original)
+        long = angles(self.rope_parameters["long_factor"], self.cache_len - original)
+        freqs = torch.cat([long[:original], short, long[original:]])
+        scale = self.attention_factor()
+        cos, sin = freqs.cos() * scale, freqs.sin() * scale
+        if device is not None:
+            cos, sin = cos.to(device), sin.to(device)
+        return cos, sin
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows for tokens that are each the last of their sequence (the sequence is position + 1 tokens long)."""
+        return super().lookup(positions + self.original_max_position_embeddings, dtype)
+
+    def lookup_in_sequences(self, positions: torch.Tensor, seq_lens: torch.Tensor,
+                            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows for tokens at `positions` of sequences `seq_lens` tokens long (one length per token)."""
+        original = self.original_max_position_embeddings
+        early_in_long = (seq_lens > original) & (positions < original)
+        rows = torch.where(early_in_long, positions, positions + original)
+        return super().lookup(rows, dtype)
+
+
 def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
     """Rotate the first `rotary_dim` channels of x [T, heads, head_dim] (rotate-half layout).
 
-    cos/sin are `RotaryEmbedding.lookup` rows: full rotary width, sign of rotate-half folded into sin.
+    cos/sin are `RotaryEmbedding.lookup` rows: full rotary width, sign of rotate-half folded into sin. A
+    `rotary_dim` of 0 rotates nothing: the layers of a model that use no position embedding (NoPE) pass it.
     """
+    if rotary_dim == 0:
+        return x
     if rotary_dim != x.shape[-1]:
         rotated = apply_rotary_emb(x[..., :rotary_dim], cos, sin, rotary_dim)
         return torch.cat([rotated, x[..., rotary_dim:]], dim=-1)
@@ -239,9 +311,11 @@ def apply_rotary_emb_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot
 
 def get_rope(config: Any, head_dim: int, device: Optional[torch.device | str] = None) -> RotaryEmbedding:
     """The rotary embedding a decoder config asks for."""
-    return RotaryEmbedding(
+    params = rope_parameters_from_config(config)
+    rope_class = LongRopeRotaryEmbedding if params["rope_type"] == "longrope" else RotaryEmbedding
+    return rope_class(
         head_dim=head_dim,
         max_position_embeddings=int(getattr(config, "max_position_embeddings", 2048)),
-        rope_parameters=rope_parameters_from_config(config),
+        rope_parameters=params,
         device=device,
     )

@@ -111,6 +111,14 @@ def why_not_fused(model: Any, k_buffers: list[torch.Tensor], v_buffers: list[tor
     layers = getattr(backbone, "layers", None)
     if not layers or not hasattr(backbone, "embed") or not hasattr(model, "compute_logits"):
         return f"{type(model).__name__} is not a Llama-family decoder"
+    # A decoder whose layers compute otherwise than Llama's says why (models/llama_variants.py).
+    exclusion = getattr(model, "fused_decode_exclusion", None)
+    if exclusion:
+        return f"{type(model).__name__}: {exclusion}"
+    specs = [getattr(getattr(getattr(layer, "self_attn", None), "attn", None), "spec", None) for layer in layers]
+    if any(s is not None and (s.sliding_window is not None or s.logit_softcap is not None) for s in specs):
+        return (f"{type(model).__name__} has sliding-window or soft-capped attention layers (the step attends to "
+                "whole sequences with plain scores)")
     if any(not hasattr(layer.mlp, "gate_up_proj") for layer in layers):
         return f"{type(model).__name__} has mixture-of-experts layers (the step runs dense MLPs only)"
     if get_tp_group().size > 1:

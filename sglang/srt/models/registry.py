@@ -12,8 +12,14 @@ from sglang.srt.models.bert import (
     XLMRobertaForSequenceClassification,
     XLMRobertaModel,
 )
+from sglang.srt.models.gemma2 import Gemma2ForCausalLM
+from sglang.srt.models.gemma3 import Gemma3ForCausalLM
+from sglang.srt.models.granite import GraniteForCausalLM
 from sglang.srt.models.llama import LlamaForCausalLM
+from sglang.srt.models.mistral import MistralForCausalLM
 from sglang.srt.models.mixtral import MixtralForCausalLM
+from sglang.srt.models.olmo2 import Olmo2ForCausalLM
+from sglang.srt.models.phi3 import Phi3ForCausalLM
 from sglang.srt.models.qwen2 import Qwen2ForCausalLM
 from sglang.srt.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from sglang.srt.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -25,11 +31,20 @@ from sglang.srt.models.sequence_classification import (
     Qwen2ForRewardModel,
     Qwen2ForSequenceClassification,
 )
+from sglang.srt.models.smollm3 import SmolLM3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    # Sliding-window attention (Gemma: alternating with global layers).
+    "MistralForCausalLM": MistralForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     # Mixture-of-experts decoders.
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
@@ -53,6 +68,13 @@ _CAUSAL_LM_OF_MODEL_TYPE: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",

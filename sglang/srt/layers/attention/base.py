@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Optional
 
 import torch
 
@@ -37,11 +38,25 @@ class AttentionBackend(ABC):
 
 
 class AttentionLayerSpec:
-    """What a backend needs to know about one attention layer."""
+    """What a backend needs to know about one attention layer.
 
-    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float) -> None:
+    `sliding_window` (None: the whole sequence): a query at position p attends to positions p - window + 1 .. p
+    only, as transformers' sliding-window masks do. `logit_softcap` (None: none): scores s become
+    cap * tanh(s / cap) before the softmax (Gemma 2)."""
+
+    def __init__(self, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int, scaling: float,
+                 sliding_window: Optional[int] = None, logit_softcap: Optional[float] = None) -> None:
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
         self.layer_id = layer_id
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scaling = scaling
+        self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
+
+    @property
+    def window(self) -> int:
+        """The sliding window as the compiled kernels take it (0: none)."""
+        return self.sliding_window or 0

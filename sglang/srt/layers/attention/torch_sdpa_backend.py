@@ -5,6 +5,10 @@ sglang/srt/layers/cpu_ops.py); otherwise the KV slots of all sequences are gathe
 [B, Hkv, max_len, D] tensor and a key mask hides the padding, so every layer runs a single SDPA call. Extend
 (prefill) on CPU likewise runs one compiled kernel call per layer for all sequences, causal from each sequence's
 cached prefix on; otherwise one SDPA call per sequence with a causal mask shifted by the cached prefix.
+
+A layer with a sliding window passes it to the compiled kernels; on the torch path its masks also hide the keys
+before the window (attention/masked.py). A layer with logit soft-capping always takes the torch path, which
+computes it as transformers' eager attention does.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch.nn.functional as F
 from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.layers import cpu_ops
 from sglang.srt.layers.attention.base import AttentionBackend, AttentionLayerSpec
+from sglang.srt.layers.attention.masked import attend, decode_key_mask, extend_mask
 from sglang.srt.mem_cache.kv_dtype import KERNEL_KV_DTYPES
 from sglang.srt.mem_cache.kv_pool import KVPool
 
@@ -142,20 +147,22 @@ class TorchSDPABackend(AttentionBackend):
         store_kv(pool, layer.layer_id, forward_batch.out_cache_loc, k, v)
         k_cache, v_cache = pool.get_kv_buffer(layer.layer_id)
         meta: DecodeMetadata = forward_batch.attn_metadata
-        if meta.use_kernel and q.dtype == torch.float32 and k_cache.dtype in KERNEL_KV_DTYPES:
+        if (meta.use_kernel and layer.logit_softcap is None and q.dtype == torch.float32
+                and k_cache.dtype in KERNEL_KV_DTYPES):
             out = cpu_ops.paged_decode_attention(
-                q, k_cache, v_cache, meta.kv_indices, forward_batch.seq_lens, layer.scaling
+                q, k_cache, v_cache, meta.kv_indices, forward_batch.seq_lens, layer.scaling, layer.window
             )
             return out.reshape(q.shape[0], -1)
         batch, max_len = meta.kv_indices.shape
-        # index_select on the flat slot list is several times faster on CPU than 2-D advanced indexing.
-        flat_indices = meta.kv_indices.view(-1)
-        # [B * max_len, Hkv, D] -> [B, Hkv, max_len, D]
-        keys = k_cache.index_select(0, flat_indices).view(batch, max_len, *k_cache.shape[1:]).transpose(1, 2)
-        values = v_cache.index_select(0, flat_indices).view(batch, max_len, *v_cache.shape[1:]).transpose(1, 2)
         queries = q.unsqueeze(2)  # [B, H, 1, D]
-        if keys.dtype != queries.dtype:
-            keys, values = keys.to(queries.dtype), values.to(queries.dtype)
+        if layer.window or layer.logit_softcap is not None:
+            visible = decode_key_mask(forward_batch.seq_lens.to(meta.kv_indices.device), max_len, layer.window)
+            # slots outside a sequence (stale table entries) read the dummy slot, always in range
+            kv_indices = torch.where(visible, meta.kv_indices, torch.zeros_like(meta.kv_indices))
+            keys, values = _gather(k_cache, v_cache, kv_indices, queries.dtype)
+            out = attend(queries, keys, values, visible[:, None, None, :], layer.scaling, layer.logit_softcap)
+            return out.reshape(batch, -1)
+        keys, values = _gather(k_cache, v_cache, meta.kv_indices, queries.dtype)
         out = F.scaled_dot_product_attention(
             queries,
             keys,
@@ -174,22 +181,31 @@ class TorchSDPABackend(AttentionBackend):
         k_cache, v_cache = pool.get_kv_buffer(layer.layer_id)
         meta: ExtendMetadata = forward_batch.attn_metadata
         num_tokens = q.shape[0]
-        if meta.kernel is not None and q.dtype == torch.float32 and k_cache.dtype in KERNEL_KV_DTYPES:
+        if (meta.kernel is not None and layer.logit_softcap is None and q.dtype == torch.float32
+                and k_cache.dtype in KERNEL_KV_DTYPES):
             args = meta.kernel
             out = cpu_ops.extend_attention(q, k_cache, v_cache, args.kv_rows, args.token_starts, args.extend_lens,
-                                           args.prefix_lens, layer.scaling)
+                                           args.prefix_lens, layer.scaling, layer.window)
             return out.reshape(num_tokens, -1)
         if meta.sequences is None:
             assert meta.kernel is not None  # the sequences are left unbuilt only beside the kernel's arguments
             meta.sequences = self._extend_sequences(forward_batch, meta.kernel.kv_rows)
         out = q.new_empty(num_tokens, layer.num_heads, v_cache.shape[-1])
         enable_gqa = layer.num_heads != layer.num_kv_heads
+        masked = bool(layer.window) or layer.logit_softcap is not None
         for seq in meta.sequences:
             queries = q[seq.token_start : seq.token_end].transpose(0, 1)  # [H, n, D]
             keys = k_cache.index_select(0, seq.kv_indices).transpose(0, 1)  # [Hkv, L, D]
             values = v_cache.index_select(0, seq.kv_indices).transpose(0, 1)
             if keys.dtype != queries.dtype:
                 keys, values = keys.to(queries.dtype), values.to(queries.dtype)
+            if masked:
+                extend_len = seq.token_end - seq.token_start
+                mask = extend_mask(seq.kv_indices.shape[0] - extend_len, extend_len, layer.window, q.device)
+                seq_out = attend(queries.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), mask, layer.scaling,
+                                 layer.logit_softcap)
+                out[seq.token_start : seq.token_end] = seq_out[0].transpose(0, 1)
+                continue
             seq_out = F.scaled_dot_product_attention(
                 queries.unsqueeze(0),
                 keys.unsqueeze(0),
@@ -201,3 +217,16 @@ class TorchSDPABackend(AttentionBackend):
             )
             out[seq.token_start : seq.token_end] = seq_out[0].transpose(0, 1)
         return out.reshape(num_tokens, -1)
+
+
+def _gather(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indices: torch.Tensor, dtype: torch.dtype
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K/V rows of kv_indices [B, L] as [B, Hkv, L, D] tensors of `dtype`."""
+    batch, max_len = kv_indices.shape
+    # index_select on the flat slot list is several times faster on CPU than 2-D advanced indexing.
+    flat_indices = kv_indices.view(-1)
+    keys = k_cache.index_select(0, flat_indices).view(batch, max_len, *k_cache.shape[1:]).transpose(1, 2)
+    values = v_cache.index_select(0, flat_indices).view(batch, max_len, *v_cache.shape[1:]).transpose(1, 2)
+    if keys.dtype != dtype:
+        keys, values = keys.to(dtype), values.to(dtype)
+    return keys, values

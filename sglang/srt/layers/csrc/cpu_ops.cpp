@@ -2,6 +2,7 @@
 //  - decode attention over the paged KV cache without gathering it: each (sequence, KV head) task reads the
 //    sequence's K/V rows straight from the pool by slot index, once for all the query heads that share them;
 //  - causal attention of the new tokens of a prefill / extend batch, likewise read from the pool (extend_attention.h);
+//    both take an optional sliding window (each query sees only the last `window` positions up to its own);
 //  - the rotary embedding of the query and key heads, in place in the projection's output;
 //  - the SiLU-and-multiply of a fused gate/up output, from float32 or bf16 in one pass;
 //  - RMSNorm, optionally fused with the residual add before it (one pass instead of six aten ops).
@@ -51,7 +52,7 @@ void check_slots(const int64_t* slots, int64_t count, int64_t num_slots) {
 template <typename KV>
 void decode_attention_tasks(const float* qp, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                             const int64_t* ip, const int64_t* lens, float* op, int64_t B, int64_t H, int64_t Hkv,
-                            int64_t D, int64_t stride_idx, float fscale) {
+                            int64_t D, int64_t stride_idx, float fscale, int64_t window) {
   const int64_t group = H / Hkv;
   const kv_layout::Strides kv = kv_layout::strides_of(k_cache, v_cache);
   const KV* kp = static_cast<const KV*>(k_cache.data_ptr());
@@ -60,11 +61,13 @@ void decode_attention_tasks(const float* qp, const torch::Tensor& k_cache, const
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, g = task % Hkv;
-      const int64_t L = lens[b];
+      // a sliding window keeps the last `window` tokens of the sequence
+      const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+      const int64_t L = lens[b] - first;
       scores.resize(static_cast<size_t>(group * (L + 2)));  // + the per-head max and sum
       const int64_t head = b * H + g * group;
       cpu_kernels::attend_kv_head(qp + head * D, group, D, kp + g * kv.head, vp + g * kv.head, kv.slot,
-                                  ip + b * stride_idx, L, fscale, scores.data(), op + head * D);
+                                  ip + b * stride_idx + first, L, fscale, scores.data(), op + head * D);
     }
   });
 }
@@ -73,12 +76,13 @@ void decode_attention_tasks(const float* qp, const torch::Tensor& k_cache, const
 
 // q [B, H, D] float32; k_cache, v_cache [S, Hkv, D] float32, bfloat16, float8_e4m3fn or float8_e5m2 (both the
 // same type and layout, slot- or head-major: kv_layout.h); kv_indices [B, >= max(seq_lens)] int64; seq_lens [B]
-// int64. Returns [B, H, D] float32.
+// int64; window > 0: attend to the last `window` tokens of each sequence only (0: all). Returns [B, H, D] float32.
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                               torch::Tensor kv_indices, torch::Tensor seq_lens, double scale) {
+                               torch::Tensor kv_indices, torch::Tensor seq_lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q, k_cache, v_cache must be 3-D");
   TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be float32");
   TORCH_CHECK(kv_indices.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 indices");
+  TORCH_CHECK(window >= 0, "window must be >= 0");
   q = q.contiguous();
   kv_indices = kv_indices.contiguous();
   seq_lens = seq_lens.contiguous();
@@ -101,7 +105,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   const float fscale = static_cast<float>(scale);
   with_kv_type(k_cache, v_cache, [&](auto type) {
     decode_attention_tasks<kv_of<decltype(type)>>(qp, k_cache, v_cache, ip, lens, op, B, H, Hkv, D, stride_idx,
-                                                  fscale);
+                                                  fscale, window);
   });
   return out;
 }
@@ -112,7 +116,7 @@ template <typename KV>
 void extend_attention_tasks(const float* qp, int64_t q_stride, const torch::Tensor& k_cache,
                             const torch::Tensor& v_cache, const int64_t* ip, int64_t stride_idx, const int64_t* starts,
                             const int64_t* ext_lens, const int64_t* prefix_lens, int64_t N, float* op, int64_t H,
-                            int64_t Hkv, int64_t D, float scale) {
+                            int64_t Hkv, int64_t D, float scale, int64_t window) {
   const int64_t group = H / Hkv;
   // One task per (sequence, KV head, block of query rows), in that order. A causal task's work grows with the keys
   // its rows see, so the tasks of a long prompt differ several-fold: each thread takes a contiguous run of tasks of
@@ -128,7 +132,7 @@ void extend_attention_tasks(const float* qp, int64_t q_stride, const torch::Tens
       for (int64_t r = 0; r < ext_lens[b]; r += cpu_kernels::kExtendRows) {
         const int64_t rows = std::min(ext_lens[b] - r, cpu_kernels::kExtendRows);
         // keys gathered (prefix + r + rows) and query-key pairs scored
-        const int64_t keys = prefix_lens[b] + r + rows;
+        const int64_t keys = window > 0 ? std::min(prefix_lens[b] + r, window) + rows : prefix_lens[b] + r + rows;
         tasks.push_back({b, g, r});
         work_before.push_back(work_before.back() + keys * (8 + group * rows) - group * rows * rows / 2);
       }
@@ -144,7 +148,8 @@ void extend_attention_tasks(const float* qp, int64_t q_stride, const torch::Tens
     run_start[k] = t;
   }
   constexpr bool bf16_kv = std::is_same_v<KV, kv_types::bf16>;
-  const bool bf16_dots = bf16_kv && cpu_kernels::extend_attention_bf16_enabled(D);
+  // the bf16 dot products have no sliding window: windowed layers convert to float32 like the other K/V types
+  const bool bf16_dots = bf16_kv && window == 0 && cpu_kernels::extend_attention_bf16_enabled(D);
   at::parallel_for(0, threads, 1, [&](int64_t k_begin, int64_t k_end) {
     cpu_kernels::ExtendScratch scratch;
     cpu_kernels::ExtendBf16Scratch bf16_scratch;
@@ -169,7 +174,8 @@ void extend_attention_tasks(const float* qp, int64_t q_stride, const torch::Tens
       }
 #endif
       cpu_kernels::extend_attention_task(qp, q_stride, kg, vg, kv.slot, ip + task.b * stride_idx, starts[task.b],
-                                         prefix_lens[task.b], task.r0, r1, task.g, group, H, D, scale, op, scratch);
+                                         prefix_lens[task.b], task.r0, r1, task.g, group, H, D, scale, op, scratch,
+                                         window);
     }
   });
 }
@@ -179,12 +185,14 @@ void extend_attention_tasks(const float* qp, int64_t q_stride, const torch::Tens
 // q [T, H, D] float32 (rows may be strided, heads and channels contiguous); k_cache, v_cache [S, Hkv, D] of a KV
 // type as in decode_attention; kv_indices [N, >= max(prefix + extend)] int64 slots per sequence; token_starts,
 // extend_lens, prefix_lens [N] int64: sequence b's new tokens are q rows token_starts[b] .. + extend_lens[b], at
-// positions prefix_lens[b] .. . Returns [T, H, D] float32 (rows of no sequence are left unset).
+// positions prefix_lens[b] .. ; window > 0: each query sees only the last `window` positions up to its own (0: all).
+// Returns [T, H, D] float32 (rows of no sequence are left unset).
 torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor kv_indices, torch::Tensor token_starts, torch::Tensor extend_lens,
-                               torch::Tensor prefix_lens, double scale) {
+                               torch::Tensor prefix_lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q, k_cache, v_cache must be 3-D");
   TORCH_CHECK(q.scalar_type() == at::kFloat, "q must be float32");
+  TORCH_CHECK(window >= 0, "window must be >= 0");
   if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();
   for (const auto* t : {&kv_indices, &token_starts, &extend_lens, &prefix_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong, "indices and lengths must be int64");
@@ -214,7 +222,7 @@ torch::Tensor extend_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
   const int64_t qs = q.stride(0);
   with_kv_type(k_cache, v_cache, [&](auto type) {
     extend_attention_tasks<kv_of<decltype(type)>>(qp, qs, k_cache, v_cache, ip, stride_idx, starts, ext, pre, N, op, H,
-                                                  Hkv, D, fscale);
+                                                  Hkv, D, fscale, window);
   });
   return out;
 }

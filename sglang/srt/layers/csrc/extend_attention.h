@@ -5,7 +5,9 @@
 // gathered from the pool by slot index into a transposed float32 tile (and V into a row-major one), so the scores
 // of a query against all the block's keys are 8 independent FMA chains of 8 lanes, and the values are summed with
 // the softmax weights in registers (online softmax: running max, running sum, rescaled output). Query row i of a
-// sequence with a cached prefix of P tokens sits at position P + i and sees keys 0 .. P + i.
+// sequence with a cached prefix of P tokens sits at position P + i and sees keys 0 .. P + i; with a sliding window
+// of W tokens only the last W of them, keys P + i - W + 1 .. P + i (blocks wholly before a task's window are not
+// read at all).
 #pragma once
 
 #include <algorithm>
@@ -140,27 +142,27 @@ inline void tile_values(const float* p, const float* v, int64_t n, int64_t D, in
   }
 }
 
-// The online-softmax update of one query for a block: s holds its scores of the block (scaled), of which the
-// first `visible` count; they become the weights (zero past `visible`). m and l are the query's running max and
-// sum; returns the factor its unnormalized output must be multiplied by before this block's values are added.
-inline float softmax_weights(float* s, int64_t visible, float& m, float& l) {
+// The online-softmax update of one query over n scores s (scaled): they become the weights exp(s - max). m and l are
+// the query's running max and sum; returns the factor its unnormalized output must be multiplied by before the
+// values of these keys are added.
+inline float softmax_update(float* s, int64_t n, float& m, float& l) {
   float mx = m;
   int64_t j = 0;
 #ifdef CPU_KERNELS_AVX2
-  if (visible >= 8) {
+  if (n >= 8) {
     __m256 vmax = _mm256_loadu_ps(s);
-    for (j = 8; j + 8 <= visible; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + j));
+    for (j = 8; j + 8 <= n; j += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + j));
     mx = std::max(mx, max8(vmax));
   }
 #endif
-  for (; j < visible; ++j) mx = std::max(mx, s[j]);
+  for (; j < n; ++j) mx = std::max(mx, s[j]);
   const float alpha = m == -INFINITY ? 0.f : std::exp(m - mx);
   float sum = 0.f;
   j = 0;
 #ifdef CPU_KERNELS_AVX2
   const __m256 vmx = _mm256_set1_ps(mx);
   __m256 vsum = _mm256_setzero_ps();
-  for (; j + 8 <= visible; j += 8) {
+  for (; j + 8 <= n; j += 8) {
     const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx));
     _mm256_storeu_ps(s + j, e);
     vsum = _mm256_add_ps(vsum, e);
@@ -169,25 +171,35 @@ inline float softmax_weights(float* s, int64_t visible, float& m, float& l) {
   _mm256_store_ps(lanes, vsum);
   sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
 #endif
-  for (; j < visible; ++j) {
+  for (; j < n; ++j) {
     s[j] = std::exp(s[j] - mx);
     sum += s[j];
   }
-  std::fill(s + visible, s + kKeyBlock, 0.f);
   l = l * alpha + sum;
   m = mx;
+  return alpha;
+}
+
+// The online-softmax update of one query for a block: s holds its scores of the block's keys, of which keys
+// [hidden, visible) count (keys before `hidden` are outside the query's sliding window); the weights of the others
+// are zero. Returns softmax_update's factor, 1 when no key of the block counts.
+inline float softmax_weights(float* s, int64_t visible, float& m, float& l, int64_t hidden = 0) {
+  const int64_t begin = std::min(hidden, visible);
+  const float alpha = begin < visible ? softmax_update(s + begin, visible - begin, m, l) : 1.f;
+  std::fill(s, s + begin, 0.f);
+  std::fill(s + visible, s + kKeyBlock, 0.f);
   return alpha;
 }
 
 // One task: rows [r0, r1) of a sequence whose new tokens start at query row `tok0` of q, after `prefix` cached
 // tokens; KV head g with query heads g * group .. (g + 1) * group - 1, whose K (V) row of slot s is at
 // kcache (vcache) + s * slot_stride. q rows are q_stride floats apart, heads D apart; out is [tokens, H, D]
-// contiguous.
+// contiguous. window > 0: each query sees only the last `window` positions up to its own (0: all of them).
 template <typename KV>
 inline void extend_attention_task(const float* q, int64_t q_stride, const KV* kcache, const KV* vcache,
                                   int64_t slot_stride, const int64_t* slots, int64_t tok0, int64_t prefix, int64_t r0,
                                   int64_t r1, int64_t g, int64_t group, int64_t H, int64_t D, float scale, float* out,
-                                  ExtendScratch& w) {
+                                  ExtendScratch& w, int64_t window = 0) {
   const int64_t rows = r1 - r0;
   const int64_t nq = rows * group;
   for (int64_t r = 0; r < rows; ++r) {
@@ -201,7 +213,10 @@ inline void extend_attention_task(const float* q, int64_t q_stride, const KV* kc
   std::fill(w.m.begin(), w.m.begin() + nq, -INFINITY);
   std::fill(w.l.begin(), w.l.begin() + nq, 0.f);
   const int64_t key_end = prefix + r1;  // the last row sees keys up to its own position
-  for (int64_t k0 = 0; k0 < key_end; k0 += kKeyBlock) {
+  // the first key a row at `pos` sees
+  const auto window_start = [window](int64_t pos) { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; };
+  // blocks before the first row's window are seen by no row of the task
+  for (int64_t k0 = window_start(prefix + r0) / kKeyBlock * kKeyBlock; k0 < key_end; k0 += kKeyBlock) {
     const int64_t kn = std::min(kKeyBlock, key_end - k0);
     for (int64_t j = 0; j < kKeyBlock; ++j) {
       float* vrow = w.v.data() + j * D;
@@ -227,7 +242,8 @@ inline void extend_attention_task(const float* q, int64_t q_stride, const KV* kc
       for (int i = 0; i < qt; ++i) {
         const int64_t r = (i0 + i) / group;
         const int64_t visible = std::min(kn, prefix + r0 + r - k0 + 1);
-        const float alpha = softmax_weights(s + i * kKeyBlock, visible, w.m[i0 + i], w.l[i0 + i]);
+        const int64_t hidden = std::max<int64_t>(0, window_start(prefix + r0 + r) - k0);
+        const float alpha = softmax_weights(s + i * kKeyBlock, visible, w.m[i0 + i], w.l[i0 + i], hidden);
         if (alpha != 1.f) {
           float* o = w.o.data() + (i0 + i) * D;
 #pragma omp simd

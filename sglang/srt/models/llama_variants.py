@@ -1,0 +1,91 @@
+"""What the decoders that rewire Llama's layers share (Granite, SmolLM3, OLMo 2; Phi-3 runs the layer loop).
+
+Their layers keep the Llama layer's contract, `layer(cos_sin, hidden_states, forward_batch, residual) ->
+(hidden_states, residual)`: the residual stream is carried beside the output of the last branch, which the next
+layer (or the final norm) adds into it. `VariantModel` is LlamaModel's backbone with the variant's own layers, and
+`VariantForCausalLM` puts the LM head on it and keeps LlamaForCausalLM's forward, logits and weight loading.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from sglang.srt.forward_batch import ForwardBatch
+from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.logits_processor import LogitsProcessor
+from sglang.srt.layers.rotary_embedding import RotaryEmbedding, get_rope
+from sglang.srt.layers.vocab_parallel_embedding import lm_head, vocab_embedding
+from sglang.srt.models.llama import CosSin, LlamaForCausalLM, head_dim_of
+
+# (layer_id, rotary_dim) -> the decoder layer of that index.
+LayerFactory = Callable[[int, int], nn.Module]
+
+
+def run_layers(layers: nn.ModuleList, norm: RMSNorm, hidden_states: torch.Tensor, cos_sin: CosSin,
+               forward_batch: ForwardBatch) -> torch.Tensor:
+    """The decoder layers, then the final norm over the residual stream."""
+    residual: Optional[torch.Tensor] = None
+    for layer in layers:
+        hidden_states, residual = layer(cos_sin, hidden_states, forward_batch, residual)
+    if residual is None:
+        return norm(hidden_states)
+    hidden_states, _ = norm(hidden_states, residual)
+    return hidden_states
+
+
+class VariantModel(nn.Module):
+    """Embeddings (optionally scaled), the variant's decoder layers and the final norm."""
+
+    def __init__(self, config: Any, make_layer: LayerFactory, dtype: Optional[torch.dtype],
+                 device: Optional[torch.device | str], embedding_multiplier: float = 1.0) -> None:
+        super().__init__()
+        self.config = config
+        self.embedding_multiplier = embedding_multiplier
+        self.embed_tokens = vocab_embedding(config.vocab_size, config.hidden_size, dtype, device)
+        self.rotary_emb: RotaryEmbedding = get_rope(config, head_dim_of(config), device=device)
+        self.layers = nn.ModuleList(make_layer(i, self.rotary_emb.rotary_dim) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, CosSin]:
+        """Token embeddings and the rotary (cos, sin) of each position: the inputs of the first layer."""
+        hidden_states = self.embed_tokens(input_ids)
+        if self.embedding_multiplier != 1.0:
+            hidden_states = hidden_states * self.embedding_multiplier
+        return hidden_states, self.rotary_emb.lookup(positions, hidden_states.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        hidden_states, cos_sin = self.embed(input_ids, positions)
+        return run_layers(self.layers, self.norm, hidden_states, cos_sin, forward_batch)
+
+
+class VariantForCausalLM(LlamaForCausalLM, ABC):
+    """A VariantModel with the LM head (tied or separate); forward, logits and weights as LlamaForCausalLM."""
+
+    # Why the fused CPU decode step (model_executor/fused_cpu_decode.py), which runs plain Llama layers, cannot run
+    # this model; None where its layers compute as Llama's.
+    fused_decode_exclusion: Optional[str] = None
+
+    def __init__(
+        self, config: Any, dtype: Optional[torch.dtype] = None, device: Optional[torch.device | str] = None
+    ) -> None:
+        # LlamaForCausalLM.__init__ would build a LlamaModel: this class builds its own backbone instead.
+        nn.Module.__init__(self)
+        self.config = config
+        # Not a LlamaModel, but the same parts (embed_tokens, rotary_emb, layers, norm, embed) under the same names.
+        self.model = self.build_model(config, dtype, device)  # type: ignore[assignment]
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head: nn.Module = self.model.embed_tokens
+        else:
+            self.lm_head = lm_head(config.hidden_size, config.vocab_size, dtype, device)
+        self.logits_processor = LogitsProcessor(config)
+
+    @abstractmethod
+    def build_model(self, config: Any, dtype: Optional[torch.dtype],
+                    device: Optional[torch.device | str]) -> VariantModel:
+        """The backbone of this variant."""

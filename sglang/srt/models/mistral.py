@@ -1,0 +1,30 @@
+"""Mistral: the Llama decoder with an optional sliding window over every layer (`config.sliding_window`).
+
+As transformers' Mistral does, the window applies to all layers alike: a token at position p attends to positions
+p - sliding_window + 1 .. p. Without one (null in the config, as in Mistral-7B v0.2 and later) it is Llama.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.models.llama import LlamaAttention, LlamaForCausalLM
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    def __init__(
+        self, config: Any, dtype: Optional[torch.dtype] = None, device: Optional[torch.device | str] = None
+    ) -> None:
+        super().__init__(config, dtype=dtype, device=device)
+        window = getattr(config, "sliding_window", None)
+        if window is not None:
+            for attn in [m for m in self.modules() if isinstance(m, LlamaAttention)]:
+                spec = attn.attn.spec
+                attn.attn = RadixAttention(spec.layer_id, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                                           spec.scaling, sliding_window=int(window))
+
+
+EntryClass = MistralForCausalLM
