@@ -60,11 +60,12 @@ def test_phi3_batch_mixes_sequences_within_and_past_the_original_length(tmp_path
     assert max_diff(logits, expected) < FLOAT32_TOL
 
 
-def test_phi3_refuses_a_sliding_window_shorter_than_the_context(tmp_path):
-    config = tiny_variant_config("phi3", sliding_window=64)
-    with pytest.raises(ValueError, match="Phi3ForCausalLM: Sliding-window attention .*sliding_window=64"):
-        Phi3ForCausalLM(config, device="meta")
-    Phi3ForCausalLM(tiny_variant_config("phi3", sliding_window=256), device="meta")  # the whole context: no window
+def test_phi3_sliding_window_shorter_than_the_prompt(tmp_path):
+    """Phi-3-mini-4k's layout: a window on every layer (here 16 positions, the prompt 40 tokens)."""
+    config = tiny_variant_config("phi3", sliding_window=16)
+    reference, ours = build_models(tmp_path, config)
+    assert {m.spec.sliding_window for m in ours.modules() if type(m).__name__ == "RadixAttention"} == {16}
+    check_prefill_and_cached_decode(reference, ours, config, prompt_of(40, 7), steps=6)
 
 
 def test_granite_multipliers(tmp_path):

@@ -14,17 +14,22 @@ from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.models.llama import LlamaAttention, LlamaForCausalLM
 
 
+def window_every_layer(model: LlamaForCausalLM, window: Optional[int]) -> None:
+    """Give every attention layer of a Llama-structured model the sliding window `window` (None: none)."""
+    if window is None:
+        return
+    for attn in [m for m in model.modules() if isinstance(m, LlamaAttention)]:
+        spec = attn.attn.spec
+        attn.attn = RadixAttention(spec.layer_id, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.scaling,
+                                   sliding_window=int(window))
+
+
 class MistralForCausalLM(LlamaForCausalLM):
     def __init__(
         self, config: Any, dtype: Optional[torch.dtype] = None, device: Optional[torch.device | str] = None
     ) -> None:
         super().__init__(config, dtype=dtype, device=device)
-        window = getattr(config, "sliding_window", None)
-        if window is not None:
-            for attn in [m for m in self.modules() if isinstance(m, LlamaAttention)]:
-                spec = attn.attn.spec
-                attn.attn = RadixAttention(spec.layer_id, spec.num_heads, spec.num_kv_heads, spec.head_dim,
-                                           spec.scaling, sliding_window=int(window))
+        window_every_layer(self, getattr(config, "sliding_window", None))
 
 
 EntryClass = MistralForCausalLM

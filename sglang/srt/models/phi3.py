@@ -10,7 +10,7 @@ keep the rotation they were computed with, as in transformers' forward with a KV
 instead recomputes the whole sequence with the long factors at the step where it first grows past the original
 length, so a generation that crosses it while decoding may differ from `generate` from that step on.
 
-A sliding window smaller than the context is refused: the attention here attends to every earlier token.
+A `sliding_window` (Phi-3-mini-4k: 2047) applies to every layer, as in transformers (models/mistral.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.layers.rotary_embedding import LongRopeRotaryEmbedding
 from sglang.srt.models.llama import LlamaForCausalLM, head_dim_of
 from sglang.srt.models.llama_variants import run_layers
-from sglang.srt.models.moe_common import check_full_attention
+from sglang.srt.models.mistral import window_every_layer
 
 
 def split_fused_weights(config: Any, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -51,11 +51,8 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     def __init__(
         self, config: Any, dtype: Optional[torch.dtype] = None, device: Optional[torch.device | str] = None
     ) -> None:
-        try:
-            check_full_attention(config)
-        except ValueError as e:
-            raise ValueError(f"Phi3ForCausalLM: {e}") from None
         super().__init__(config, dtype, device)
+        window_every_layer(self, getattr(config, "sliding_window", None))
 
     def forward_hidden(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
