@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 NOT_APPLICABLE_FLAGS = (
     "pp_size",
     "cuda_graph_max_bs", "disable_cuda_graph", "disable_overlap_schedule", "enable_mixed_chunk",
-    "cpu_offload_gb", "quantization", "lora_paths",
+    "cpu_offload_gb", "lora_paths",
     "attention_backend", "sampling_backend",
 )
 
@@ -37,6 +37,9 @@ class ServerArgs:
     # K/V storage: auto (layers/arithmetic.py: bf16 on x86 CPUs with AVX2 or better under the automatic plan,
     # else the model dtype), float32, bfloat16/bf16, fp8_e4m3, fp8_e5m2 (mem_cache/kv_dtype.py).
     kv_cache_dtype: str = "auto"
+    # The checkpoint's quantization method, read from its quantization_config (gptq, awq, fp8, compressed-tensors;
+    # gguf for a GGUF file); a value given checks it (model_loader/quant_config.py). Quantized weights are
+    # dequantized at load and served as the arithmetic plan serves float weights.
     quantization: Optional[str] = None
     context_length: Optional[int] = None
     device: Optional[str] = None
@@ -190,6 +193,9 @@ class ServerArgs:
         from sglang.srt.mem_cache.kv_dtype import check_kv_cache_dtype
 
         check_kv_cache_dtype(self.kv_cache_dtype)
+        from sglang.srt.model_loader.quant_config import check_quantization_flag
+
+        check_quantization_flag(self.quantization)
         if self.page_size != 1:
             raise ValueError("--page-size: only 1 is supported")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:

@@ -35,12 +35,25 @@ def load_model_info(server_args: ServerArgs) -> ModelInfo:
     from transformers import AutoConfig, GenerationConfig
 
     from sglang.srt.model_loader.gemm_measurement import plan_for_this_machine
+    from sglang.srt.model_loader.quant_config import read_quantization_config, resolve_quantization
     from sglang.srt.model_loader.resolve import gguf_source_for, resolve_model_path
 
     model_dir = resolve_model_path(server_args.model_path)
+    gguf_path = gguf_source_for(server_args.model_path)
+    # A quantized checkpoint is read (and --quantization checked) before anything starts; /get_server_info then
+    # reports the method read.
+    scheme = resolve_quantization(model_dir, server_args.quantization, from_gguf=gguf_path is not None)
+    server_args.quantization = scheme.method if scheme is not None else ("gguf" if gguf_path else None)
+    if scheme is not None:
+        from sglang.srt.model_loader.quantized_weights import check_quantized_checkpoint
+
+        check_quantized_checkpoint(model_dir, scheme)
     # The one config every process builds from: the model, its KV pool and the context length.
     hf_config = apply_overrides(AutoConfig.from_pretrained(model_dir, trust_remote_code=server_args.trust_remote_code),
                                 server_args.json_model_override_args)
+    if scheme is not None and not getattr(hf_config, "quantization_config", None):
+        # settings from an older export's side file, so that the model's config says how its weights were read
+        hf_config.quantization_config = read_quantization_config(model_dir)[0]  # type: ignore[index]
     # Vision-language configs keep the decoder's settings in text_config.
     context_len = server_args.context_length or _config_context_len(hf_config.get_text_config())
     config_dtype = getattr(hf_config, "dtype", None)
@@ -64,7 +77,7 @@ def load_model_info(server_args: ServerArgs) -> ModelInfo:
         pass
     return ModelInfo(
         model_dir=model_dir,
-        gguf_path=gguf_source_for(server_args.model_path),
+        gguf_path=gguf_path,
         hf_config=hf_config,
         dtype=dtype,
         context_len=context_len,

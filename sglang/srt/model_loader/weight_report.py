@@ -15,6 +15,7 @@ from torch import nn
 from sglang.srt.layers.linear import LinearMethod, linear_methods
 from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
 from sglang.srt.model_loader.dtype import dtype_name
+from sglang.srt.model_loader.quant_config import describe_checkpoint_quantization
 
 
 def _method_copies(method: LinearMethod) -> list[tuple[Any, str, int]]:
@@ -49,7 +50,12 @@ def weight_bytes_by_format(model: nn.Module) -> dict[str, int]:
 
 
 def describe_weights(model: nn.Module) -> str:
-    """One log line: `Weights: 2.21 GB as Q8_0 blocks 1.80 GB, float32 0.41 GB`."""
+    """One log line: `Weights: 2.21 GB as Q8_0 blocks 1.80 GB, float32 0.41 GB`; for a quantized checkpoint what was
+    read first: `Weights: GPTQ 4-bit, group 128, ..., dequantized to bfloat16 at load, then served as ...`."""
     by_format = weight_bytes_by_format(model)
     parts = ", ".join(f"{name} {nbytes / 1e9:.2f} GB" for name, nbytes in by_format.items())
-    return f"Weights: {sum(by_format.values()) / 1e9:.2f} GB as {parts or 'nothing'}"
+    total = sum(by_format.values()) / 1e9
+    read = describe_checkpoint_quantization(getattr(model, "config", None))
+    if read:
+        return f"Weights: {read}, then served as {parts or 'nothing'} ({total:.2f} GB)"
+    return f"Weights: {total:.2f} GB as {parts or 'nothing'}"

@@ -37,7 +37,16 @@ def weight_files(model_dir: str) -> list[Path]:
 
 
 def iterate_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield every tensor of the checkpoint under its stored name, on CPU, in its stored dtype."""
+    """Yield every tensor of the checkpoint under its stored name, on CPU, in its stored dtype; a quantized
+    checkpoint's linear weights dequantized to its float dtype instead (model_loader/quantized_weights.py)."""
+    from sglang.srt.model_loader.quant_config import dequantized_dtype, resolve_quantization
+
+    scheme = resolve_quantization(model_dir, None)
+    if scheme is not None:
+        from sglang.srt.model_loader.quantized_weights import iterate_dequantized
+
+        yield from iterate_dequantized(weight_files(model_dir), scheme, dequantized_dtype(model_dir, scheme))
+        return
     for path in weight_files(model_dir):
         if path.suffix == ".safetensors":
             yield from _iterate_safetensors(path)
