@@ -61,6 +61,12 @@ class ForwardBatch:
     token_type_ids: Optional[torch.Tensor] = None
     # Image embeddings and M-RoPE positions for vision-language models (multimodal/forward_inputs.py).
     multimodal: Any = None
+    # Some rows are later positions of the same sequence as earlier rows (a speculative verify step): each row's
+    # attention must see the K/V the earlier rows store in the same layer. The attention backend stores every row
+    # before attending; the fused CPU decode step stores per attention item, so it runs such a batch on one thread.
+    rows_share_sequences: bool = False
+    # [batch_size] the LoRA adapter of each sequence (None: the base model); None when no sequence uses one.
+    lora_ids: Optional[list[Optional[str]]] = None
 
     def last_token_indices(self) -> torch.Tensor:
         ends = torch.tensor(self.extend_seq_lens_cpu, dtype=torch.int64).cumsum(0) - 1

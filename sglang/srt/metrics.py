@@ -11,6 +11,9 @@ from sglang.srt.managers.io_struct import SchedulerState
 
 TIME_TO_FIRST_TOKEN_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
 E2E_REQUEST_LATENCY_BUCKETS = (*TIME_TO_FIRST_TOKEN_BUCKETS, 800)
+TIME_PER_OUTPUT_TOKEN_BUCKETS = (0.002, 0.005, 0.010, 0.020, 0.030, 0.040, 0.050, 0.060, 0.070, 0.080, 0.090, 0.100,
+                                 0.150, 0.200, 0.300, 0.400, 0.600, 0.800, 1.000, 2.000)
+FUNC_LATENCY_BUCKETS = tuple(0.05 * 1.5**i for i in range(18))  # 50 ms to ~50 s
 INTER_TOKEN_LATENCY_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060,
                                0.080, 0.100, 0.200, 0.400, 0.600, 0.800, 1.0, 2.0, 4.0, 6.0, 8.0)
 
@@ -56,9 +59,14 @@ class ServerMetrics:
                              INTER_TOKEN_LATENCY_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency in seconds.",
                              E2E_REQUEST_LATENCY_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", "Time per output token after the first, in seconds.",
+                              TIME_PER_OUTPUT_TOKEN_BUCKETS)
+        # Labelled by handler name only (no model_name), as SGLang labels it.
+        self.func_latency = Histogram("sglang:func_latency_seconds", "Function latency in seconds", ["name"],
+                                      buckets=FUNC_LATENCY_BUCKETS, registry=self.registry)
         # Exported (at zero) from the first scrape on, not only once a request has counted in them.
         for metric in (self.prompt_tokens, self.generation_tokens, self.cached_tokens, self.num_requests,
-                       self.num_so_requests, self.ttft, self.itl, self.e2e):
+                       self.num_so_requests, self.ttft, self.itl, self.e2e, self.tpot):
             metric.labels(**self.labels)
 
     def on_output(self, since_created: float, since_last: float | None, new_tokens: int) -> None:
@@ -74,14 +82,22 @@ class ServerMetrics:
             itl.observe(since_last / new_tokens)
 
     def on_finish(self, e2e_latency: float, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
-                  has_grammar: bool) -> None:
+                  has_grammar: bool, since_first_token: float | None = None) -> None:
+        """A request finished `e2e_latency` seconds after it arrived and `since_first_token` seconds after its
+        first output token (None: it produced none)."""
         self.e2e.labels(**self.labels).observe(e2e_latency)
+        if since_first_token is not None and completion_tokens > 1:
+            self.tpot.labels(**self.labels).observe(since_first_token / (completion_tokens - 1))
         self.prompt_tokens.labels(**self.labels).inc(prompt_tokens)
         self.generation_tokens.labels(**self.labels).inc(completion_tokens)
         self.cached_tokens.labels(**self.labels).inc(cached_tokens)
         self.num_requests.labels(**self.labels).inc()
         if has_grammar:
             self.num_so_requests.labels(**self.labels).inc()
+
+    def on_handler(self, name: str, seconds: float) -> None:
+        """An HTTP handler named `name` returned after `seconds` (for a stream: once its response started)."""
+        self.func_latency.labels(name=name).observe(seconds)
 
     def render(self, state: SchedulerState) -> bytes:
         values = {
@@ -93,7 +109,7 @@ class ServerMetrics:
             self.num_queue_reqs: state.num_queue_reqs - state.num_grammar_queue_reqs,
             self.num_grammar_queue_reqs: state.num_grammar_queue_reqs,
             self.cache_hit_rate: state.cache_hit_rate,
-            self.spec_accept_length: 0.0,
+            self.spec_accept_length: state.spec_accept_length,
         }
         for gauge, value in values.items():
             gauge.labels(**self.labels).set(value)

@@ -11,6 +11,8 @@ import random
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from sglang.srt.speculative.args import SPECULATIVE_HELP
+
 logger = logging.getLogger(__name__)
 
 # Flags that only matter on hardware or topologies this engine does not use. They are accepted so that
@@ -18,7 +20,7 @@ logger = logging.getLogger(__name__)
 NOT_APPLICABLE_FLAGS = (
     "pp_size",
     "cuda_graph_max_bs", "disable_cuda_graph", "disable_overlap_schedule", "enable_mixed_chunk",
-    "cpu_offload_gb", "lora_paths",
+    "cpu_offload_gb",
     "attention_backend", "sampling_backend",
 )
 
@@ -162,8 +164,24 @@ class ServerArgs:
     # stat modes: sum over the last this many forward passes of a recording; <0 keeps all (upstream: 1000).
     expert_distribution_recorder_buffer_size: Optional[int] = None
     enable_multimodal: Optional[bool] = None
+    # LoRA serving (sglang/srt/lora): adapters as NAME=PATH (or PATH), served per request by their name.
+    enable_lora: bool = False
     lora_paths: Optional[list[str]] = None
     max_loras_per_batch: int = 8
+    max_lora_rank: int = 64
+    lora_target_modules: Optional[list[str]] = None
+    # Speculative decoding (sglang/srt/speculative/): only NGRAM, which drafts from the request's own tokens and a
+    # bounded cache of recent requests' tokens (no draft model). The draft is a chain: the BFS/PROB tree knobs are
+    # accepted for compatibility and do not change it.
+    speculative_algorithm: Optional[str] = None
+    speculative_num_draft_tokens: Optional[int] = None
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    speculative_ngram_min_bfs_breadth: int = 1
+    speculative_ngram_max_bfs_breadth: int = 10
+    speculative_ngram_match_type: str = "BFS"
+    speculative_ngram_branch_length: int = 18
+    speculative_ngram_capacity: int = 1_000_000
 
     def __post_init__(self) -> None:
         if self.tokenizer_path is None:
@@ -240,6 +258,17 @@ class ServerArgs:
         from sglang.srt.model_loader.config_overrides import parse_overrides
 
         parse_overrides(self.json_model_override_args)
+        if self.max_loras_per_batch < 1:
+            raise ValueError(f"--max-loras-per-batch must be at least 1, got {self.max_loras_per_batch}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"--max-lora-rank must be at least 1, got {self.max_lora_rank}")
+        if (self.enable_lora or self.lora_paths) and self.tp_size > 1:
+            raise ValueError("--enable-lora / --lora-paths: LoRA serving runs with --tp-size 1 only")
+        if (self.enable_lora or self.lora_paths) and self.speculative_algorithm:
+            raise ValueError("--enable-lora / --lora-paths cannot be combined with --speculative-algorithm")
+        from sglang.srt.speculative.args import check_speculative_args
+
+        check_speculative_args(self)
 
     def use_jump_forward(self) -> bool:
         """Jump-forward decoding of constrained requests: off unless --enable-jump-forward. It speeds up a lone
@@ -287,6 +316,8 @@ _CHOICES = {
     "log_level": ["debug", "info", "warning", "error", "critical"],
     "load_balance_method": ["round_robin", "shortest_queue", "cache_aware", "minimum_tokens"],
 }
+_CHOICES["speculative_ngram_match_type"] = ["BFS", "PROB"]
+_HELP = SPECULATIVE_HELP
 
 
 def _default_device() -> str:
@@ -322,6 +353,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
             kwargs["type"] = str
         if f.name in _CHOICES:
             kwargs["choices"] = _CHOICES[f.name]
+        if f.name in _HELP:
+            kwargs["help"] = _HELP[f.name]
         parser.add_argument(*names, **kwargs)
 
 

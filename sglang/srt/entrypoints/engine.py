@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import warnings
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any, Optional, Union
 
 from sglang.srt.entrypoints.launch import launch_subprocesses, watch_children
+from sglang.srt.entrypoints.openai.score import score_items
 from sglang.srt.managers.data_parallel.dispatcher import merge_states
 from sglang.srt.managers.expert_record_client import expert_distribution
 from sglang.srt.managers.generate_input import GenerateReqInput
@@ -17,6 +19,22 @@ from sglang.srt.managers.process_utils import configure_logging
 from sglang.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
+
+
+def _thread_event_loop() -> asyncio.AbstractEventLoop:
+    """This thread's event loop, made and set as current when it has none (or a closed one). The engine runs its
+    sync calls on it, so `asyncio.get_event_loop().run_until_complete(engine.async_generate(...))` shares the loop
+    with them, as in SGLang; being shared, it is not closed at shutdown."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            loop: Optional[asyncio.AbstractEventLoop] = asyncio.get_event_loop()
+        except RuntimeError:  # a thread other than the main one, with no loop set
+            loop = None
+    if loop is None or loop.is_closed():
+        loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+    return loop
 
 
 class Engine:
@@ -30,7 +48,7 @@ class Engine:
             server_args = ServerArgs(**kwargs)
         self.server_args = server_args
         configure_logging(server_args.log_level)
-        self.loop = asyncio.new_event_loop()
+        self.loop = _thread_event_loop()
         self._subs = launch_subprocesses(server_args)
         self.tokenizer_manager = self._subs.tokenizer_manager
         self._dead_child: Optional[str] = None
@@ -47,13 +65,13 @@ class Engine:
     # ---- generation -----------------------------------------------------------------------------------
     def _make_input(self, prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                     top_logprobs_num, token_ids_logprob, stream, rid, return_text_in_logprobs,
-                    image_data, custom_logit_processor) -> GenerateReqInput:
+                    image_data, custom_logit_processor, lora_path=None) -> GenerateReqInput:
         return GenerateReqInput(
             text=prompt, input_ids=input_ids, sampling_params=sampling_params, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num,
             token_ids_logprob=token_ids_logprob, stream=stream, rid=rid,
             return_text_in_logprobs=return_text_in_logprobs, image_data=image_data,
-            custom_logit_processor=custom_logit_processor,
+            custom_logit_processor=custom_logit_processor, lora_path=lora_path,
         )
 
     def generate(
@@ -70,13 +88,14 @@ class Engine:
         rid: Optional[Union[str, list[str]]] = None,
         return_text_in_logprobs: bool = False,
         custom_logit_processor: Optional[Union[str, list[Optional[str]]]] = None,
+        lora_path: Optional[Union[str, list[Optional[str]]]] = None,
         **unused: Any,
     ) -> Union[dict, list[dict], Iterator[dict]]:
         """Same output dicts as /generate; with stream=True an iterator of cumulative outputs."""
         self._check_alive()
         obj = self._make_input(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                top_logprobs_num, token_ids_logprob, stream, rid, return_text_in_logprobs,
-                               image_data, custom_logit_processor)
+                               image_data, custom_logit_processor, lora_path)
         gen = self.tokenizer_manager.generate_request(obj)
         if stream:
             return self._iterate(gen)
@@ -109,12 +128,13 @@ class Engine:
         rid: Optional[Union[str, list[str]]] = None,
         return_text_in_logprobs: bool = False,
         custom_logit_processor: Optional[Union[str, list[Optional[str]]]] = None,
+        lora_path: Optional[Union[str, list[Optional[str]]]] = None,
         **unused: Any,
     ) -> Union[dict, list[dict], AsyncIterator[dict]]:
         self._check_alive()
         obj = self._make_input(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                top_logprobs_num, token_ids_logprob, stream, rid, return_text_in_logprobs,
-                               image_data, custom_logit_processor)
+                               image_data, custom_logit_processor, lora_path)
         gen = self.tokenizer_manager.generate_request(obj)
         if stream:
             return gen
@@ -160,6 +180,20 @@ class Engine:
         obj = parse_update_request({"model_path": model_path, "load_format": load_format})
         return self.loop.run_until_complete(update_weights_from_disk(self.tokenizer_manager, obj))
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
+        """Serve the PEFT adapter at `lora_path` as `lora_name`; the /load_lora_adapter result as a dict."""
+        return self._update_lora({"lora_name": lora_name, "lora_path": lora_path}, load=True)
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        """Stop serving `lora_name` (refused while requests using it are queued or running)."""
+        return self._update_lora({"lora_name": lora_name}, load=False)
+
+    def _update_lora(self, body: dict, load: bool) -> dict:
+        from sglang.srt.lora.client import lora_result_body, parse_lora_update, update_lora_adapters
+
+        msg = parse_lora_update(body, load)
+        return lora_result_body(self.loop.run_until_complete(update_lora_adapters(self.tokenizer_manager, msg)))
+
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The first `truncate_size` rows of checkpoint weight `name` (ValueError when there is none)."""
         from sglang.srt.managers.weight_update_client import get_weights_by_name, parse_read_request
@@ -174,6 +208,17 @@ class Engine:
         states = self.loop.run_until_complete(self.tokenizer_manager.get_internal_states())
         return engine_server_info(self.server_args, states)
 
+    def score(self, query: Optional[Union[str, list[int]]] = None,
+              items: Optional[Union[str, list[str], list[int], list[list[int]]]] = None,
+              label_token_ids: Optional[list[int]] = None, apply_softmax: bool = False,
+              item_first: bool = False) -> list[list[float]]:
+        """Next-token probabilities of `label_token_ids` after query + each item (item + query with item_first),
+        one list per item, as /v1/score answers them; ValueError for bad input."""
+        self._check_alive()
+        body = {"query": query, "items": items, "label_token_ids": label_token_ids, "apply_softmax": apply_softmax,
+                "item_first": item_first}
+        return self.loop.run_until_complete(score_items(self.tokenizer_manager, body))
+
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         self.tokenizer_manager.send_to_scheduler.send_pyobj(AbortReq(rid=rid, abort_all=abort_all))
 
@@ -182,8 +227,6 @@ class Engine:
             self._subs.shutdown()
             self._subs = None  # type: ignore[assignment]
             self.tokenizer_manager.close()
-        if not self.loop.is_closed():
-            self.loop.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -18,6 +18,7 @@ from sglang.srt.entrypoints.embedding_routes import router as embedding_router
 from sglang.srt.entrypoints.error_handlers import install_error_handlers
 from sglang.srt.entrypoints.expert_routes import router as expert_router
 from sglang.srt.entrypoints.launch import launch_subprocesses, watch_children
+from sglang.srt.entrypoints.lora_routes import router as lora_router
 from sglang.srt.entrypoints.native_routes import router as native_router
 from sglang.srt.entrypoints.openai.embeddings import router as openai_embeddings_router
 from sglang.srt.entrypoints.openai.routes import attach_openai, install_api_key_check
@@ -44,6 +45,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.include_router(parser_router)
     app.include_router(expert_router)
     app.include_router(weight_router)
+    app.include_router(lora_router)
     app.include_router(embedding_router)
     install_generation_guard(app, state.args.is_embedding)
     app.include_router(openai_embeddings_router)

@@ -24,7 +24,7 @@ from sglang.srt.entrypoints.body_schemas import (
     check_body,
 )
 from sglang.srt.entrypoints.responses import ORJSONResponse
-from sglang.srt.entrypoints.server_state import model_card, native_error, read_json, server_state
+from sglang.srt.entrypoints.server_state import model_card, native_error, read_json, server_state, timed_handler
 from sglang.srt.entrypoints.sse import open_stream, sse_json, sse_response
 from sglang.srt.managers.data_parallel import merge_states
 from sglang.srt.managers.generate_input import GenerateReqInput
@@ -39,6 +39,7 @@ router = APIRouter()
 
 
 @router.api_route("/generate", methods=["POST", "PUT"], openapi_extra=body_openapi(GenerateBody))
+@timed_handler("generate_request")
 async def generate(request: Request):
     state = server_state(request)
     try:
@@ -135,6 +136,7 @@ async def server_info(request: Request):
         max_req_input_len=internal.info.max_req_input_len,
         arithmetic=internal.info.arithmetic,
         weights={"bytes": internal.info.weight_bytes, "by_format": internal.info.weights},
+        loaded_lora_adapters=dict(state.tm.lora_adapters),
         internal_states=[{
             "dp_rank": s.info.dp_rank,
             "last_gen_throughput": s.last_gen_throughput,

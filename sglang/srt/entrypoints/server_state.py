@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Optional
 
 import orjson
@@ -36,6 +38,29 @@ class ServerState:
 
 def server_state(request: Request) -> ServerState:
     return request.app.state.server
+
+
+Handler = Callable[[Request], Awaitable[Any]]
+
+
+def timed_handler(name: str) -> Callable[[Handler], Handler]:
+    """Time a route handler into `sglang:func_latency_seconds{name=...}` when metrics are on, as SGLang times its
+    generate, completion, chat and embedding handlers (a streaming handler counts until its response starts)."""
+
+    def wrap(handler: Handler) -> Handler:
+        @functools.wraps(handler)
+        async def timed(request: Request) -> Any:
+            start = time.monotonic()
+            try:
+                return await handler(request)
+            finally:
+                metrics = getattr(server_state(request).tm, "metrics", None)
+                if metrics is not None:
+                    metrics.on_handler(name, time.monotonic() - start)
+
+        return timed
+
+    return wrap
 
 
 def native_error(message: str, status: int = 400) -> ORJSONResponse:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -67,16 +67,20 @@ class Linear(nn.Linear):
                  device: Optional[torch.device | str] = None) -> None:
         super().__init__(in_features, out_features, bias=bias, dtype=dtype, device=device)
         self.linear_method: LinearMethod = DENSE
+        # LoRA adapters of this layer (lora/layers.py LoraLinear), attached only when the server serves LoRA.
+        self.lora: Optional[Any] = None
 
     def set_linear_method(self, method: LinearMethod) -> None:
         self.linear_method = method
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_method.apply(self.weight, x, self.bias)
+        out = self.linear_method.apply(self.weight, x, self.bias)
+        return out if self.lora is None else self.lora.apply(x, out)
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         """The output in the method's own compute dtype (LinearMethod.apply_native)."""
-        return self.linear_method.apply_native(self.weight, x, self.bias)
+        out = self.linear_method.apply_native(self.weight, x, self.bias)
+        return out if self.lora is None else self.lora.apply(x, out)
 
     def input_dtype(self, rows: int) -> Optional[torch.dtype]:
         """The dtype the method multiplies an input of `rows` rows in (LinearMethod.input_dtype)."""

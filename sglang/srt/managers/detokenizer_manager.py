@@ -49,7 +49,8 @@ class DetokenizerManager:
         out = BatchStrOutput(
             rids=msg.rids, finished_reasons=msg.finished_reasons, new_texts=[], new_output_ids=msg.new_output_ids,
             prompt_tokens=msg.prompt_tokens, completion_tokens=msg.output_lens, cached_tokens=msg.cached_tokens,
-            retractions=msg.retractions, logprobs=msg.logprobs,
+            retractions=msg.retractions, logprobs=msg.logprobs, spec_verify_ct=msg.spec_verify_ct,
+            spec_accepted_drafts=msg.spec_accepted_drafts,
         )
         for i, rid in enumerate(msg.rids):
             out.new_texts.append(self._new_text(msg, i, rid) if self.tokenizer is not None else "")

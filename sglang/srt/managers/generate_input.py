@@ -23,6 +23,7 @@ class GenerateItem:
     token_ids_logprob: Optional[list[int]]
     image_data: Any = None  # this prompt's image(s): one item or a list
     custom_logit_processor: Optional[str] = None  # a serialized CustomLogitProcessor
+    lora_path: Optional[str] = None  # the LoRA adapter's name (None: the base model)
 
 
 @dataclass
@@ -115,6 +116,7 @@ class GenerateReqInput:
             "logprob_start_len": (self.logprob_start_len, -1),
             "top_logprobs_num": (self.top_logprobs_num, 0),
             "custom_logit_processor": (self.custom_logit_processor, None),
+            "lora_path": (self.lora_path, None),
         }
         values: dict[str, list] = {}
         for name, (val, default) in per_item.items():
@@ -156,6 +158,7 @@ class GenerateReqInput:
                     token_ids_logprob=tids_list[i],
                     image_data=images[i],
                     custom_logit_processor=values["custom_logit_processor"][i],
+                    lora_path=values["lora_path"][i],
                 ))
         return items
 

@@ -27,6 +27,8 @@ class TokenizedGenerateReqInput:
     data_parallel_rank: Optional[int] = None
     # A serialized CustomLogitProcessor (needs --enable-custom-logit-processor), or None.
     custom_logit_processor: Optional[str] = None
+    # The name of the LoRA adapter to run with (None: the base model).
+    lora_path: Optional[str] = None
 
 
 @dataclass
@@ -102,6 +104,8 @@ class SchedulerState:
     invariant_error: Optional[str]
     # KV tokens in use plus the prompt tokens still waiting: what /get_load reports.
     load: int
+    # Mean tokens gained per decode forward of a request with speculative decoding (0 when it is off).
+    spec_accept_length: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """The flat dict of Engine.get_internal_state() and the server's internal_states."""
@@ -134,6 +138,9 @@ class BatchTokenIDOutput:
     logprobs: list[Optional[dict]]
     # Ids whose text must not be emitted (a matched stop token that is trimmed).
     trim_last_token: list[bool] = field(default_factory=list)
+    # Speculative decoding: per request, its decode forwards and the draft tokens it accepted (empty when off).
+    spec_verify_ct: list[int] = field(default_factory=list)
+    spec_accepted_drafts: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -149,6 +156,8 @@ class BatchStrOutput:
     cached_tokens: list[int]
     retractions: list[int]
     logprobs: list[Optional[dict]]
+    spec_verify_ct: list[int] = field(default_factory=list)
+    spec_accepted_drafts: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -203,3 +212,26 @@ class GetWeightsByNameReqInput:
 class GetWeightsByNameReqOutput:
     parameter: Optional[list]
     error: Optional[str] = None
+
+
+@dataclass
+class LoadLoRAAdapterReqInput:
+    """/load_lora_adapter: serve the PEFT adapter at `lora_path` under `lora_name`."""
+
+    lora_name: str = ""
+    lora_path: str = ""
+
+
+@dataclass
+class UnloadLoRAAdapterReqInput:
+    """/unload_lora_adapter: stop serving `lora_name` (refused while a request that uses it is queued or running)."""
+
+    lora_name: str = ""
+
+
+@dataclass
+class LoRAUpdateResult:
+    success: bool
+    error_message: Optional[str] = None
+    # adapter name -> path, after the update
+    loaded_adapters: dict[str, str] = field(default_factory=dict)

@@ -50,8 +50,13 @@ class Req:
         token_type_ids: Optional[list[int]] = None,
         mm_inputs: Optional[Any] = None,
         custom_logit_processor: Optional[str] = None,
+        lora_path: Optional[str] = None,
     ) -> None:
         self.rid = rid
+        # The LoRA adapter this request runs with (None: the base model), and the id the prefix cache keys its
+        # KV by (lora/manager.py; 0 for the base model).
+        self.lora_path = lora_path
+        self.lora_uid = 0
         self.origin_input_ids = origin_input_ids
         if isinstance(sampling_params.custom_params, dict):
             # A custom logit processor reads the request through its params, as in SGLang; the dict lives as long
@@ -104,6 +109,11 @@ class Req:
         self.created_time = time.monotonic()
         self.first_token_time: Optional[float] = None
         self.last_token_time: Optional[float] = None
+        # Speculative decoding (managers/scheduler/speculative.py): its drafting state (n-gram index of its tokens,
+        # draft budget), its decode forwards (verify or plain) and the draft tokens it accepted.
+        self.spec_state: Any = None
+        self.spec_verify_ct = 0
+        self.spec_accepted_drafts = 0
 
     # ---- state helpers -------------------------------------------------------------------------------
     def finished(self) -> bool:
@@ -182,6 +192,8 @@ class ScheduleBatch:
         # built by prepare_for_decode. At batch 1 a step's small tensor ops cost more than its bookkeeping: right
         # after a forward has streamed the weights through the caches each op costs several times its warm cost.
         self.decode_inputs: Optional[tuple[torch.Tensor, ...]] = None
+        # A speculative verify step's drafts and inputs (speculative/verify.py VerifyInputs); None otherwise.
+        self.spec_verify: Any = None
 
     def __len__(self) -> int:
         return len(self.reqs)
@@ -300,6 +312,8 @@ class ScheduleBatch:
             return_input_logprobs=return_input_logprobs,
             token_type_ids=token_type_ids,
             multimodal=build_multimodal_forward([r.mm_inputs for r in self.reqs], self.prefix_lens, self.extend_lens),
+            lora_ids=([r.lora_path for r in self.reqs] if any(r.lora_path is not None for r in self.reqs)
+                      else None),
         )
 
     def sampling_inputs(self, vocab_size: int, device: torch.device) -> Optional[SamplingBatchInfo]:

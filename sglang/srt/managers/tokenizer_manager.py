@@ -13,6 +13,8 @@ from typing import Any, Optional
 import zmq
 import zmq.asyncio
 
+from sglang.srt.lora.adapter import parse_lora_paths
+from sglang.srt.lora.request import check_lora_path
 from sglang.srt.managers.control_channel import ControlChannel
 from sglang.srt.managers.data_parallel.dispatcher import check_data_parallel_rank
 from sglang.srt.managers.embedding_manager import NOT_GENERATION_MODEL, handle_embedding_output
@@ -64,10 +66,13 @@ class ReqState:
     completion_tokens: int = 0
     cached_tokens: int = 0
     retractions: int = 0
+    spec_verify_ct: int = 0  # speculative decoding: decode forwards of the request, and draft tokens it accepted
+    spec_accepted_drafts: int = 0
     sent_output_ids: int = 0  # output ids streamed so far (--stream-output sends only the ones after them)
     log_metrics: bool = True  # counted in /metrics (health probes are not)
     has_grammar: bool = False
     logprobs: Optional[LogprobFormatter] = None
+    first_output_time: Optional[float] = None
     last_output_time: Optional[float] = None
     # The pooled row of an --is-embedding request.
     embedding: Optional[list[float]] = None
@@ -81,6 +86,8 @@ class TokenizerManager:
     def __init__(self, server_args: ServerArgs, port_args: PortArgs, tokenizer, model_info: ModelInfo,
                  scheduler_info: SchedulerInfo) -> None:
         self.server_args = server_args
+        # LoRA adapter name -> path, as served (--lora-paths, then /load_lora_adapter and /unload_lora_adapter).
+        self.lora_adapters: dict[str, str] = parse_lora_paths(server_args.lora_paths or [])
         self.tokenizer = tokenizer
         self.model_info = model_info
         self.scheduler_info = scheduler_info
@@ -165,6 +172,7 @@ class TokenizerManager:
             return_logprob=item.return_logprob, logprob_start_len=item.logprob_start_len,
             top_logprobs_num=top, token_ids_logprob=tids, mm_inputs=mm_inputs,
             custom_logit_processor=item.custom_logit_processor,
+            lora_path=check_lora_path(item.lora_path),
         )
 
     async def generate_request(self, obj: GenerateReqInput) -> AsyncGenerator[Any, None]:
@@ -303,6 +311,9 @@ class TokenizerManager:
             meta.update(state.logprobs.to_meta())
         meta["completion_tokens"] = state.completion_tokens
         meta["cached_tokens"] = state.cached_tokens
+        if self.server_args.speculative_algorithm is not None:
+            meta["spec_verify_ct"] = state.spec_verify_ct
+            meta["spec_accepted_draft_tokens"] = state.spec_accepted_drafts
         if state.finished:
             meta["e2e_latency"] = time.monotonic() - state.created
         # As SGLang: with --stream-output a streamed chunk's ids are the new ones only; its text stays cumulative.
@@ -341,6 +352,8 @@ class TokenizerManager:
                 since_last = None if state.last_output_time is None else now - state.last_output_time
                 self.metrics.on_output(now - state.created, since_last, len(msg.new_output_ids[i]))
             if msg.new_output_ids[i]:
+                if state.first_output_time is None:
+                    state.first_output_time = now
                 state.last_output_time = now
             state.text += msg.new_texts[i]
             state.output_ids.extend(msg.new_output_ids[i])
@@ -349,6 +362,9 @@ class TokenizerManager:
             state.completion_tokens = msg.completion_tokens[i]
             state.cached_tokens = msg.cached_tokens[i]
             state.retractions = msg.retractions[i]
+            if msg.spec_verify_ct:
+                state.spec_verify_ct = msg.spec_verify_ct[i]
+                state.spec_accepted_drafts = msg.spec_accepted_drafts[i]
             if state.logprobs is not None and msg.logprobs[i] is not None:
                 state.logprobs.extend(msg.logprobs[i])
             if msg.finished_reasons[i] is not None:
@@ -359,8 +375,9 @@ class TokenizerManager:
                 if isinstance(reason, FinishAbort) and reason.message == ABORT_BEFORE_PREFILL:
                     state.prompt_tokens = state.completion_tokens = 0
                 if self.metrics is not None and state.log_metrics:
+                    since_first = None if state.first_output_time is None else now - state.first_output_time
                     self.metrics.on_finish(now - state.created, state.prompt_tokens, state.completion_tokens,
-                                           state.cached_tokens, state.has_grammar)
+                                           state.cached_tokens, state.has_grammar, since_first)
             state.event.set()
 
     def close(self) -> None:

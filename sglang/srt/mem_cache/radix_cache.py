@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from sglang.srt.lora.cache_key import prefix_key
 from sglang.srt.mem_cache.allocator import TokenSlotAllocator
 from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult
 from sglang.srt.mem_cache.req_to_token import ReqToTokenPool
@@ -219,7 +220,7 @@ class RadixCache(BasePrefixCache):
 
         # The last output token never ran through the model, so it has no K/V; and slots that were
         # allocated but never computed (request stopped mid-step) must not be shared.
-        token_ids = (list(req.origin_input_ids) + list(req.output_ids))[:-1]
+        token_ids = prefix_key(req, (list(req.origin_input_ids) + list(req.output_ids))[:-1])
         cached_len = min(len(token_ids), allocated, req.kv_committed_len)
         protected = self._protected_len(req)
         kv = table_row[:allocated].clone()
@@ -234,7 +235,7 @@ class RadixCache(BasePrefixCache):
     def cache_unfinished_req(self, req: Req) -> None:
         """After a prefill chunk: move the request's computed KV into the tree and lock it there."""
         row = req.req_pool_idx
-        token_ids = list(req.fill_ids)
+        token_ids = prefix_key(req, list(req.fill_ids))
         kv = self.req_to_token_pool.req_to_token[row, : len(token_ids)].clone()
         protected = self._protected_len(req)
 

@@ -21,6 +21,7 @@ from sglang.srt.layers.attention.torch_sdpa_backend import TorchSDPABackend
 from sglang.srt.layers.pooler import Pooler
 from sglang.srt.layers.quantization.gguf_linear import set_gguf_activations
 from sglang.srt.layers.sampler import SampleOutput, Sampler, compute_logprobs
+from sglang.srt.lora.layers import LoraBatchState, lora_rows
 from sglang.srt.mem_cache.kv_pool import KVPool
 from sglang.srt.mem_cache.memory_pools import KVCacheSpec
 from sglang.srt.model_executor.decode_strategy import DecodePlan, plan_decode
@@ -94,6 +95,18 @@ def attach_fast_paths(model: Any, gguf_path: Optional[str], hf_config: Any, gguf
     return quant_bytes
 
 
+def fused_in_row_order(fused: Any, model: Any, forward_batch: ForwardBatch) -> torch.Tensor:
+    """The fused decode step for rows that are consecutive positions of one sequence (a speculative verify step).
+    The step stores each row's K/V inside that row's attention items; with one thread the items run in row order,
+    so a row always sees the K/V of the rows before it (its results do not depend on the thread count)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fused.forward(model, forward_batch)
+    finally:
+        torch.set_num_threads(threads)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -127,6 +140,8 @@ class ModelRunner:
         self.pooling_output: Optional[str] = getattr(self.model, "pooling_output", None)
         self.is_encoder = bool(getattr(self.model, "is_encoder", False))
         self.pooler = Pooler(read_pooling_config(model_dir, self.is_encoder))
+        # The LoRA segments every adapted layer reads (lora/layers.py); set when the server serves LoRA.
+        self.lora_state: Optional[LoraBatchState] = None
 
     def account_weights(self) -> None:
         """Count the served model's weights by format (every form held: parameters, blocks, GEMM copies) and log
@@ -188,10 +203,14 @@ class ModelRunner:
     @torch.inference_mode()
     def _forward_logits(self, forward_batch: ForwardBatch) -> Optional[torch.Tensor]:
         fused = self.decode_plan.fused if self.decode_plan is not None else None
-        if fused is not None and fused.accepts(forward_batch):
+        # The fused decode step cannot add LoRA: a batch with adapter rows runs layer by layer (lora/manager.py).
+        if fused is not None and forward_batch.lora_ids is None and fused.accepts(forward_batch):
+            if forward_batch.rows_share_sequences:
+                return fused_in_row_order(fused, self.model, forward_batch)
             return fused.forward(self.model, forward_batch)
         forward_batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(forward_batch)
-        logits = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        with lora_rows(self.lora_state, forward_batch.lora_ids, forward_batch.extend_seq_lens_cpu):
+            logits = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
         # A prompt chunk without logprobs only fills the KV cache.
         return logits if logits.shape[0] else None

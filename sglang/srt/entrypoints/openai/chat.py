@@ -24,6 +24,7 @@ from sglang.srt.entrypoints.openai.tool_requests import (
     validate_tools,
 )
 from sglang.srt.function_call import FunctionCallParser
+from sglang.srt.lora.request import openai_lora_path
 from sglang.srt.managers.generate_input import GenerateReqInput
 
 
@@ -102,6 +103,7 @@ class ChatHandler(OpenAIHandler):
             input_ids=ids, sampling_params=sp, stream=req.stream, rid=req.rid,
             return_logprob=want_logprobs, top_logprobs_num=req.top_logprobs or 0 if want_logprobs else 0,
             return_text_in_logprobs=True, image_data=images or None,
+            lora_path=openai_lora_path(req, self.tm.server_args.served_model_name, self.tm.lora_adapters),
         )
 
     def build_response(self, req: ChatCompletionRequest, outputs: list[dict]) -> dict:

@@ -14,6 +14,7 @@ from sglang.srt.entrypoints.openai.common import (
     usage_chunk,
 )
 from sglang.srt.entrypoints.openai.protocol import CompletionRequest, now
+from sglang.srt.lora.request import openai_lora_path
 from sglang.srt.managers.generate_input import GenerateReqInput
 
 
@@ -28,6 +29,7 @@ class CompletionHandler(OpenAIHandler):
             sampling_params=sp, stream=req.stream, rid=req.rid, return_logprob=want_logprobs,
             top_logprobs_num=req.logprobs or 0, return_text_in_logprobs=True,
             logprob_start_len=0 if (req.echo and want_logprobs) else -1,
+            lora_path=openai_lora_path(req, self.tm.server_args.served_model_name, self.tm.lora_adapters),
         )
         if isinstance(prompt, str) or (isinstance(prompt, list) and isinstance(prompt[0], str)):
             return GenerateReqInput(text=prompt, **kwargs)

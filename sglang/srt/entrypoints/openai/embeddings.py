@@ -13,7 +13,7 @@ from sglang.srt.batch.lines import BatchEndpoint
 from sglang.srt.entrypoints.body_schemas import body_openapi
 from sglang.srt.entrypoints.openai.common import error_response
 from sglang.srt.entrypoints.responses import ORJSONResponse
-from sglang.srt.entrypoints.server_state import ServerState, read_json, server_state
+from sglang.srt.entrypoints.server_state import ServerState, read_json, server_state, timed_handler
 from sglang.srt.managers.embedding_input import EmbeddingReqInput
 from sglang.srt.managers.embedding_manager import encode_request
 
@@ -107,6 +107,7 @@ class EmbeddingRequest(BaseModel):
 
 
 @router.post("/v1/embeddings", openapi_extra=body_openapi(EmbeddingRequest))
+@timed_handler("openai_v1_embeddings")
 async def create_embeddings(request: Request):
     try:
         body = await read_json(request)

@@ -21,7 +21,7 @@ from sglang.srt.entrypoints.openai.embeddings import embeddings_batch_endpoint
 from sglang.srt.entrypoints.openai.files import router as files_router
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from sglang.srt.entrypoints.responses import ORJSONResponse
-from sglang.srt.entrypoints.server_state import ServerState, model_card, server_state
+from sglang.srt.entrypoints.server_state import ServerState, model_card, server_state, timed_handler
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,7 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions", openapi_extra=body_openapi(ChatCompletionRequest))
 @router.post("/invocations", openapi_extra=body_openapi(ChatCompletionRequest))
+@timed_handler("openai_v1_chat_completions")
 async def chat_completions(request: Request):
     req = await parse_body(request, ChatCompletionRequest)
     if not isinstance(req, ChatCompletionRequest):
@@ -103,6 +104,7 @@ async def chat_completions(request: Request):
 
 
 @router.post("/v1/completions", openapi_extra=body_openapi(CompletionRequest))
+@timed_handler("openai_v1_completions")
 async def v1_completions(request: Request):
     req = await parse_body(request, CompletionRequest)
     if not isinstance(req, CompletionRequest):

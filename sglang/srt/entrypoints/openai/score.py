@@ -76,19 +76,25 @@ def scores_of(output: dict, labels: list[int], apply_softmax: bool) -> list[floa
     return [math.exp(lp) if lp is not None else 0.0 for lp in logprobs]
 
 
+async def score_items(tm: Any, body: Any) -> list[list[float]]:
+    """The `scores` of a /v1/score body (also `Engine.score`): one list of label scores per item."""
+    obj, labels, apply_softmax = build_score_input(body, tm.vocab_size)
+    outputs: list[dict] = []
+    if obj is not None:
+        async for out in tm.generate_request(obj):
+            outputs = out if isinstance(out, list) else [out]
+    return [scores_of(out, labels, apply_softmax) for out in outputs]
+
+
 @router.post("/v1/score", openapi_extra=body_openapi(ScoreBody))
 async def score(request: Request):
     state = server_state(request)
     try:
-        obj, labels, apply_softmax = build_score_input(await read_json(request), state.tm.vocab_size)
-        outputs: list[dict] = []
-        if obj is not None:
-            async for out in state.tm.generate_request(obj):
-                outputs = out if isinstance(out, list) else [out]
+        scores = await score_items(state.tm, await read_json(request))
     except (ValueError, TypeError) as e:
         return error_response(str(e))
     return ORJSONResponse({
-        "scores": [scores_of(out, labels, apply_softmax) for out in outputs],
+        "scores": scores,
         "model": state.args.served_model_name,
         "usage": None,
         "object": "scoring",

@@ -13,6 +13,7 @@ import zmq
 
 from sglang.srt.constrained.base_grammar_backend import create_grammar_backend
 from sglang.srt.layers.small_batch_rows import resolve_small_batch_rows
+from sglang.srt.lora.manager import LoraManager
 from sglang.srt.managers.finish_reason import ABORT_BEFORE_PREFILL, FinishAbort, bad_request
 from sglang.srt.managers.io_struct import (
     AbortReq,
@@ -30,6 +31,7 @@ from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.managers.scheduler.embedding import embedding_req, run_embedding_batch
 from sglang.srt.managers.scheduler.expert_record import ExpertRecordControl
 from sglang.srt.managers.scheduler.grammar import GrammarQueue
+from sglang.srt.managers.scheduler.lora import LORA_MESSAGES, LoraControl
 from sglang.srt.managers.scheduler.output import (
     build_output_message,
 )
@@ -37,6 +39,7 @@ from sglang.srt.managers.scheduler.policy import SchedulePolicy
 from sglang.srt.managers.scheduler.prefill_adder import PrefillAdder
 from sglang.srt.managers.scheduler.priority import PriorityGate, by_priority
 from sglang.srt.managers.scheduler.results import fail_batch, process_result
+from sglang.srt.managers.scheduler.speculative import NgramSpeculator
 from sglang.srt.managers.scheduler.stats import check_memory, internal_state, log_prefill
 from sglang.srt.managers.scheduler.watchdog import ForwardWatchdog
 from sglang.srt.managers.scheduler.weight_update import WEIGHT_MESSAGES, WeightControl
@@ -80,6 +83,7 @@ class Scheduler:
             gguf_kernel_max_rows=resolve_small_batch_rows(server_args.gguf_kernel_max_rows, model_info.arithmetic),
             arithmetic=model_info.arithmetic,
         )
+        self.lora = LoraControl(self, LoraManager.for_server(server_args, self.runner.model, self.runner.dtype))
         self.is_embedding = server_args.is_embedding
         if self.runner.pooling_output is not None and not self.is_embedding:
             raise ValueError(
@@ -129,6 +133,7 @@ class Scheduler:
         self.expert_record = ExpertRecordControl.for_server(server_args, model_info.hf_config)
         self.weight_control = WeightControl(self)
         self.watchdog = ForwardWatchdog(server_args.watchdog_timeout)
+        self.speculator = NgramSpeculator.for_server(server_args)
         # Runs before each receive (block or not); tensor-parallel rank 0 heartbeats its other ranks (tp_worker.py)
         self.idle_wait: Optional[Callable[[zmq.Socket, bool], None]] = None
 
@@ -167,7 +172,10 @@ class Scheduler:
                 with self.watchdog.guard("embedding"):
                     self.send_to_detokenizer.send_pyobj(run_embedding_batch(self, batch))
                 continue
-            forward_batch, sampling = batch.forward_inputs(self.mem, self.runner.vocab_size, self.runner.device)
+            if batch.spec_verify is not None:
+                forward_batch, sampling = batch.spec_verify.forward_batch, batch.spec_verify.sampling
+            else:
+                forward_batch, sampling = batch.forward_inputs(self.mem, self.runner.vocab_size, self.runner.device)
             self.expert_record.begin_pass(self.forward_ct, batch, forward_batch)
             try:
                 with self.watchdog.guard(forward_batch.forward_mode.name.lower()):
@@ -212,6 +220,8 @@ class Scheduler:
             self.send_to_detokenizer.send_pyobj(GetInternalStateReqOutput(internal_state(self)))
         elif isinstance(msg, WEIGHT_MESSAGES):
             self.weight_control.handle(msg)
+        elif isinstance(msg, LORA_MESSAGES):
+            self.send_to_detokenizer.send_pyobj(self.lora.handle(msg))
         else:
             logger.error("Unknown message: %r", type(msg))
 
@@ -233,11 +243,17 @@ class Scheduler:
             priority=msg.priority,
             mm_inputs=msg.mm_inputs,
             custom_logit_processor=msg.custom_logit_processor,
+            lora_path=msg.lora_path,
         )
         params = req.sampling_params  # the request's own copy when it has custom_params
         cap = self.max_req_len - len(req.origin_input_ids) - 1
         if params.max_new_tokens is None or params.max_new_tokens > cap:
             params.max_new_tokens = max(cap, 0)
+        lora_refusal = self.lora.check_request(req)
+        if lora_refusal is not None:
+            req.finished_reason = bad_request(lora_refusal)
+            self._enqueue(req)
+            return
         if msg.custom_logit_processor is not None:
             refusal = check_custom_logit_processor(msg.custom_logit_processor, self.args.enable_custom_logit_processor)
             if refusal is not None:
@@ -291,6 +307,8 @@ class Scheduler:
         if req.req_pool_idx is not None:
             self.mem.tree_cache.cache_finished_req(req)
             req.req_pool_idx = None
+        if self.speculator is not None and req.finished():
+            self.speculator.remember(req)
 
     # ---- batch selection ------------------------------------------------------------------------------
     def get_next_batch(self) -> Optional[ScheduleBatch]:
@@ -320,6 +338,8 @@ class Scheduler:
                 if head in prefixes_in_batch:
                     continue
                 prefixes_in_batch.add(head)
+            if not self.lora.admits(req, adder.selected):
+                continue  # its adapter would exceed --max-loras-per-batch: a later batch takes it
             if not gate.admits(req, adder.selected) or not adder.add(req):
                 break
         if not adder.selected:
@@ -344,6 +364,10 @@ class Scheduler:
         while self.mem.available_tokens() < len(self.running) and len(self.running) > 1:
             self.retract_one()
         self.new_token_ratio = max(self.new_token_ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+        if self.speculator is not None:
+            verify = self.speculator.verify_batch(self)
+            if verify is not None:
+                return verify
         batch = ScheduleBatch(list(self.running), is_decode=True)
         batch.prepare_for_decode(self.mem)
         return batch

@@ -124,6 +124,8 @@ def build_output_message(reqs: list[Req]) -> BatchTokenIDOutput:
         msg.no_stop_trim.append(params.no_stop_trim)
         msg.stop_strs.append(list(params.stop) if params.stop else None)
         msg.logprobs.append(logprob_increment(req))
+        msg.spec_verify_ct.append(req.spec_verify_ct)
+        msg.spec_accepted_drafts.append(req.spec_accepted_drafts)
         reason = req.finished_reason
         # A stop token is not part of the text; the last token of a grammar that ended by itself is.
         msg.trim_last_token.append(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from collections import defaultdict
 
+from sglang.srt.lora.cache_key import prefix_key
 from sglang.srt.managers.schedule_batch import Req
 
 # Past this queue length, prefix matching every request each step costs more than it saves.
@@ -19,7 +20,7 @@ class SchedulePolicy:
 
     def match_prefix(self, req: Req) -> None:
         req.init_next_round_input()
-        key = req.fill_ids[: req.max_prefix_len()]
+        key = prefix_key(req, req.fill_ids[: req.max_prefix_len()])
         match = self.tree_cache.match_prefix(key)
         req.prefix_indices = match.indices
         req.last_node = match.last_node

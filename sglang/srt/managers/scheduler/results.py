@@ -27,6 +27,8 @@ def process_result(sched: Scheduler, batch: ScheduleBatch, result: StepOutput) -
 
     An exception while handling one request aborts that request alone (its client gets a 500) and the others
     carry on."""
+    if batch.spec_verify is not None:
+        return sched.speculator.process_verify(sched, batch, result)
     sched.forward_ct += 1
     sampled = result.sample.next_token_ids.tolist() if result.sample is not None else []
     sample_idx = 0
@@ -48,6 +50,8 @@ def process_result(sched: Scheduler, batch: ScheduleBatch, result: StepOutput) -
         if report:
             outputs.append(req)
     if batch.is_decode:
+        if sched.speculator is not None:
+            sched.speculator.on_plain_decode(batch)
         maybe_log_decode(sched)
     return outputs
 

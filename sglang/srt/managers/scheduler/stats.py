@@ -52,6 +52,7 @@ def internal_state(self: Scheduler) -> SchedulerState:
         free_kv_tokens=self.mem.allocator.available_size(),
         invariant_error=self.invariant_error,
         load=used + sum(len(r.origin_input_ids) for r in self.waiting),
+        spec_accept_length=self.speculator.accept_length if self.speculator is not None else 0.0,
     )
 
 def log_prefill(self: Scheduler, batch: ScheduleBatch, cached: int) -> None:
@@ -67,9 +68,10 @@ def maybe_log_decode(self: Scheduler) -> None:
     now = time.monotonic()
     self.last_gen_throughput = self.num_generated_tokens / max(now - self.last_log_time, 1e-6)
     self.last_log_time, self.num_generated_tokens = now, 0
+    spec = "" if self.speculator is None else f", accept len: {self.speculator.take_accept_length():.2f}"
     logger.info(
         "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
-        "#queue-req: %d",
+        "#queue-req: %d%s",
         len(self.running), self.max_total_num_tokens - self.mem.available_tokens(), token_usage(self),
-        self.last_gen_throughput, len(self.waiting),
+        self.last_gen_throughput, len(self.waiting), spec,
     )

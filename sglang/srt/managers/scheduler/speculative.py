@@ -1,0 +1,200 @@
+"""N-gram speculative decoding in the scheduler (--speculative-algorithm NGRAM): draft, verify, accept.
+
+A decode step where some running request has a draft runs as one verify forward (speculative/verify.py): a decode
+forward, layer by layer, with one row per verified position; requests without a draft take their usual single row.
+Steps where no request has a draft run the plain decode step (the fused CPU step where it applies).
+
+Which requests draft: those without penalties, custom logit processors, grammars or a pending min_new_tokens (their
+next-token distribution at a draft position would depend on draft tokens the sampling state has not seen). Each
+position's token is chosen as plain decoding chooses it at that step (verify.py): a request keeps the draft prefix
+that equals those choices plus the choice after it. The tokens are applied one at a time exactly as plain decoding
+applies its one token, so stop tokens, stop strings and max_new_tokens cut at the same token, and logprobs are those
+of plain decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Optional
+
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+from sglang.srt.managers.scheduler.results import _process_req, fail_request, inject_fault
+from sglang.srt.managers.scheduler.stats import maybe_log_decode
+from sglang.srt.model_executor.model_runner import StepOutput
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.speculative.ngram_cache import NgramCache, TokenIndex, propose_draft
+from sglang.srt.speculative.verify import (
+    VerifyInputs,
+    accepted_length,
+    allocate_verify_slots,
+    verify_forward_batch,
+    verify_sampling,
+    verify_slots_needed,
+)
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.scheduler.loop import Scheduler
+
+logger = logging.getLogger(__name__)
+
+# Speculation is off for steps with more running sequences than this: verifying k tokens per sequence costs about k
+# times the compute of a decode step, which is free while a step is bound by reading the weights (small batches on
+# CPU) and a loss once it is bound by the matrix products. 8 sequences of 8 verified tokens also fill the fused CPU
+# step's default 64 rows.
+SPEC_MAX_BATCH = 8
+
+
+# After a verify step in which a request kept none of its draft, it drafts again only after this many plain steps,
+# doubling with each further miss up to MAX_BACKOFF: a verify step costs several plain steps (its rows run on one
+# thread, model_runner.fused_in_row_order), which free text, whose drafts mostly miss, would pay for nothing.
+MAX_BACKOFF = 16
+
+
+class DraftState:
+    """A request's drafting state: the n-gram index of its tokens, how many tokens it drafts next (at most 2 x kept + 1
+    after a partial match, twice as many after a full one, within 1..max_draft) and the back-off after misses."""
+
+    def __init__(self, index: TokenIndex, budget: int) -> None:
+        self.index = index
+        self.budget = budget
+        self.skip = 0
+        self.backoff = 0
+
+    def update(self, accepted: int, drafted: int, max_draft: int) -> None:
+        if accepted == drafted:
+            self.budget = min(max_draft, self.budget * 2)
+        else:
+            self.budget = max(1, min(self.budget, 2 * accepted + 1))
+        if accepted == 0:
+            self.backoff = min(MAX_BACKOFF, max(1, 2 * self.backoff))
+            self.skip = self.backoff
+        else:
+            self.backoff = 0
+
+
+class NgramSpeculator:
+    def __init__(self, args: ServerArgs) -> None:
+        assert args.speculative_num_draft_tokens is not None
+        self.max_draft = args.speculative_num_draft_tokens - 1
+        self.min_window = args.speculative_ngram_min_match_window_size
+        self.max_window = args.speculative_ngram_max_match_window_size
+        self.shared = NgramCache(self.min_window, self.max_window, args.speculative_ngram_capacity)
+        self.logged_large_batch = False
+        # Accept length (tokens a request gains per verify, the bonus token included) since the last decode log,
+        # and the last logged value (for /metrics).
+        self.window_tokens = 0
+        self.window_steps = 0
+        self.accept_length = 0.0
+
+    @classmethod
+    def for_server(cls, args: ServerArgs) -> Optional[NgramSpeculator]:
+        if args.speculative_algorithm is None or args.is_embedding:
+            return None
+        logger.info("Speculative decoding: NGRAM, %d tokens verified per step (chain draft), match window %d-%d, "
+                    "cache of %d tokens, off above %d running requests", args.speculative_num_draft_tokens,
+                    args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size,
+                    args.speculative_ngram_capacity, SPEC_MAX_BATCH)
+        return cls(args)
+
+    # ---- drafting -------------------------------------------------------------------------------------
+    @staticmethod
+    def can_draft(req: Req) -> bool:
+        params = req.sampling_params
+        if params.has_penalties() or req.custom_logit_processor is not None or req.grammar is not None:
+            return False
+        return len(req.output_ids) >= params.min_new_tokens
+
+    def draft(self, req: Req, row_width: int) -> list[int]:
+        room = min(self.max_draft, req.sampling_params.max_new_tokens - len(req.output_ids) - 1,
+                   row_width - req.seqlen - 1)
+        if room <= 0 or not self.can_draft(req):
+            return []
+        state = req.spec_state
+        if state is None:
+            state = req.spec_state = DraftState(TokenIndex(self.min_window, self.max_window), self.max_draft)
+            state.index.extend(req.all_ids())
+        else:
+            state.index.extend(req.output_ids[len(state.index.tokens) - len(req.origin_input_ids):])
+        if state.skip > 0:
+            state.skip -= 1
+            return []
+        return propose_draft(state.index, self.shared, min(room, state.budget))
+
+    def verify_batch(self, sched: Scheduler) -> Optional[ScheduleBatch]:
+        """The verify step for the running requests, or None when no request has a draft (plain decode runs)."""
+        reqs = list(sched.running)
+        # Image requests (M-RoPE positions) and adapter requests (the verify forward carries no LoRA ids) decode
+        # one token at a time, and so does the step they are in.
+        if any(req.mm_inputs is not None or req.lora_path is not None for req in reqs):
+            return None
+        if len(reqs) > SPEC_MAX_BATCH:
+            if not self.logged_large_batch:
+                logger.info("Speculative decoding pauses while more than %d requests run (SPEC_MAX_BATCH)",
+                            SPEC_MAX_BATCH)
+                self.logged_large_batch = True
+            return None
+        table = sched.mem.req_to_token_pool.req_to_token
+        drafts = [self.draft(req, table.shape[1]) for req in reqs]
+        if not any(drafts) or verify_slots_needed(reqs, drafts) > sched.mem.available_tokens():
+            return None
+        allocate_verify_slots(sched.mem, reqs, drafts)
+        device = sched.runner.device
+        forward_batch, first_rows = verify_forward_batch(sched.mem, reqs, drafts, device)
+        batch = ScheduleBatch(reqs, is_decode=True)  # its results are decode results (one or more tokens each)
+        batch.spec_verify = VerifyInputs(drafts, first_rows, forward_batch,
+                                         verify_sampling(reqs, drafts, sched.runner.vocab_size, device))
+        return batch
+
+    # ---- results --------------------------------------------------------------------------------------
+    def process_verify(self, sched: Scheduler, batch: ScheduleBatch, result: StepOutput) -> list[Req]:
+        """Apply a verify step: each request appends its accepted draft tokens and the bonus token, one at a time
+        as plain decoding appends its token; the requests to report (finished or streaming)."""
+        sched.forward_ct += 1
+        spec: VerifyInputs = batch.spec_verify
+        assert result.sample is not None
+        predicted = result.sample.next_token_ids.tolist()
+        outputs: list[Req] = []
+        now = time.monotonic()
+        for i, req in enumerate(batch.reqs):
+            first, draft = spec.first_rows[i], spec.drafts[i]
+            try:
+                inject_fault(req)
+                accepted = accepted_length(draft, predicted[first : first + len(draft)])
+                before = len(req.output_ids)
+                report = False
+                for j in range(accepted + 1):
+                    report = _process_req(sched, batch, i, req, result, first, first + j, predicted, now)
+                    if req.finished():
+                        break
+                req.spec_verify_ct += 1
+                if draft:
+                    req.spec_state.update(accepted, len(draft), self.max_draft)
+                gained = len(req.output_ids) - before
+                req.spec_accepted_drafts += max(0, gained - 1)
+                self.window_tokens += gained
+                self.window_steps += 1
+            except Exception as e:  # noqa: BLE001 - isolate the failure to this request
+                report = fail_request(sched, req, e)
+            if report:
+                outputs.append(req)
+        maybe_log_decode(sched)
+        return outputs
+
+    def on_plain_decode(self, batch: ScheduleBatch) -> None:
+        """A decode step without drafts: one token per request (accept length 1)."""
+        for req in batch.reqs:
+            req.spec_verify_ct += 1
+        self.window_tokens += len(batch.reqs)
+        self.window_steps += len(batch.reqs)
+
+    def take_accept_length(self) -> float:
+        """The mean accept length since the last call (the decode log line's), kept for /metrics."""
+        if self.window_steps:
+            self.accept_length = self.window_tokens / self.window_steps
+            self.window_tokens = self.window_steps = 0
+        return self.accept_length
+
+    def remember(self, req: Req) -> None:
+        """A finished request's tokens join the shared n-gram cache."""
+        self.shared.add(req.all_ids())
