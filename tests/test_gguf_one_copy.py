@@ -147,3 +147,20 @@ def test_default_gguf_served_from_its_blocks_keeps_greedy_tokens(reference, smol
         ours = engine.generate(prompt=long_prompt, sampling_params=GREEDY)["output_ids"]
         assert_same_or_near_tie(smollm2_hf, smollm2_tokenizer, long_prompt, ours, reference([long_prompt])[0],
                                 BF16_MARGIN)
+
+
+def test_small_models_keep_dense_weights_for_large_batches(smollm2_hf):
+    """`auto` serves from blocks alone only where the float32 copy would be large: converting blocks per large batch
+    costs a small model more than its float32 copy's memory is worth."""
+    from sglang.srt.layers.arithmetic import DENSE_BELOW_FLOAT_BYTES
+    from sglang.srt.model_loader.gemm_measurement import linear_float_bytes
+
+    size = linear_float_bytes(smollm2_hf.config)
+    assert size is not None and 0.5e9 < size < DENSE_BELOW_FLOAT_BYTES  # SmolLM2-135M's linears and head
+    small = choose_arithmetic("cpu", cpu_flags=BF16_VNNI_FLAGS, linear_float_bytes=size)
+    assert small.large_batch_weights == "dense" and "is small" in small.large_batch_weights_reason
+    big = choose_arithmetic("cpu", cpu_flags=BF16_VNNI_FLAGS, linear_float_bytes=6_800_000_000)  # 1.7B
+    assert big.large_batch_weights == "blocks"
+    asked = choose_arithmetic("cpu", cpu_flags=BF16_VNNI_FLAGS, linear_float_bytes=size, large_batch_weights="blocks")
+    assert asked.large_batch_weights == "blocks"
+    assert linear_float_bytes(object()) is None

@@ -189,6 +189,7 @@ def choose_arithmetic(
     kv_cache_dtype: str = "auto",
     prefill_attention: str = "auto",
     large_batch_weights: str = "auto",
+    linear_float_bytes: Optional[int] = None,
 ) -> ArithmeticPlan:
     """The arithmetic for a server: model dtype, the large-batch GEMM, the GGUF kernels' activations, the blocks
     made for a checkpoint without GGUF blocks and the KV cache dtype.
@@ -236,7 +237,8 @@ def choose_arithmetic(
     elif plan.cpu_class not in NATIVE_BF16_CLASSES:
         plan = dataclasses.replace(plan, block_gemm="float32")
     kv, kv_why = choose_kv_cache_dtype(kv_cache_dtype, plan, dtype, cpu_gemm)
-    weights, weights_why = choose_large_batch_weights(large_batch_weights, plan, small_batch_quantization)
+    weights, weights_why = choose_large_batch_weights(large_batch_weights, plan, small_batch_quantization,
+                                                      linear_float_bytes)
     plan = dataclasses.replace(plan, gguf_activations=act, gguf_activations_reason=why,
                                small_batch_quantization=small_batch_quantization, large_batch_weights=weights,
                                large_batch_weights_reason=weights_why,
@@ -246,7 +248,13 @@ def choose_arithmetic(
     return dataclasses.replace(plan, prefill_attention=attention, prefill_attention_reason=attention_why)
 
 
-def choose_large_batch_weights(requested: str, plan: ArithmeticPlan, small_batch_quantization: str) -> tuple[str, str]:
+# Below this many bytes of float32 linear weights (SmolLM2-135M: 0.54 GB) `auto` keeps them dense: converting blocks
+# per large batch cost 11-14% of its prefill-heavy throughput (benchmarks/RESULTS.md, 2026-11-27); 360M up: blocks.
+DENSE_BELOW_FLOAT_BYTES = 1 << 30
+
+
+def choose_large_batch_weights(requested: str, plan: ArithmeticPlan, small_batch_quantization: str,
+                               linear_float_bytes: Optional[int] = None) -> tuple[str, str]:
     """Whether the large batches of a checkpoint without GGUF blocks multiply its Q8_0 blocks (converted a slab at a
     time for the `block_gemm` GEMM, float32 or bf16: layers/quantization/block_gemm.py) instead of a float32 copy of
     the weights and the large-batch GEMM's own copy. `auto`: blocks wherever the plan makes the blocks and the CPU
@@ -265,6 +273,8 @@ def choose_large_batch_weights(requested: str, plan: ArithmeticPlan, small_batch
         return "blocks", "--large-batch-weights blocks"
     if plan.cpu_class not in NATIVE_BF16_CLASSES:
         return "dense", "this CPU class keeps its float32 plan"
+    if linear_float_bytes is not None and linear_float_bytes < DENSE_BELOW_FLOAT_BYTES:
+        return "dense", f"a float32 copy of {linear_float_bytes / 1e9:.2f} GB is small: the dense GEMM is faster"
     return "blocks", "one copy of the weights"
 
 

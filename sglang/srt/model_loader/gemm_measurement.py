@@ -92,6 +92,20 @@ def _mlp_shape(hf_config: Optional[object]) -> tuple[int, int]:
     return DEFAULT_MLP
 
 
+def linear_float_bytes(hf_config: Optional[object]) -> Optional[int]:
+    """The float32 bytes of a decoder's linear weights and LM head, from its config (None when it does not say)."""
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    try:
+        hidden, inter, layers = text.hidden_size, text.intermediate_size, text.num_hidden_layers  # type: ignore
+        heads = text.num_attention_heads  # type: ignore[union-attr]
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or hidden // heads
+        per_layer = hidden * (2 * heads + 2 * kv_heads) * head_dim + 3 * hidden * inter
+        return 4 * (layers * per_layer + text.vocab_size * hidden)  # type: ignore[union-attr]
+    except (AttributeError, TypeError):
+        return None
+
+
 def plan_for_this_machine(device: str, dtype: str, cpu_gemm: str,
                           config_dtype: Union[str, torch.dtype, None] = None,
                           gguf_activations: str = "auto", small_batch_quantization: str = "auto",
@@ -115,4 +129,5 @@ def plan_for_this_machine(device: str, dtype: str, cpu_gemm: str,
         logger.info("Startup GEMM measurement (GFLOP/s on the model's MLP shapes): %s",
                     ", ".join(f"{g} {r:.0f}" for g, r in measurements.items()))
     return choose_arithmetic(device, dtype, cpu_gemm, flags, machine, measurements, config_dtype, gguf_activations,
-                             small_batch_quantization, kv_cache_dtype, prefill_attention, large_batch_weights)
+                             small_batch_quantization, kv_cache_dtype, prefill_attention, large_batch_weights,
+                             linear_float_bytes(hf_config))
