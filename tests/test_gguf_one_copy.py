@@ -95,6 +95,8 @@ def test_gguf_file_blocks_serve_every_batch(monkeypatch, tmp_path, file_qtype, l
     config = AutoConfig.from_pretrained(model_dir)
     plan = plan_for(large_gemm)
     ours = load_for_plan(model_dir, torch.float32, torch.device("cpu"), str(gguf_path), 8, plan)
+    # read in bf16 (the blocks are checked against their bf16 rounding), never held whole in float32
+    assert {m.weight.dtype for m in ours.modules() if isinstance(m, Linear)} == {torch.bfloat16}
     reference = load_for_plan(model_dir, torch.float32, torch.device("cpu"), None, 0, None)
     attached = attach_fast_paths(ours, str(gguf_path), config, 8, plan)
     assert attached > 0

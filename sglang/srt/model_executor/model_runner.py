@@ -59,11 +59,13 @@ def blocks_only(gguf_kernel_max_rows: int, arithmetic: Optional[ArithmeticPlan],
 def load_for_plan(model_dir: str, dtype: torch.dtype, device: torch.device, gguf_path: Optional[str],
                   gguf_kernel_max_rows: int, arithmetic: Optional[ArithmeticPlan], config: Any = None) -> Any:
     """The model of `model_dir` loaded as the plan serves it: where blocks serve every batch, the linear weights
-    of a plain checkpoint are read in its dtype (bf16 / fp16), never widened to float32 in full. (A GGUF file's
-    converted weights load as float32, exactly its values, which the file's blocks are checked against.)"""
+    of a plain checkpoint are read in its dtype (bf16 / fp16), never widened to float32 in full, and those of a GGUF
+    file in bf16 (its blocks serve, and are checked against them)."""
     prepare = None
-    if not gguf_path and blocks_only(gguf_kernel_max_rows, arithmetic, device):
-        stored = checkpoint_dtype(config if config is not None else model_dir)
+    if blocks_only(gguf_kernel_max_rows, arithmetic, device):
+        # A GGUF file's converted weights are float32 (its values exactly); its blocks are checked against their bf16
+        # rounding, which halves what the load holds before the linear weights are released.
+        stored = torch.bfloat16 if gguf_path else checkpoint_dtype(config if config is not None else model_dir)
         if stored in (torch.bfloat16, torch.float16):
             def prepare(meta_model: Any) -> None:
                 reason = keep_linears_in(meta_model, stored)
@@ -93,18 +95,6 @@ def attach_fast_paths(model: Any, gguf_path: Optional[str], hf_config: Any, gguf
     if arithmetic is not None:
         set_gguf_activations(model, arithmetic.gguf_activations)
     return quant_bytes
-
-
-def fused_in_row_order(fused: Any, model: Any, forward_batch: ForwardBatch) -> torch.Tensor:
-    """The fused decode step for rows that are consecutive positions of one sequence (a speculative verify step).
-    The step stores each row's K/V inside that row's attention items; with one thread the items run in row order,
-    so a row always sees the K/V of the rows before it (its results do not depend on the thread count)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return fused.forward(model, forward_batch)
-    finally:
-        torch.set_num_threads(threads)
 
 
 class ModelRunner:
@@ -205,8 +195,6 @@ class ModelRunner:
         fused = self.decode_plan.fused if self.decode_plan is not None else None
         # The fused decode step cannot add LoRA: a batch with adapter rows runs layer by layer (lora/manager.py).
         if fused is not None and forward_batch.lora_ids is None and fused.accepts(forward_batch):
-            if forward_batch.rows_share_sequences:
-                return fused_in_row_order(fused, self.model, forward_batch)
             return fused.forward(self.model, forward_batch)
         forward_batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(forward_batch)

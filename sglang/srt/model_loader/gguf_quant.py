@@ -67,16 +67,18 @@ CHECK_SLICE_VALUES = 1 << 20
 
 
 def _dequantizes_to(blocks: RawBlocks, target: torch.Tensor, slice_values: Optional[int] = None) -> bool:
-    """Whether the blocks dequantize to `target` bit for bit. Compared a slice of rows (of about `slice_values`
-    values, default CHECK_SLICE_VALUES) at a time, so the float copy stays in cache and a wrong candidate is rejected
-    at its first slice instead of after the whole weight."""
+    """Whether the blocks dequantize to `target` bit for bit (a bf16 target: to the bf16 rounding of their values,
+    which still tells a wrong row order or tensor apart). Compared a slice of rows (of about `slice_values` values,
+    default CHECK_SLICE_VALUES) at a time, so the float copy stays in cache and a wrong candidate is rejected at its
+    first slice instead of after the whole weight."""
     qtype, raw, n, k = blocks
-    if tuple(target.shape) != (n, k) or target.dtype != torch.float32:
+    if tuple(target.shape) != (n, k) or target.dtype not in (torch.float32, torch.bfloat16):
         return False
     rows_per_slice = max(1, (slice_values or CHECK_SLICE_VALUES) // k)
     for start in range(0, n, rows_per_slice):
         rows = raw[start : start + rows_per_slice]
-        if not torch.equal(dequantize_raw(qtype, rows, rows.shape[0], k), target[start : start + rows.shape[0]]):
+        values = dequantize_raw(qtype, rows, rows.shape[0], k).to(target.dtype)
+        if not torch.equal(values, target[start : start + rows.shape[0]]):
             return False
     return True
 
@@ -100,7 +102,12 @@ def attach_gguf_quant_weights(model: Any, gguf_path: str, config: Any, max_rows:
         logger.info("Quantized GGUF kernels unavailable (%s); using float weights only", kernels_unavailable_reason())
         return 0
     layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None or any(p.dtype != torch.float32 for p in model.parameters()):
+    linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, Linear)}
+    head = getattr(model, "lm_head", None)
+    if head is not None:
+        linear_weights.add(id(head.weight))
+    # linear weights may have loaded in bf16 (model_executor/model_runner.load_for_plan); everything else float32
+    if layers is None or any(p.dtype != torch.float32 and id(p) not in linear_weights for p in model.parameters()):
         return 0
     if any(not hasattr(layer.mlp, "gate_up_proj") for layer in layers):
         logger.info("GGUF blocks are attached to dense models only; %s has expert layers", type(model).__name__)
@@ -147,11 +154,12 @@ def attach_gguf_quant_weights(model: Any, gguf_path: str, config: Any, max_rows:
     dtype = model.model.embed_tokens.weight.dtype
     for module, weight in plan:
         assert weight is not None
-        module.set_linear_method(blocks_method(module, weight, max_rows, large, dtype))
+        module.set_linear_method(blocks_method(module, weight, max_rows, large, dtype, from_file=True))
         attached += weight.nbytes
     if head_weight is not None and head is not None and hasattr(model, "logits_processor"):
         release = dtype if head.weight is not model.model.embed_tokens.weight else None
-        model.logits_processor.set_head_method(blocks_method(head, head_weight, max_rows, large, release))
+        model.logits_processor.set_head_method(blocks_method(head, head_weight, max_rows, large, release,
+                                                             from_file=True))
         attached += head_weight.nbytes
     what = "every matmul (no float weights kept)" if large is not None else f"matmuls of up to {max_rows} rows"
     logger.info("Attached %.1f MB of GGUF blocks for %s", attached / 2**20, what)

@@ -139,15 +139,16 @@ LargeFromBlocks = Callable[[GGUFQuantWeight, torch.Tensor], LinearMethod]
 
 
 def blocks_method(module: nn.Module, weight: GGUFQuantWeight, max_rows: int, large: Optional[LargeFromBlocks],
-                  release_dtype: Optional[torch.dtype]) -> GGUFLinearMethod:
+                  release_dtype: Optional[torch.dtype], from_file: bool = False) -> GGUFLinearMethod:
     """The linear method of a layer that gets `weight`'s blocks for batches of at most `max_rows` rows. With `large`
     the blocks serve every batch: large batches run the method `large` makes, and the layer's float weight is
     released (as a meta tensor of `release_dtype`; None keeps it, for a weight shared with the embeddings).
-    A large-batch copy of Q4_1 blocks is made from their values, so that every batch size computes with the same
-    weights (Q8_0 blocks are within 1/254 of the float weight they round: the weight serves)."""
+    A large-batch copy of Q4_1 blocks, or of blocks read from a file (`from_file`: the layer's weight may be their
+    bf16 rounding), is made from the blocks' values, so that every batch size computes with the same weights (Q8_0
+    blocks made at load are within 1/254 of the float weight they round: that weight serves)."""
     method = GGUFLinearMethod(weight, max_rows)
     if large is not None:
-        values = module.weight if weight.qtype == "Q8_0" else weight.dequantize()
+        values = module.weight if weight.qtype == "Q8_0" and not from_file else weight.dequantize()
         method.large = large(weight, values)  # type: ignore[arg-type]
         if release_dtype is not None:
             _release(module, release_dtype)
