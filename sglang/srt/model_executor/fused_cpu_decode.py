@@ -9,6 +9,9 @@ call also looks up the embedding and RoPE rows of the token ids and positions, a
 blocks computed like the layers it ends with the head: one call from token ids to logits. Otherwise those stay in
 Python (`model.model.embed`, `model.compute_logits`).
 
+A batch whose rows are consecutive positions of one sequence (a speculative verify step,
+ForwardBatch.rows_share_sequences) tells the step so: it then stores every row's K/V before any row attends.
+
 The result equals the layer-by-layer path up to float32 summation order. SGLANG_DISABLE_FUSED_DECODE=1 turns it
 off.
 """
@@ -84,6 +87,7 @@ class FusedCpuDecode:
             out = self.stack.forward_tokens(
                 forward_batch.input_ids, forward_batch.positions, forward_batch.out_cache_loc,
                 forward_batch.req_to_token_pool.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
+                forward_batch.rows_share_sequences,
             )
             # A decode batch wants the logits of every row.
             return out if self.with_head else model.compute_logits(out, forward_batch)
@@ -92,6 +96,7 @@ class FusedCpuDecode:
         hidden_states = self.stack.forward(
             hidden_states, cos.view(batch, -1), sin.view(batch, -1), forward_batch.out_cache_loc,
             forward_batch.req_to_token_pool.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
+            forward_batch.rows_share_sequences,
         )
         return model.compute_logits(hidden_states, forward_batch)
 

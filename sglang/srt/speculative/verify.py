@@ -3,13 +3,12 @@
 Each request runs its last token and its draft tokens as decode rows of one decode forward: row j of a request
 feeds the token at position pos + j (pos: its last token's position), reads the request's own KV row up to that
 position and stores its K/V there. Row j must see the K/V of the rows before it, as a causal extend would: the
-layer-by-layer decode path stores every row's K/V of a layer before any row attends, and the fused CPU step (which
-stores them per attention item) runs such a batch on one thread, in row order (ForwardBatch.rows_share_sequences,
-model_runner.fused_in_row_order). Each position is computed as a decode row,
-not as part of an extend (whose attention and large-batch matmuls round differently), so its logits match plain
-decoding's and near ties break the same way. A request keeps the longest draft prefix that equals the token chosen
-at each position (argmax, or the sampler's seeded draw), plus the choice after it (the bonus token): its output is
-plain decoding's.
+layer-by-layer decode path stores every row's K/V of a layer before any row attends, and so does the fused CPU step
+when the batch says its rows share sequences (ForwardBatch.rows_share_sequences). Each position is computed as a
+decode row, not as part of an extend (whose attention and large-batch matmuls round differently), so its logits
+match plain decoding's and near ties break the same way. A request keeps the longest draft prefix that equals the
+token chosen at each position (argmax, or the sampler's seeded draw), plus the choice after it (the bonus token): its
+output is plain decoding's.
 """
 
 from __future__ import annotations

@@ -7,7 +7,10 @@
 //   A  h = residual (+ previous MLP output); x = RMSNorm(h);  qkv = x @ Wqkv (+ bias)
 //   B  per (sequence, KV head): q/k norm, RoPE, store k/v in the paged cache, attention over the sequence (a long
 //      sequence as several chunks of its token range, merged by the thread that finishes the last one:
-//      attention_split.h)
+//      attention_split.h). When rows share sequences (`rows_share_sequences`: a speculative verify step, where row
+//      i + 1 of a request is the position after row i and attends to the K/V row i stores), B is two phases: first
+//      every row's new K/V is normed, rotated and stored (per row and KV head), then the attention items only read,
+//      so no row can read a K/V row before it is stored, whatever the thread schedule.
 //   C  o = attn @ Wo
 //   D  h = residual + o; x = RMSNorm(h);  gate_up = x @ Wgu
 //   E  down = (silu(gate) * up) @ Wdown
@@ -252,10 +255,13 @@ class DecodeStack {
 
   // x [B, hidden]: the embeddings of the new tokens; cos/sin [B, rotary_dim] (RotaryEmbedding.lookup rows);
   // out_loc [B]: the KV slot of each new token; req_to_token [R, C] with the slots of each sequence in row
-  // req_pool_indices[b]; seq_lens [B] including the new token. Returns the final normed hidden states [B, hidden].
+  // req_pool_indices[b]; seq_lens [B] including the new token. rows_share_sequences: some rows are later positions
+  // of another row's sequence and attend to the K/V it stores in this step (all K/V is stored before any attention
+  // then). Returns the final normed hidden states [B, hidden].
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& out_loc, const torch::Tensor& req_to_token,
-                        const torch::Tensor& req_pool_indices, const torch::Tensor& seq_lens) {
+                        const torch::Tensor& req_pool_indices, const torch::Tensor& seq_lens,
+                        bool rows_share_sequences) {
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() == 2 &&
                     x.size(1) == hidden_, "x must be contiguous float32 [B, hidden]");
     const int64_t B = x.size(0);
@@ -263,7 +269,7 @@ class DecodeStack {
       TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == B &&
                       t->size(1) == rotary_dim_, "cos/sin must be contiguous float32 [B, rotary_dim]");
     }
-    return step(x, cos, sin, out_loc, req_to_token, req_pool_indices, seq_lens, false);
+    return step(x, cos, sin, out_loc, req_to_token, req_pool_indices, seq_lens, false, rows_share_sequences);
   }
 
   // As forward, from input_ids [B] and positions [B] (int64) through the tables of set_token_tables: the embedding
@@ -271,7 +277,8 @@ class DecodeStack {
   // the logits [B, vocab] when the stack has the LM head, otherwise the final normed hidden states.
   torch::Tensor forward_tokens(const torch::Tensor& input_ids, const torch::Tensor& positions,
                                const torch::Tensor& out_loc, const torch::Tensor& req_to_token,
-                               const torch::Tensor& req_pool_indices, const torch::Tensor& seq_lens) {
+                               const torch::Tensor& req_pool_indices, const torch::Tensor& seq_lens,
+                               bool rows_share_sequences) {
     TORCH_CHECK(has_token_tables(), "the decode stack has no token tables (set_token_tables)");
     for (const auto* t : {&input_ids, &positions}) {
       TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kLong && t->is_contiguous() && t->dim() == 1,
@@ -304,13 +311,14 @@ class DecodeStack {
         sp[b * rotary_dim_ + half + j] = sn[j];
       }
     }
-    return step(x, cos, sin, out_loc, req_to_token, req_pool_indices, seq_lens, has_head());
+    return step(x, cos, sin, out_loc, req_to_token, req_pool_indices, seq_lens, has_head(), rows_share_sequences);
   }
 
  private:
   torch::Tensor step(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                      const torch::Tensor& out_loc, const torch::Tensor& req_to_token,
-                     const torch::Tensor& req_pool_indices, const torch::Tensor& seq_lens, bool with_head) {
+                     const torch::Tensor& req_pool_indices, const torch::Tensor& seq_lens, bool with_head,
+                     bool rows_share_sequences) {
     TORCH_CHECK(!layers_.empty() && layers_[0].k_cache.defined(), "the decode stack has no layers or KV buffers");
     const int64_t B = x.size(0);
     for (const auto* t : {&out_loc, &req_pool_indices, &seq_lens}) {
@@ -362,6 +370,7 @@ class DecodeStack {
     s.logits = with_head ? logits.data_ptr<float>() : nullptr;
     s.phases = std::make_unique<Phase[]>(kPhasesPerLayer * layers_.size() + 2);
     s.split = std::make_unique<attention_split::Plan>(lens, B, kv_heads_, heads_ / kv_heads_, head_dim_, num_layers());
+    if (rows_share_sequences) s.store_phases = std::make_unique<Phase[]>(layers_.size());
 
 #ifdef _OPENMP
     if (!omp_in_parallel()) s.threads = std::max(1, at::get_num_threads());
@@ -402,6 +411,8 @@ class DecodeStack {
     int threads = 1;  // the team size asked for: sizes the matmul chunks identically in every thread
     std::unique_ptr<Phase[]> phases;
     std::unique_ptr<attention_split::Plan> split;
+    // One K/V store phase per layer, ahead of its attention items, when rows share sequences (null otherwise).
+    std::unique_ptr<Phase[]> store_phases;
     // The input of the current matmul phase and its prepared form, when the team builds it once (shared_input).
     std::vector<float> xin, panels, sums;
   };
@@ -548,12 +559,32 @@ class DecodeStack {
     }
   }
 
+  // Norms, rotates and stores row b's new K/V for KV head g (k: D floats of scratch).
+  template <typename KV>
+  void store_kv(const Step& s, const Layer& layer, int64_t b, int64_t g, float* k, float* tmp) const {
+    const int64_t D = head_dim_, q_size = heads_ * D, kv_size = kv_heads_ * D;
+    const kv_layout::Strides kv = layer.kv;
+    const float* row = s.qkv.data_ptr<float>() + b * layer.qkv.n;
+    const float* cs = s.cos + b * rotary_dim_;
+    const float* sn = s.sin + b * rotary_dim_;
+    KV* kg = static_cast<KV*>(layer.k_cache.data_ptr()) + g * kv.head;
+    KV* vg = static_cast<KV*>(layer.v_cache.data_ptr()) + g * kv.head;
+    std::copy(row + q_size + g * D, row + q_size + (g + 1) * D, k);
+    if (layer.k_norm.defined()) cpu_kernels::rms_norm_rows(k, layer.k_norm.data_ptr<float>(), k, 1, D, eps_);
+    if (rotary_dim_ > 0) cpu_kernels::rope_head(k, cs, sn, rotary_dim_, tmp);
+    const int64_t slot = s.loc[b];
+    kv_types::store_row(k, kg + slot * kv.slot, D);
+    kv_types::store_row(row + q_size + kv_size + g * D, vg + slot * kv.slot, D);
+  }
+
   // Phase B with the layer's K/V stored as KV. The query and new key are normed and rotated in thread scratch:
-  // the chunks of a split sequence read the same qkv row at the same time.
+  // the chunks of a split sequence read the same qkv row at the same time. Without store phases each row's K/V is
+  // stored by the item over its last tokens; with them (rows sharing sequences) every row's K/V is stored first,
+  // one item per (row, KV head), and the attention items only read the cache.
   template <typename KV>
   void attention_items(const Step& s, Phase& ph, const Layer& layer, Scratch& sc) const {
     const int64_t D = head_dim_, group = heads_ / kv_heads_;
-    const int64_t q_size = heads_ * D, kv_size = kv_heads_ * D, qkv_n = layer.qkv.n;
+    const int64_t q_size = heads_ * D, qkv_n = layer.qkv.n;
     const kv_layout::Strides kv = layer.kv;
     const int64_t layer_index = &layer - layers_.data();
     const float* qkv = s.qkv.data_ptr<float>();
@@ -561,13 +592,22 @@ class DecodeStack {
     KV* kc = static_cast<KV*>(layer.k_cache.data_ptr());
     KV* vc = static_cast<KV*>(layer.v_cache.data_ptr());
     const float* qn = layer.q_norm.defined() ? layer.q_norm.data_ptr<float>() : nullptr;
-    const float* kn = layer.k_norm.defined() ? layer.k_norm.data_ptr<float>() : nullptr;
     attention_split::Plan& plan = *s.split;
     sc.scores.resize(static_cast<size_t>(group * (s.max_len + 2)));
     sc.tmp.resize(static_cast<size_t>(std::max<int64_t>(rotary_dim_, 1)));
     sc.q.resize(static_cast<size_t>(group * D));
     sc.k.resize(static_cast<size_t>(D));
     float* q = sc.q.data();
+    const bool stored_first = s.store_phases != nullptr;
+    if (stored_first) {
+      Phase& store = s.store_phases[layer_index];
+      const int64_t n = s.B * kv_heads_;
+      for (int64_t i = store.claim(n); i >= 0; i = store.claim(n)) {
+        store_kv<KV>(s, layer, i / kv_heads_, i % kv_heads_, sc.k.data(), sc.tmp.data());
+        store.finish();
+      }
+      store.wait(n);
+    }
     const int64_t tasks = plan.items();
     for (int64_t task = ph.claim(tasks); task >= 0; task = ph.claim(tasks)) {
       const attention_split::Item it = plan.item(task);
@@ -581,15 +621,9 @@ class DecodeStack {
       if (qn != nullptr) cpu_kernels::rms_norm_rows(q, qn, q, group, D, eps_);
       for (int64_t h = 0; h < group && rotary_dim_ > 0; ++h)
         cpu_kernels::rope_head(q + h * D, cs, sn, rotary_dim_, sc.tmp.data());
-      if (it.chunk == it.chunks - 1) {
+      if (!stored_first && it.chunk == it.chunks - 1) {
         // The new token is the last of its sequence: only the item over the last tokens reads its K/V row.
-        float* k = sc.k.data();
-        std::copy(row + q_size + g * D, row + q_size + (g + 1) * D, k);
-        if (kn != nullptr) cpu_kernels::rms_norm_rows(k, kn, k, 1, D, eps_);
-        if (rotary_dim_ > 0) cpu_kernels::rope_head(k, cs, sn, rotary_dim_, sc.tmp.data());
-        const int64_t slot = s.loc[b];
-        kv_types::store_row(k, kg + slot * kv.slot, D);
-        kv_types::store_row(row + q_size + kv_size + g * D, vg + slot * kv.slot, D);
+        store_kv<KV>(s, layer, b, g, sc.k.data(), sc.tmp.data());
       }
       const int64_t* slots = s.table + s.rpi[b] * s.table_cols + it.t0;
       float* out = attn + b * q_size + g * group * D;
@@ -701,7 +735,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "whether a step of `batch` sequences on `threads` threads builds each (int8) matmul input once for the team")
       .def("forward", &DecodeStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("out_loc"),
            py::arg("req_to_token"), py::arg("req_pool_indices"), py::arg("seq_lens"),
-           py::call_guard<py::gil_scoped_release>())
+           py::arg("rows_share_sequences") = false, py::call_guard<py::gil_scoped_release>())
       .def("set_token_tables", &DecodeStack::set_token_tables, py::arg("embed"), py::arg("cos_half"),
            py::arg("sin_half"))
       .def("has_token_tables", &DecodeStack::has_token_tables)
@@ -709,7 +743,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("has_head", &DecodeStack::has_head)
       .def("forward_tokens", &DecodeStack::forward_tokens, py::arg("input_ids"), py::arg("positions"),
            py::arg("out_loc"), py::arg("req_to_token"), py::arg("req_pool_indices"), py::arg("seq_lens"),
-           py::call_guard<py::gil_scoped_release>());
+           py::arg("rows_share_sequences") = false, py::call_guard<py::gil_scoped_release>());
   m.def("set_dequant_min_rows", &gguf_kernels::set_dequant_min_rows,
         "from how many rows the step's float32 matmuls convert each row group once (AVX2; 0: never); returns the "
         "previous value",

@@ -46,8 +46,8 @@ SPEC_MAX_BATCH = 8
 
 
 # After a verify step in which a request kept none of its draft, it drafts again only after this many plain steps,
-# doubling with each further miss up to MAX_BACKOFF: a verify step costs several plain steps (its rows run on one
-# thread, model_runner.fused_in_row_order), which free text, whose drafts mostly miss, would pay for nothing.
+# doubling with each further miss up to MAX_BACKOFF: a verify step costs more than a plain step (one row per
+# verified position), which free text, whose drafts mostly miss, would pay for nothing.
 MAX_BACKOFF = 16
 
 
