@@ -33,7 +33,7 @@ FLOAT32 = ("--dtype", "float32", "--cpu-gemm", "float32", "--small-batch-quantiz
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, smollm2_tokenizer) -> str:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-4-layers"), smollm2_tokenizer,
-                           max_position_embeddings=4096, num_hidden_layers=4)
+                           max_position_embeddings=32768, num_hidden_layers=4)
 
 
 @pytest.fixture(scope="module")
@@ -233,7 +233,8 @@ def test_metrics_count_the_requests_sent(stream_output_server, model_dir):
 
 def test_metrics_gauges_show_a_running_request(stream_output_server, model_dir):
     url = stream_output_server
-    body = {"input_ids": PROMPT_IDS, "sampling_params": {**GREEDY, "max_new_tokens": 3500}, "stream": True}
+    # long enough to be running at the scrape however loaded the machine; closing the stream aborts it
+    body = {"input_ids": PROMPT_IDS, "sampling_params": {**GREEDY, "max_new_tokens": 30000}, "stream": True}
     with requests.post(f"{url}/generate", json=body, stream=True, timeout=120) as r:
         next(line for line in r.iter_lines() if line.startswith(b"data: "))
         deadline = time.monotonic() + 5  # the scheduler publishes its gauges every few steps
