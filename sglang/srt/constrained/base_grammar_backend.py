@@ -51,6 +51,15 @@ def parse_structural_tag(source: str) -> dict:
     return tag
 
 
+def parse_json_schema(source: str):
+    """A json_schema constraint's text as the schema the backends compile (`close_declared_objects` applied);
+    ValueError when it is not JSON."""
+    try:
+        return close_declared_objects(json.loads(source))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"json_schema is not valid JSON: {e}") from None
+
+
 def close_declared_objects(schema):
     """A copy of a JSON schema where every object that lists `properties` and says nothing about
     `additionalProperties` allows no others. Small models otherwise keep inventing keys until max_new_tokens;

@@ -14,6 +14,7 @@ from sglang.srt.constrained.base_grammar_backend import (
     BaseGrammarBackend,
     BaseGrammarObject,
     close_declared_objects,
+    parse_json_schema,
     parse_structural_tag,
 )
 
@@ -57,10 +58,7 @@ class LLGuidanceBackend(BaseGrammarBackend):
 
     def compile(self, kind: str, source: str) -> str:
         if kind == "json_schema":
-            try:
-                schema = close_declared_objects(json.loads(source))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"json_schema is not valid JSON: {e}") from None
+            schema = parse_json_schema(source)
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
                 schema, defaults={"whitespace_pattern": f"[\\n\\t ]{{0,{JSON_MAX_WHITESPACE}}}"}
             )

@@ -18,7 +18,7 @@ from sglang.srt.constrained.base_grammar_backend import (
     JSON_MAX_WHITESPACE,
     BaseGrammarBackend,
     BaseGrammarObject,
-    close_declared_objects,
+    parse_json_schema,
 )
 
 # How many accepted tokens a matcher can take back (retraction and jump-forward roll back a few at most).
@@ -120,10 +120,7 @@ class OutlinesBackend(BaseGrammarBackend):
 
     def compile(self, kind: str, source: str) -> Index:
         if kind == "json_schema":
-            try:
-                schema = close_declared_objects(json.loads(source))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"json_schema is not valid JSON: {e}") from None
+            schema = parse_json_schema(source)
             regex = build_regex_from_schema(json.dumps(schema), f"[\\n\\t ]{{0,{JSON_MAX_WHITESPACE}}}")
         elif kind == "regex":
             regex = source

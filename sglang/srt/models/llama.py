@@ -245,6 +245,10 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, self.decoder_options(config), dtype=dtype, device=device,
                                 mlp_factory=self.mlp_factory())
+        self.attach_head(config, dtype, device)
+
+    def attach_head(self, config: Any, dtype: Optional[torch.dtype], device: Optional[torch.device | str]) -> None:
+        """The LM head (the input embeddings when tied) and the logits processor, after `self.model` is built."""
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head: nn.Module = self.model.embed_tokens

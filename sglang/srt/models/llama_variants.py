@@ -17,9 +17,8 @@ from torch import nn
 
 from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.layers.layernorm import RMSNorm
-from sglang.srt.layers.logits_processor import LogitsProcessor
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding, get_rope
-from sglang.srt.layers.vocab_parallel_embedding import lm_head, vocab_embedding
+from sglang.srt.layers.vocab_parallel_embedding import vocab_embedding
 from sglang.srt.models.llama import CosSin, LlamaForCausalLM, head_dim_of
 
 # (layer_id, rotary_dim) -> the decoder layer of that index.
@@ -78,12 +77,7 @@ class VariantForCausalLM(LlamaForCausalLM, ABC):
         self.config = config
         # Not a LlamaModel, but the same parts (embed_tokens, rotary_emb, layers, norm, embed) under the same names.
         self.model = self.build_model(config, dtype, device)  # type: ignore[assignment]
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head: nn.Module = self.model.embed_tokens
-        else:
-            self.lm_head = lm_head(config.hidden_size, config.vocab_size, dtype, device)
-        self.logits_processor = LogitsProcessor(config)
+        self.attach_head(config, dtype, device)
 
     @abstractmethod
     def build_model(self, config: Any, dtype: Optional[torch.dtype],
