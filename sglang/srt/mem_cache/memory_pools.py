@@ -16,6 +16,7 @@ import torch
 from sglang.srt.mem_cache.allocator import TokenSlotAllocator
 from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
 from sglang.srt.mem_cache.kv_pool import KVPool
+from sglang.srt.mem_cache.mla_kv_pool import MLAKVPool
 from sglang.srt.mem_cache.no_prefix_cache import NoPrefixCache
 from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang.srt.mem_cache.req_to_token import ReqToTokenPool
@@ -44,10 +45,17 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    # Multi-head latent attention: one row of head_dim (kv_lora_rank + rope) channels per token and layer, no
+    # separate values (mem_cache/mla_kv_pool.py).
+    latent: bool = False
+
+    @property
+    def pool_class(self) -> type[KVPool]:
+        return MLAKVPool if self.latent else KVPool
 
     @property
     def bytes_per_token(self) -> int:
-        return KVPool.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+        return self.pool_class.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
 
 
 @dataclass
@@ -133,10 +141,13 @@ def build_memory_pools(
         max_running_requests = max(1, min(total // 2, 256))
     req_to_token_pool = ReqToTokenPool(max_running_requests + 1, context_len + 8, device=device)
     allocator = TokenSlotAllocator(total, device=device)
-    kv_pool = KVPool(total, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, device)
+    kv_pool = (MLAKVPool(total, spec.num_layers, spec.head_dim, spec.dtype, device) if spec.latent
+               else KVPool(total, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, device))
     tree_cache: BasePrefixCache = (NoPrefixCache(req_to_token_pool, allocator) if disable_radix_cache
                                    else RadixCache(req_to_token_pool, allocator))
-    logger.info("KV cache: %d tokens (%.1f MB, %s, %s), %d request rows, prefix cache: %s", total,
-                spec.bytes_per_token * total / 2**20, dtype_name(spec.dtype),
-                "head-major" if kv_pool.head_major else "slot-major", max_running_requests, type(tree_cache).__name__)
+    layout = (f"MLA latent of {spec.head_dim} channels" if spec.latent
+              else "head-major" if kv_pool.head_major else "slot-major")
+    logger.info("KV cache: %d tokens (%.1f MB, %d bytes per token, %s, %s), %d request rows, prefix cache: %s",
+                total, spec.bytes_per_token * total / 2**20, spec.bytes_per_token, dtype_name(spec.dtype), layout,
+                max_running_requests, type(tree_cache).__name__)
     return MemoryPools(req_to_token_pool, allocator, kv_pool, tree_cache)

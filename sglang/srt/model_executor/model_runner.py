@@ -145,6 +145,9 @@ class ModelRunner:
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         kv_dtype = self.arithmetic.kv_dtype if self.arithmetic is not None else self.dtype
+        latent_dim = getattr(self.model, "kv_latent_dim", None)
+        if latent_dim:  # multi-head latent attention caches one latent row per token and layer
+            return KVCacheSpec(config.num_hidden_layers, 1, latent_dim, kv_dtype, latent=True)
         # Each tensor-parallel rank caches its own K/V heads (distributed/partition.py, as the model splits them).
         tp = get_tp_group()
         local_kv_heads = head_partition(config.num_attention_heads, num_kv_heads, tp.size, tp.rank).num_kv_heads

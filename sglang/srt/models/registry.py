@@ -12,6 +12,7 @@ from sglang.srt.models.bert import (
     XLMRobertaForSequenceClassification,
     XLMRobertaModel,
 )
+from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from sglang.srt.models.gemma2 import Gemma2ForCausalLM
 from sglang.srt.models.gemma3 import Gemma3ForCausalLM
 from sglang.srt.models.granite import GraniteForCausalLM
@@ -49,6 +50,9 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    # Multi-head latent attention (a compressed KV cache) with routed and shared experts.
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     # Vision-language models (image inputs: sglang/srt/multimodal/).
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
@@ -78,6 +82,8 @@ _CAUSAL_LM_OF_MODEL_TYPE: dict[str, str] = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 

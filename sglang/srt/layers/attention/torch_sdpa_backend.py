@@ -70,7 +70,9 @@ def store_kv(pool: KVPool, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v:
     """Write a layer's new K/V rows [T, Hkv, D] at slots `loc`: on CPU one compiled pass that converts to the
     pool's dtype as it scatters (the same bytes as KVPool.set_kv_buffer, which runs otherwise)."""
     k_cache, v_cache = pool.get_kv_buffer(layer_id)
-    if (k_cache.device.type == "cpu" and k_cache.dtype in KERNEL_KV_DTYPES and k.dtype == v.dtype == torch.float32
+    # A latent pool (mem_cache/mla_kv_pool.py) keys and values with one buffer: its own store writes it once.
+    if (k_cache is not v_cache and k_cache.device.type == "cpu" and k_cache.dtype in KERNEL_KV_DTYPES
+            and k.dtype == v.dtype == torch.float32
             and k.shape == v.shape and k_cache.shape[1:] == v_cache.shape[1:] == k.shape[1:]
             and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
             and loc.dtype == torch.int64 and loc.is_contiguous() and cpu_ops.available()):
