@@ -275,15 +275,20 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shard-gb", type=float, default=2.0, help="maximum safetensors shard size in GiB")
     ap.add_argument("--force", action="store_true", help="rewrite outputs that already exist")
+    ap.add_argument("--tokenizer-dir", default=None,
+                    help="a folder with SmolLM2's tokenizer files (default: those of the installed SmolLM2 package)")
     args = ap.parse_args()
     shapes = [s for item in args.shape for s in item.split(",") if s]
     gguf_types = list(GGUF_TYPES) if args.gguf == "all" else [t.lower() for t in args.gguf.split(",") if t]
     for bad in [s for s in shapes if s not in SHAPES] + [t for t in gguf_types if t not in GGUF_TYPES]:
         ap.error(f"unknown shape or GGUF type {bad!r}: shapes {', '.join(SHAPES)}; GGUF {', '.join(GGUF_TYPES)}, all")
     out = os.path.expanduser(args.out)
-    from sglang.srt.model_loader.resolve import resolve_model_path
+    if args.tokenizer_dir:
+        tok_dir = os.path.expanduser(args.tokenizer_dir)
+    else:
+        from sglang.srt.model_loader.resolve import resolve_model_path
 
-    tok_dir = resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")  # its tokenizer files, not its weights
+        tok_dir = resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")  # its tokenizer files, not its weights
     tok = load_tokenizer(tok_dir)
     for shape in shapes:
         d = os.path.join(out, shape)

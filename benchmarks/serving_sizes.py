@@ -86,7 +86,7 @@ def server_command(args: argparse.Namespace, port: int) -> tuple[list[str], dict
     if args.engine == "ours":
         cmd = [args.python or sys.executable, "-m", "sglang.launch_server", "--model-path", args.model,
                "--port", str(port), "--log-level", "info", *args.server_args]
-        env["PYTHONPATH"] = str(HERE)
+        env = with_repo_path(env)
         return cmd, env, "sglang-oai"
     if args.engine == "vllm":
         venv = Path(args.python).resolve().parent.parent
@@ -100,6 +100,18 @@ def server_command(args: argparse.Namespace, port: int) -> tuple[list[str], dict
     cmd = [args.llama_server, "-m", args.model, "--host", "127.0.0.1", "--port", str(port), "-t", "2", "-np", "64",
            "-c", str(64 * 1024), *args.server_args]
     return cmd, env, "openai"
+
+
+def with_repo_path(env) -> dict:
+    """`env` with the repository first on PYTHONPATH (and whatever was there after it)."""
+    return {**env, "PYTHONPATH": os.pathsep.join([str(HERE), *filter(None, [env.get("PYTHONPATH")])])}
+
+
+def client_tokenizer(model: str) -> str:
+    """The checkpoint's own tokenizer files where its folder has them (no package needed), else SmolLM2's."""
+    folder = Path(model).expanduser()
+    folder = folder if folder.is_dir() else folder.parent
+    return str(folder) if (folder / "tokenizer.json").is_file() else TOKENIZER
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
@@ -155,9 +167,10 @@ def main() -> None:
             tmp = Path(args.out).with_suffix(".tmp.jsonl")
             tmp.unlink(missing_ok=True)
             client = [sys.executable, "-m", "sglang.bench_serving", "--backend", backend, "--base-url", url,
-                      "--disable-tqdm", "--tokenizer", TOKENIZER, "--model", TOKENIZER, "--output-file", str(tmp),
+                      "--disable-tqdm", "--tokenizer", client_tokenizer(args.model), "--model", TOKENIZER,
+                      "--output-file", str(tmp),
                       *WORKLOADS[name]]
-            subprocess.run(client, check=True, cwd=HERE, env={**os.environ, "PYTHONPATH": str(HERE)},
+            subprocess.run(client, check=True, cwd=HERE, env=with_repo_path(os.environ),
                            stdout=subprocess.DEVNULL)
             result = json.loads(tmp.read_text().splitlines()[-1])
             tmp.unlink()

@@ -137,3 +137,15 @@ def test_a_forked_worker_exits_when_its_creator_dies_even_unreaped(tmp_path, kil
         from sglang.utils import terminate_process
 
         terminate_process(creator)
+
+
+def test_workers_are_spawned_where_a_cuda_device_is_visible(monkeypatch):
+    """CUDA cannot run in a child forked from a process that queried it (the fork server's imports do), so a
+    machine that shows an NVIDIA device spawns its workers; hiding the devices brings the fork server back."""
+    monkeypatch.setattr(worker_processes.os.path, "exists", lambda path: path == "/dev/nvidiactl")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert worker_processes.cuda_visible()
+    assert not WorkerContext().uses_fork_server
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert not worker_processes.cuda_visible()
+    assert WorkerContext().uses_fork_server

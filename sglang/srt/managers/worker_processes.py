@@ -11,6 +11,9 @@ A forked worker starts from the fork server's state, taken when the fork server 
 moment the worker is created is passed along and installed first, as spawning would; but what libraries read when
 they load (OpenMP's OMP_* settings are parsed when torch is imported) cannot be re-read, so a worker whose such
 variables differ from the fork server's is spawned instead.
+
+A machine with a CUDA device spawns every worker: CUDA cannot be used in a process forked from one that has
+queried it (PyTorch marks such children as bad forks), and the fork server's imports do query it.
 """
 
 from __future__ import annotations
@@ -50,6 +53,14 @@ def set_worker_environment_defaults() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+def cuda_visible() -> bool:
+    """Whether this machine shows this process an NVIDIA device (then workers are spawned, not forked). Read from
+    the device nodes rather than torch, so the fork server can start before torch is imported."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
+        return False
+    return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0")
+
+
 def _load_time_environ(environ: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in environ.items() if k.startswith(LOAD_TIME_PREFIXES)}
 
@@ -85,7 +96,7 @@ class WorkerContext:
     """The `Process` / `Pipe` part of a multiprocessing context, for the server's workers."""
 
     def __init__(self) -> None:
-        self.uses_fork_server = "forkserver" in mp.get_all_start_methods()
+        self.uses_fork_server = "forkserver" in mp.get_all_start_methods() and not cuda_visible()
         self._spawn: Any = mp.get_context("spawn")
         self._fork: Any = mp.get_context("forkserver") if self.uses_fork_server else None
         if self._fork is not None:
