@@ -155,3 +155,17 @@ def test_plan_for_this_machine_measures_on_the_model_shapes(monkeypatch):
     monkeypatch.setattr(gm, "read_cpu_flags", lambda: frozenset(AVX2_FLAGS))
     assert gm.plan_for_this_machine("cpu", "auto", "auto").large_batch_gemm == "float32"
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("flags, gemm", [(AVX2_FLAGS, "float32"), (BF16_VNNI_FLAGS, "float32"), (AMX_FLAGS, "bfloat16")])
+def test_an_embedding_model_takes_the_gemm_its_cpu_flags_settle(monkeypatch, flags, gemm):
+    """An embedding model's vectors go to the user as they are: its GEMM is settled by the CPU flags (never the
+    int8 GEMM, never a startup timing that may flip between two starts), unless --dtype / --cpu-gemm say otherwise."""
+    from sglang.srt.model_loader import gemm_measurement
+
+    monkeypatch.setattr(gemm_measurement, "read_cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(gemm_measurement, "measure_large_batch_gemms",
+                        lambda *a, **k: pytest.fail("an embedding model's plan must not time GEMMs"))
+    plan = gemm_measurement.plan_for_this_machine("cpu", "auto", "auto", embedding=True)
+    assert plan.large_batch_gemm == gemm and "embedding model" in plan.reason
+    assert gemm_measurement.plan_for_this_machine("cpu", "auto", "int8", embedding=True).large_batch_gemm == "int8"

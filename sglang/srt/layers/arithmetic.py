@@ -371,6 +371,21 @@ def _choose_gemm(
     return ArithmeticPlan(device, cls, weight_dtype, base, why + measured)
 
 
+def embedding_gemm(device: str, dtype: str, cpu_gemm: str, flags: Iterable[str],
+                   machine: str = "x86_64") -> Optional[tuple[str, str]]:
+    """(GEMM, reason) for an embedding model where --dtype and --cpu-gemm leave it open on a CPU, else None.
+
+    Its vectors are returned to the user as they are, not sampled: two starts of one server must give the same
+    vectors, and a startup timing that flips between GEMMs under load would not (nor would the int8 GEMM's
+    per-token rounding, ~1e-2 relative, suit them). So the CPU flags settle it: bf16 where the CPU has AMX tiles
+    (several times float32 there), float32 everywhere else."""
+    if torch.device(device).type != "cpu" or not automatic(dtype, cpu_gemm):
+        return None
+    if cpu_class(frozenset(flags), machine) == AMX:
+        return "bfloat16", "embedding model: bf16 on AMX tiles, chosen by the CPU flags (the same vectors every start)"
+    return "float32", "embedding model: float32, chosen by the CPU flags (the same vectors every start)"
+
+
 def gemms_to_measure(device: str, dtype: str, cpu_gemm: str, flags: Iterable[str],
                      machine: str = "x86_64") -> tuple[str, ...]:
     """The large-batch GEMMs whose order the CPU flags leave open, which the plan measures at startup

@@ -19,6 +19,7 @@ a 7B model's).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import platform
 import time
@@ -27,7 +28,7 @@ from typing import Optional, Union
 
 import torch
 
-from sglang.srt.layers.arithmetic import ArithmeticPlan, choose_arithmetic, gemms_to_measure
+from sglang.srt.layers.arithmetic import ArithmeticPlan, choose_arithmetic, embedding_gemm, gemms_to_measure
 from sglang.srt.layers.linear import LinearMethod
 from sglang.srt.model_loader.dtype import read_cpu_flags
 from sglang.srt.model_loader.gemm_methods import method_factory
@@ -111,12 +112,19 @@ def plan_for_this_machine(device: str, dtype: str, cpu_gemm: str,
                           gguf_activations: str = "auto", small_batch_quantization: str = "auto",
                           kv_cache_dtype: str = "auto", prefill_attention: str = "auto",
                           hf_config: Optional[object] = None, threads: Optional[int] = None,
-                          measure: bool = True, large_batch_weights: str = "auto") -> ArithmeticPlan:
+                          measure: bool = True, large_batch_weights: str = "auto",
+                          embedding: bool = False) -> ArithmeticPlan:
     """`choose_arithmetic` with this machine's CPU flags, measuring (on the model's MLP shapes, on `threads` threads
     as the scheduler will run: --num-threads) only what the flags do not settle. `measure=False` decides from the
     flags alone: the nodes of a multi-node server each make their plan, and flags agree where timings may not."""
     flags = read_cpu_flags()
     machine = platform.machine()
+    settled = embedding_gemm(device, dtype, cpu_gemm, flags, machine) if embedding else None
+    if settled is not None:  # an embedding model's GEMM is settled by the flags, never by a timing
+        plan = choose_arithmetic(device, dtype, settled[0], flags, machine, None, config_dtype, gguf_activations,
+                                 small_batch_quantization, kv_cache_dtype, prefill_attention, large_batch_weights,
+                                 linear_float_bytes(hf_config))
+        return dataclasses.replace(plan, reason=settled[1])
     gemms = gemms_to_measure(device, dtype, cpu_gemm, flags, machine) if measure else ()
     measurements = None
     if gemms:
