@@ -45,14 +45,16 @@ def check_model_supports_tp(hf_config: Any, tp_size: int) -> None:
     if tp_size == 1:
         return
     from sglang.srt.distributed.partition import check_partition_fits, head_partition
+    from sglang.srt.models.gemma2 import Gemma2ForCausalLM
     from sglang.srt.models.llama import LlamaForCausalLM
     from sglang.srt.models.registry import architectures_of, get_model_class
 
     model_class = get_model_class(architectures_of(hf_config))
-    if not issubclass(model_class, LlamaForCausalLM):
+    if not issubclass(model_class, (LlamaForCausalLM, Gemma2ForCausalLM)):
         raise ValueError(f"--tp-size {tp_size}: {model_class.__name__} does not support tensor parallelism "
-                         "(supported: dense Llama, Qwen2 and Qwen3 decoders)")
-    if model_class.mlp_factory() is not None:
+                         "(supported: dense Llama-family decoders such as Llama, Qwen2/3, Mistral and Phi-3, "
+                         "and Gemma 2/3)")
+    if issubclass(model_class, LlamaForCausalLM) and model_class.mlp_factory() is not None:
         raise ValueError(f"--tp-size {tp_size}: mixture-of-experts models ({model_class.__name__}) do not support "
                          "tensor parallelism")
     config = hf_config.get_text_config()

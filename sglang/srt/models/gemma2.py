@@ -14,6 +14,8 @@ What differs from the Llama decoder (as transformers' Gemma2 computes it):
 Gemma 3 (models/gemma3.py) reuses all of it with per-head q/k norms and a second RoPE base for its sliding layers.
 Soft-capped attention runs on the torch path of the attention backend (layers/attention/masked.py), which computes
 it as transformers' eager attention does; layers without a cap use the compiled CPU kernels, window included.
+Tensor parallelism splits the heads (with their q/k norms and windows) and the MLP as Llama's decoder does; every
+part above acts on one head or on whole hidden rows, so nothing else changes between ranks.
 """
 
 from __future__ import annotations
