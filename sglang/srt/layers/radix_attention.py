@@ -29,9 +29,10 @@ class RadixAttention(nn.Module):
     def layer_id(self) -> int:
         return self.spec.layer_id
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D] -> [T, H * D]."""
-        return forward_batch.attn_backend.forward(q, k, v, self.spec, forward_batch)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """q [T, H, D], k/v [T, Hkv, D] -> [T, H * D]; `sinks` [H]: per-head sink logits (AttentionBackend.forward)."""
+        return forward_batch.attn_backend.forward(q, k, v, self.spec, forward_batch, sinks)
 
     def extra_repr(self) -> str:
         s = self.spec

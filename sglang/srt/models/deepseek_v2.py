@@ -36,7 +36,7 @@ from sglang.srt.layers.moe.fused_moe import FusedMoE
 from sglang.srt.layers.moe.topk import TopKOutput
 from sglang.srt.layers.rotary_embedding import _yarn_mscale, apply_rotary_emb, rope_parameters_from_config
 from sglang.srt.models.llama import CosSin, LlamaMLP
-from sglang.srt.models.llama_variants import VariantForCausalLM, VariantModel
+from sglang.srt.models.llama_variants import PreNormDecoderLayer, VariantForCausalLM, VariantModel
 from sglang.srt.models.moe_common import check_silu
 
 # The reference implementation normalizes the q and kv latents with its RMSNorm's default epsilon.
@@ -187,7 +187,7 @@ class DeepseekV2MoE(nn.Module):
         return output
 
 
-class DeepseekV2DecoderLayer(nn.Module):
+class DeepseekV2DecoderLayer(PreNormDecoderLayer):
     """Pre-norm attention and MLP, with the Llama layer's (cos_sin, hidden, batch, residual) contract."""
 
     def __init__(self, config: Any, layer_id: int, dtype: Optional[torch.dtype],
@@ -202,17 +202,6 @@ class DeepseekV2DecoderLayer(nn.Module):
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
-
-    def forward(self, cos_sin: CosSin, hidden_states: torch.Tensor, forward_batch: ForwardBatch,
-                residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(cos_sin, hidden_states, forward_batch)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
 
 
 class DeepseekV2ForCausalLM(VariantForCausalLM):

@@ -37,6 +37,27 @@ def run_layers(layers: nn.ModuleList, norm: RMSNorm, hidden_states: torch.Tensor
     return hidden_states
 
 
+class PreNormDecoderLayer(nn.Module):
+    """A decoder layer whose `self_attn` and `mlp` each run after an RMSNorm (`input_layernorm`,
+    `post_attention_layernorm`), the residual carried through the fused add-and-norm; subclasses build the four."""
+
+    self_attn: nn.Module
+    mlp: nn.Module
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
+    def forward(self, cos_sin: CosSin, hidden_states: torch.Tensor, forward_batch: ForwardBatch,
+                residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(cos_sin, hidden_states, forward_batch)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
 class VariantModel(nn.Module):
     """Embeddings (optionally scaled), the variant's decoder layers and the final norm."""
 

@@ -15,6 +15,7 @@ from sglang.srt.models.bert import (
 from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from sglang.srt.models.gemma2 import Gemma2ForCausalLM
 from sglang.srt.models.gemma3 import Gemma3ForCausalLM
+from sglang.srt.models.gpt_oss import GptOssForCausalLM
 from sglang.srt.models.granite import GraniteForCausalLM
 from sglang.srt.models.llama import LlamaForCausalLM
 from sglang.srt.models.mistral import MistralForCausalLM
@@ -50,6 +51,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    # Mixture of experts with attention sinks and alternating sliding-window layers.
+    "GptOssForCausalLM": GptOssForCausalLM,
     # Multi-head latent attention (a compressed KV cache) with routed and shared experts.
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
@@ -84,6 +87,7 @@ _CAUSAL_LM_OF_MODEL_TYPE: dict[str, str] = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 

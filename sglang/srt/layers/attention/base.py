@@ -19,22 +19,28 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward_extend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, forward_batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, forward_batch: ForwardBatch,
+        sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """q: [T, H, D], k/v: [T, Hkv, D] for the new tokens. Stores k/v, returns [T, H * Dv]."""
+        """q: [T, H, D], k/v: [T, Hkv, D] for the new tokens. Stores k/v, returns [T, H * Dv].
+
+        `sinks` [H] (None: none): a learned logit per head that joins each query's softmax denominator and
+        contributes no value (attention sinks, GPT-OSS), so a query may attend to "nothing" in part."""
 
     @abstractmethod
     def forward_decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, forward_batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, forward_batch: ForwardBatch,
+        sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Same contract as forward_extend with exactly one new token per sequence."""
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, forward_batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, forward_batch: ForwardBatch,
+        sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         if forward_batch.forward_mode.is_decode():
-            return self.forward_decode(q, k, v, layer, forward_batch)
-        return self.forward_extend(q, k, v, layer, forward_batch)
+            return self.forward_decode(q, k, v, layer, forward_batch, sinks)
+        return self.forward_extend(q, k, v, layer, forward_batch, sinks)
 
 
 class AttentionLayerSpec:

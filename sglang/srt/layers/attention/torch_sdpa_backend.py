@@ -7,8 +7,8 @@ sglang/srt/layers/cpu_ops.py); otherwise the KV slots of all sequences are gathe
 cached prefix on; otherwise one SDPA call per sequence with a causal mask shifted by the cached prefix.
 
 A layer with a sliding window passes it to the compiled kernels; on the torch path its masks also hide the keys
-before the window (attention/masked.py). A layer with logit soft-capping always takes the torch path, which
-computes it as transformers' eager attention does.
+before the window (attention/masked.py). A layer with logit soft-capping or attention sinks always takes the torch
+path, which computes them as transformers' eager attention does.
 """
 
 from __future__ import annotations
@@ -143,13 +143,14 @@ class TorchSDPABackend(AttentionBackend):
 
     # ---- attention -------------------------------------------------------------------------------------
     def forward_decode(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, forward_batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, forward_batch: ForwardBatch,
+        sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         pool = forward_batch.token_to_kv_pool
         store_kv(pool, layer.layer_id, forward_batch.out_cache_loc, k, v)
         k_cache, v_cache = pool.get_kv_buffer(layer.layer_id)
         meta: DecodeMetadata = forward_batch.attn_metadata
-        if (meta.use_kernel and layer.logit_softcap is None and q.dtype == torch.float32
+        if (meta.use_kernel and layer.logit_softcap is None and sinks is None and q.dtype == torch.float32
                 and k_cache.dtype in KERNEL_KV_DTYPES):
             out = cpu_ops.paged_decode_attention(
                 q, k_cache, v_cache, meta.kv_indices, forward_batch.seq_lens, layer.scaling, layer.window
@@ -157,12 +158,12 @@ class TorchSDPABackend(AttentionBackend):
             return out.reshape(q.shape[0], -1)
         batch, max_len = meta.kv_indices.shape
         queries = q.unsqueeze(2)  # [B, H, 1, D]
-        if layer.window or layer.logit_softcap is not None:
+        if layer.window or layer.logit_softcap is not None or sinks is not None:
             visible = decode_key_mask(forward_batch.seq_lens.to(meta.kv_indices.device), max_len, layer.window)
             # slots outside a sequence (stale table entries) read the dummy slot, always in range
             kv_indices = torch.where(visible, meta.kv_indices, torch.zeros_like(meta.kv_indices))
             keys, values = _gather(k_cache, v_cache, kv_indices, queries.dtype)
-            out = attend(queries, keys, values, visible[:, None, None, :], layer.scaling, layer.logit_softcap)
+            out = attend(queries, keys, values, visible[:, None, None, :], layer.scaling, layer.logit_softcap, sinks)
             return out.reshape(batch, -1)
         keys, values = _gather(k_cache, v_cache, meta.kv_indices, queries.dtype)
         out = F.scaled_dot_product_attention(
@@ -176,14 +177,15 @@ class TorchSDPABackend(AttentionBackend):
         return out.reshape(batch, -1)
 
     def forward_extend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, forward_batch: ForwardBatch
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, forward_batch: ForwardBatch,
+        sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         pool = forward_batch.token_to_kv_pool
         store_kv(pool, layer.layer_id, forward_batch.out_cache_loc, k, v)
         k_cache, v_cache = pool.get_kv_buffer(layer.layer_id)
         meta: ExtendMetadata = forward_batch.attn_metadata
         num_tokens = q.shape[0]
-        if (meta.kernel is not None and layer.logit_softcap is None and q.dtype == torch.float32
+        if (meta.kernel is not None and layer.logit_softcap is None and sinks is None and q.dtype == torch.float32
                 and k_cache.dtype in KERNEL_KV_DTYPES):
             args = meta.kernel
             out = cpu_ops.extend_attention(q, k_cache, v_cache, args.kv_rows, args.token_starts, args.extend_lens,
@@ -194,7 +196,7 @@ class TorchSDPABackend(AttentionBackend):
             meta.sequences = self._extend_sequences(forward_batch, meta.kernel.kv_rows)
         out = q.new_empty(num_tokens, layer.num_heads, v_cache.shape[-1])
         enable_gqa = layer.num_heads != layer.num_kv_heads
-        masked = bool(layer.window) or layer.logit_softcap is not None
+        masked = bool(layer.window) or layer.logit_softcap is not None or sinks is not None
         for seq in meta.sequences:
             queries = q[seq.token_start : seq.token_end].transpose(0, 1)  # [H, n, D]
             keys = k_cache.index_select(0, seq.kv_indices).transpose(0, 1)  # [Hkv, L, D]
@@ -205,7 +207,7 @@ class TorchSDPABackend(AttentionBackend):
                 extend_len = seq.token_end - seq.token_start
                 mask = extend_mask(seq.kv_indices.shape[0] - extend_len, extend_len, layer.window, q.device)
                 seq_out = attend(queries.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0), mask, layer.scaling,
-                                 layer.logit_softcap)
+                                 layer.logit_softcap, sinks)
                 out[seq.token_start : seq.token_end] = seq_out[0].transpose(0, 1)
                 continue
             seq_out = F.scaled_dot_product_attention(

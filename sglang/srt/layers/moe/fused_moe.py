@@ -28,6 +28,47 @@ HF_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")
 
 
+def dispatch_experts(
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    expert: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * expert(topk_ids[t, k], hidden_states[t]) for every token t: the rows of each
+    chosen expert gathered, `expert(e, rows)` called once per expert with rows, the weighted outputs added back.
+
+    hidden_states [T, H]; topk_weights / topk_ids [T, top_k]. Returns [T, H] in the dtype of hidden_states.
+    """
+    top_k = topk_ids.shape[1]
+    output = torch.zeros_like(hidden_states)
+    if hidden_states.shape[0] == 0:
+        return output
+    flat_ids = topk_ids.reshape(-1)
+    # Stable, so within an expert the rows keep token order (experts in increasing index order, as transformers
+    # adds them).
+    order = torch.argsort(flat_ids, stable=True)
+    token_of_row = order // top_k
+    weight_of_row = topk_weights.reshape(-1)[order]
+    # One host sync per layer: the row count of each expert.
+    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
+    # The weighted output of every (token, expert) row, grouped by expert in increasing index order.
+    rows = torch.empty(flat_ids.shape[0], hidden_states.shape[1], dtype=hidden_states.dtype,
+                       device=hidden_states.device)
+    start = 0
+    for index, count in enumerate(counts):
+        if count == 0:
+            continue
+        end = start + count
+        rows[start:end] = expert(index, hidden_states[token_of_row[start:end]]) * weight_of_row[start:end, None]
+        start = end
+    # One accumulation for the whole layer. On CPU index_add_ visits the rows in order, so each token sums its
+    # experts in increasing index order, rounding after each addition as the per-expert reference does; and every
+    # index_add_ call opens an OpenMP parallel region, which costs far more than the addition for a few rows.
+    output.index_add_(0, token_of_row, rows)
+    return output
+
+
 def fused_experts(
     hidden_states: torch.Tensor,
     gate_up_proj: torch.Tensor,
@@ -40,36 +81,13 @@ def fused_experts(
     hidden_states [T, H]; gate_up_proj [E, 2*I, H]; down_proj [E, H, I]; topk_weights / topk_ids [T, top_k].
     Returns [T, H] in the dtype of hidden_states.
     """
-    num_experts = gate_up_proj.shape[0]
     intermediate = down_proj.shape[2]
-    top_k = topk_ids.shape[1]
-    output = torch.zeros_like(hidden_states)
-    if hidden_states.shape[0] == 0:
-        return output
-    flat_ids = topk_ids.reshape(-1)
-    # Stable, so within an expert the rows keep token order.
-    order = torch.argsort(flat_ids, stable=True)
-    token_of_row = order // top_k
-    weight_of_row = topk_weights.reshape(-1)[order]
-    # One host sync per layer: the row count of each expert.
-    counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
-    # The weighted output of every (token, expert) row, grouped by expert in increasing index order.
-    rows = torch.empty(flat_ids.shape[0], hidden_states.shape[1], dtype=hidden_states.dtype,
-                       device=hidden_states.device)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        end = start + count
-        gate_up = F.linear(hidden_states[token_of_row[start:end]], gate_up_proj[expert])
-        act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
-        rows[start:end] = F.linear(act, down_proj[expert]) * weight_of_row[start:end, None]
-        start = end
-    # One accumulation for the whole layer. On CPU index_add_ visits the rows in order, so each token sums its
-    # experts in increasing index order, rounding after each addition as the per-expert reference does; and every
-    # index_add_ call opens an OpenMP parallel region, which costs far more than the addition for a few rows.
-    output.index_add_(0, token_of_row, rows)
-    return output
+
+    def swiglu_expert(index: int, tokens: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(tokens, gate_up_proj[index])
+        return F.linear(F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:], down_proj[index])
+
+    return dispatch_experts(hidden_states, topk_weights, topk_ids, gate_up_proj.shape[0], swiglu_expert)
 
 
 PieceLoader = Callable[[torch.Tensor, str], None]

@@ -1,0 +1,181 @@
+"""GPT-OSS (gpt-oss-20b / gpt-oss-120b): a pre-norm MoE decoder with attention sinks and alternating windows.
+
+What differs from the Llama decoder (as transformers' GptOss computes it):
+- q/k/v and o projections all carry biases; each head has a learned sink logit (`self_attn.sinks`) that joins
+  its softmax denominator and contributes no value (layers/attention/masked.py runs those layers);
+- the layers marked "sliding_attention" in `layer_types` attend to the last `sliding_window` positions, the
+  others to the whole sequence; the rotary embedding is YaRN as the config says (`rope_scaling`);
+- every MLP is a mixture of experts: a router with a bias picks the top-k logits and weights them by a softmax
+  over those k only; each expert computes `gate_up = x @ W + b` with gate and up interleaved along the columns,
+  a clamped SwiGLU `(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)` with `g = clamp(gate, max=limit)`,
+  and `down = h @ W2 + b2`. The expert weights keep transformers' [E, in, out] layout (`experts.gate_up_proj`,
+  `experts.down_proj` and their biases).
+
+Published checkpoints store the expert weights in MXFP4 (`*_blocks` + `*_scales`): they are dequantized at load to
+the checkpoint's dtype (model_loader/mxfp4.py) and served densely; float checkpoints load as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from sglang.srt.distributed.parallel_state import get_tp_group
+from sglang.srt.eplb.expert_distribution import get_global_expert_distribution_recorder
+from sglang.srt.forward_batch import ForwardBatch
+from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.moe.fused_moe import dispatch_experts
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.layers.rotary_embedding import apply_rotary_emb_
+from sglang.srt.model_loader.dtype import checkpoint_dtype
+from sglang.srt.model_loader.mxfp4 import dequantize_mxfp4_weights
+from sglang.srt.models.gemma2 import layer_types_of
+from sglang.srt.models.llama import CosSin, DecoderOptions, LlamaAttention
+from sglang.srt.models.llama_variants import PreNormDecoderLayer, VariantForCausalLM, VariantModel
+
+# transformers' defaults for configs that do not name them
+DEFAULT_SWIGLU_ALPHA = 1.702
+DEFAULT_SWIGLU_LIMIT = 7.0
+
+
+class GptOssAttention(LlamaAttention):
+    """Llama's attention (fused biased q/k/v, RoPE, GQA) with a per-head sink logit and the layer's window."""
+
+    def __init__(self, config: Any, layer_id: int, layer_type: str, rotary_dim: int, dtype: Optional[torch.dtype],
+                 device: Optional[torch.device | str]) -> None:
+        bias = bool(getattr(config, "attention_bias", True))
+        super().__init__(config, layer_id, rotary_dim, DecoderOptions(qkv_bias=bias, o_proj_bias=bias), dtype,
+                         device)
+        window = config.sliding_window if layer_type == "sliding_attention" else None
+        self.attn = RadixAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
+                                   sliding_window=None if window is None else int(window))
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, cos_sin: CosSin, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        num_tokens = qkv.shape[0]
+        qk_end = self.q_size + self.kv_size
+        qk = qkv[:, :qk_end].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = apply_rotary_emb_(qk, cos_sin[0], cos_sin[1], self.rotary_dim)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        v = qkv[:, qk_end:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attn(q, k, v, forward_batch, sinks=self.sinks))
+
+
+class GptOssRouter(nn.Module):
+    """`mlp.router`: biased logits in the model dtype, the top-k of them, a softmax over those k."""
+
+    def __init__(self, config: Any, dtype: Optional[torch.dtype], device: Optional[torch.device | str]) -> None:
+        super().__init__()
+        self.num_experts = config.num_local_experts
+        self.top_k = config.num_experts_per_tok
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.top_k} must be in 1..{self.num_experts} (the expert count)")
+        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, dtype=dtype, device=device),
+                                   requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(self.num_experts, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, ids), each [T, top_k]; ids in decreasing order of logit."""
+        logits = nn.functional.linear(hidden_states, self.weight, self.bias)
+        top_logits, ids = torch.topk(logits, self.top_k, dim=-1)
+        return torch.softmax(top_logits, dim=-1, dtype=top_logits.dtype), ids
+
+
+class GptOssExperts(nn.Module):
+    """The stacked experts of one layer, with biases and the clamped SwiGLU over interleaved gate/up columns."""
+
+    def __init__(self, config: Any, dtype: Optional[torch.dtype], device: Optional[torch.device | str]) -> None:
+        super().__init__()
+        experts, hidden, inter = config.num_local_experts, config.hidden_size, config.intermediate_size
+        self.num_experts = experts
+        self.alpha = float(getattr(config, "swiglu_alpha", None) or DEFAULT_SWIGLU_ALPHA)
+        self.limit = float(getattr(config, "swiglu_limit", None) or DEFAULT_SWIGLU_LIMIT)
+
+        def param(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+        self.gate_up_proj = param(experts, hidden, 2 * inter)
+        self.gate_up_proj_bias = param(experts, 2 * inter)
+        self.down_proj = param(experts, inter, hidden)
+        self.down_proj_bias = param(experts, hidden)
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate = gate_up[:, 0::2].clamp(max=self.limit)
+        up = gate_up[:, 1::2].clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def forward(self, hidden_states: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """sum_k weights[t, k] * expert_{ids[t, k]}(hidden_states[t]) for every token t -> [T, H]."""
+        return dispatch_experts(hidden_states, weights, ids, self.num_experts, self.expert)
+
+    def expert(self, index: int, tokens: torch.Tensor) -> torch.Tensor:
+        # product, then bias: the reference's two roundings (an addmm would accumulate onto the bias)
+        gate_up = tokens @ self.gate_up_proj[index] + self.gate_up_proj_bias[index]
+        return self.activation(gate_up) @ self.down_proj[index] + self.down_proj_bias[index]
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, intermediate_size={self.down_proj.shape[1]}, alpha={self.alpha}, "
+                f"limit={self.limit}")
+
+
+class GptOssMoE(nn.Module):
+    def __init__(self, config: Any, layer_id: int, dtype: Optional[torch.dtype],
+                 device: Optional[torch.device | str]) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.router = GptOssRouter(config, dtype, device)
+        self.experts = GptOssExperts(config, dtype, device)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.router(hidden_states)
+        get_global_expert_distribution_recorder().on_select_experts(self.layer_id, ids)
+        return self.experts(hidden_states, weights, ids)
+
+
+class GptOssDecoderLayer(PreNormDecoderLayer):
+    """Pre-norm attention and MoE, with the Llama layer's (cos_sin, hidden, batch, residual) contract."""
+
+    def __init__(self, config: Any, layer_id: int, layer_type: str, rotary_dim: int, dtype: Optional[torch.dtype],
+                 device: Optional[torch.device | str]) -> None:
+        super().__init__()
+        self.self_attn = GptOssAttention(config, layer_id, layer_type, rotary_dim, dtype, device)
+        self.mlp = GptOssMoE(config, layer_id, dtype, device)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+
+
+class GptOssForCausalLM(VariantForCausalLM):
+    fused_decode_exclusion = ("attention sinks, biased projections and mixture-of-experts layers with a clamped "
+                              "SwiGLU (the step runs plain Llama layers)")
+
+    def __init__(self, config: Any, dtype: Optional[torch.dtype] = None,
+                 device: Optional[torch.device | str] = None) -> None:
+        if get_tp_group().size > 1:
+            raise ValueError(f"{type(self).__name__} does not support tensor parallelism (--tp-size 1)")
+        super().__init__(config, dtype, device)
+
+    def build_model(self, config: Any, dtype: Optional[torch.dtype],
+                    device: Optional[torch.device | str]) -> VariantModel:
+        # Configs without layer_types alternate, the first layer sliding (transformers' default).
+        layer_types = layer_types_of(config, 2)
+        if len(layer_types) != config.num_hidden_layers:
+            raise ValueError(f"layer_types names {len(layer_types)} layers, the config has {config.num_hidden_layers}")
+
+        def make_layer(layer_id: int, rotary_dim: int) -> nn.Module:
+            return GptOssDecoderLayer(config, layer_id, layer_types[layer_id], rotary_dim, dtype, device)
+
+        return VariantModel(config, make_layer, dtype, device)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # MXFP4 experts become the checkpoint's float dtype (bf16 as published); the copy into the parameters then
+        # converts to the model's dtype as for any other weight.
+        dequantized = checkpoint_dtype(self.config) or torch.bfloat16
+        super().load_weights(dequantize_mxfp4_weights(weights, dequantized))
+
+
+EntryClass = GptOssForCausalLM
