@@ -15,6 +15,7 @@ from sglang.srt.models.bert import (
 from sglang.srt.models.deepseek_v2 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from sglang.srt.models.gemma2 import Gemma2ForCausalLM
 from sglang.srt.models.gemma3 import Gemma3ForCausalLM
+from sglang.srt.models.gemma3_mm import Gemma3ForConditionalGeneration
 from sglang.srt.models.gpt_oss import GptOssForCausalLM
 from sglang.srt.models.granite import GraniteForCausalLM
 from sglang.srt.models.llama import LlamaForCausalLM
@@ -59,6 +60,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     # Vision-language models (image inputs: sglang/srt/multimodal/).
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2_5_VLForConditionalGeneration,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     # Embedding, reward and cross-encoder models (served with --is-embedding).
     "BertModel": BertModel,
     "XLMRobertaModel": XLMRobertaModel,
@@ -82,6 +84,7 @@ _CAUSAL_LM_OF_MODEL_TYPE: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",

@@ -1,4 +1,5 @@
-"""The multimodal part of one model forward: which image embeddings go where, and the M-RoPE positions.
+"""The multimodal part of one model forward: which image embeddings go where, the image spans of each sequence,
+and the M-RoPE positions (for the models that use them).
 
 Built by the scheduler (managers/scheduler/multimodal_batch.py) for the tokens a step runs; read by the
 vision-language models. Nothing here depends on the managers or the models.
@@ -29,15 +30,19 @@ class ImageChunk:
 
 @dataclass
 class MultimodalForward:
-    # [3, num_tokens] M-RoPE position ids of every token of the forward (text tokens repeat their position).
+    # [3, num_tokens] M-RoPE position ids of every token of the forward (text tokens repeat their position); None
+    # when no request of the forward carries M-RoPE positions (models without M-RoPE).
     mrope_positions: Optional[torch.Tensor] = None
     images: list[ImageChunk] = field(default_factory=list)
+    # Per sequence of the forward: the [start, end) sequence positions of each image whose tokens it extends
+    # (a model that lets an image's tokens attend to each other reads them).
+    image_spans: list[list[tuple[int, int]]] = field(default_factory=list)
 
 
 class RequestImages(Protocol):
     """What the builder reads of a request's multimodal inputs (multimodal/processor.py MultimodalInputs)."""
 
-    mrope_positions: torch.Tensor
+    mrope_positions: Optional[torch.Tensor]  # None: the model has no M-RoPE
     mrope_position_delta: int
     images: Sequence[Any]
 
@@ -52,23 +57,28 @@ def build_multimodal_forward(
     """
     if all(r is None for r in requests):
         return None
+    with_mrope = any(r is not None and r.mrope_positions is not None for r in requests)
     rows: list[torch.Tensor] = []
     chunks: list[ImageChunk] = []
+    spans: list[list[tuple[int, int]]] = []
     flat = 0
     for mm, prefix, ext in zip(requests, prefix_lens, extend_lens):
         end = prefix + ext
-        if mm is None:
+        seq_spans: list[tuple[int, int]] = []
+        spans.append(seq_spans)
+        if mm is None or mm.mrope_positions is None:
             rows.append(torch.arange(prefix, end).expand(3, -1))
-            flat += ext
-            continue
-        prompt_len = mm.mrope_positions.shape[1]
-        in_prompt = mm.mrope_positions[:, prefix:min(end, prompt_len)]
-        after = torch.arange(max(prefix, prompt_len), max(end, prompt_len)) + mm.mrope_position_delta
-        rows.append(torch.cat([in_prompt, after.expand(3, -1)], dim=1))
-        for image in mm.images:
+        else:
+            prompt_len = mm.mrope_positions.shape[1]
+            in_prompt = mm.mrope_positions[:, prefix:min(end, prompt_len)]
+            after = torch.arange(max(prefix, prompt_len), max(end, prompt_len)) + mm.mrope_position_delta
+            rows.append(torch.cat([in_prompt, after.expand(3, -1)], dim=1))
+        for image in (mm.images if mm is not None else []):
             lo, hi = max(prefix, image.offset), min(end, image.offset + image.num_tokens)
             if lo < hi:
                 chunks.append(ImageChunk(image.pixel_values, image.grid_thw, flat + lo - prefix,
                                          lo - image.offset, hi - lo))
+                seq_spans.append((image.offset, image.offset + image.num_tokens))
         flat += ext
-    return MultimodalForward(torch.cat(rows, dim=1).to(torch.int64), chunks)
+    mrope = torch.cat(rows, dim=1).to(torch.int64) if with_mrope else None
+    return MultimodalForward(mrope, chunks, spans)

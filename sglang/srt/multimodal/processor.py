@@ -16,7 +16,7 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -40,26 +40,53 @@ class MultimodalInputs:
     """The image part of one request, carried from the tokenizer manager to the scheduler."""
 
     images: list[ImageInput]
-    mrope_positions: torch.Tensor  # [3, prompt_len]
-    mrope_position_delta: int  # text positions after the prompt: sequence index + delta
+    prompt_len: int
+    mrope_positions: Optional[torch.Tensor] = None  # [3, prompt_len]; None for models without M-RoPE
+    mrope_position_delta: int = 0  # text positions after the prompt: sequence index + delta
 
     def first_image_offset(self) -> int:
         return self.images[0].offset if self.images else -1
 
 
+def saved_image_processor_config(model_dir: str) -> dict[str, Any]:
+    """The image processor settings a checkpoint ships: preprocessor_config.json (the hub's files), else the
+    "image_processor" part of processor_config.json (what transformers >= 5 writes); {} when it has neither."""
+    for name, part in (("preprocessor_config.json", None), ("processor_config.json", "image_processor")):
+        path = os.path.join(model_dir, name)
+        if os.path.isfile(path):
+            with open(path) as f:
+                saved = json.load(f)
+            saved = saved.get(part) if part else saved
+            if isinstance(saved, dict):
+                return saved
+    return {}
+
+
+class ImageProcessor(Protocol):
+    """What the tokenizer manager needs of a model's image processor."""
+
+    @property
+    def placeholder(self) -> str:
+        """What a chat prompt writes where an image goes."""
+        ...
+
+    def process(self, input_ids: list[int], images: list[Any]) -> tuple[list[int], MultimodalInputs]:
+        """(prompt ids with each image's tokens expanded and keyed by its pixels, the multimodal inputs)."""
+        ...
+
+
 class QwenVLImageProcessor:
     """Qwen2-VL / Qwen2.5-VL image preprocessing (the PIL implementation of transformers: no torchvision)."""
+
+    placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
 
     def __init__(self, model_dir: str, hf_config: Any, vocab_size: int) -> None:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-        kwargs: dict[str, Any] = {}
-        path = os.path.join(model_dir, "preprocessor_config.json")
-        if os.path.isfile(path):
-            with open(path) as f:
-                saved = json.load(f)
-            kwargs = {k: saved[k] for k in ("min_pixels", "max_pixels", "size", "patch_size", "merge_size",
-                                            "temporal_patch_size", "image_mean", "image_std") if k in saved}
+        saved = saved_image_processor_config(model_dir)
+        kwargs: dict[str, Any] = {k: saved[k] for k in ("min_pixels", "max_pixels", "size", "patch_size",
+                                                        "merge_size", "temporal_patch_size", "image_mean",
+                                                        "image_std") if k in saved}
         vision = hf_config.vision_config
         kwargs.setdefault("patch_size", vision.patch_size)
         kwargs.setdefault("merge_size", vision.spatial_merge_size)
@@ -96,14 +123,14 @@ class QwenVLImageProcessor:
             if length not in (1, n):
                 raise ValueError(f"an image placeholder has {length} pad tokens; expected 1 or {n}")
             ids.extend(input_ids[cursor:start])
-            cache_id = self.vocab_size + _pixel_hash(pixels, grid) % CACHE_ID_RANGE
+            cache_id = self.vocab_size + pixel_hash(pixels, grid) % CACHE_ID_RANGE
             inputs.append(ImageInput(pixels, grid, len(ids), n, cache_id))
             ids.extend([cache_id] * n)
             cursor = start + length
         ids.extend(input_ids[cursor:])
         positions, delta = mrope_prompt_positions(len(ids), [(im.offset, im.grid_thw) for im in inputs],
                                                   self.merge)
-        return ids, MultimodalInputs(inputs, positions, delta)
+        return ids, MultimodalInputs(inputs, len(ids), positions, delta)
 
 
 def _pad_runs(ids: list[int], pad_id: int) -> list[tuple[int, int]]:
@@ -122,15 +149,21 @@ def _pad_runs(ids: list[int], pad_id: int) -> list[tuple[int, int]]:
     return runs
 
 
-def _pixel_hash(pixels: torch.Tensor, grid: GridTHW) -> int:
+def pixel_hash(pixels: torch.Tensor, grid: GridTHW) -> int:
     digest = hashlib.sha256(repr(grid).encode())
     digest.update(pixels.contiguous().numpy().tobytes())
     return int.from_bytes(digest.digest()[:8], "little")
 
 
-def image_processor_for(model_dir: str, hf_config: Any, vocab_size: int) -> Optional[QwenVLImageProcessor]:
-    """The image processor of a vision-language model, None for a text-only model."""
+def image_processor_for(model_dir: str, hf_config: Any, vocab_size: int, tokenizer_path: Optional[str] = None
+                        ) -> Optional[ImageProcessor]:
+    """The image processor of a vision-language model, None for a text-only model. `tokenizer_path` (default:
+    model_dir) is read by the processors whose prompt expansion re-tokenizes text around an image."""
     architectures = list(getattr(hf_config, "architectures", None) or [])
     if any(a in ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration") for a in architectures):
         return QwenVLImageProcessor(model_dir, hf_config, vocab_size)
+    if "Gemma3ForConditionalGeneration" in architectures:
+        from sglang.srt.multimodal.gemma3_processor import Gemma3ImageInputProcessor
+
+        return Gemma3ImageInputProcessor(model_dir, hf_config, vocab_size, tokenizer_path or model_dir)
     return None

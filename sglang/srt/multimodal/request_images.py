@@ -12,7 +12,8 @@ NO_IMAGE_UNDERSTANDING = "image_data: this model does not accept images (it has 
 
 class RequestImages:
     def __init__(self, model_info: Any, server_args: Any) -> None:
-        self.processor = image_processor_for(model_info.model_dir, model_info.hf_config, model_info.vocab_size)
+        self.processor = image_processor_for(model_info.model_dir, model_info.hf_config, model_info.vocab_size,
+                                             getattr(server_args, "tokenizer_path", None))
         self.limits = ImageLimits.from_server_args(server_args)
 
     @property
@@ -22,7 +23,7 @@ class RequestImages:
     @property
     def placeholder(self) -> Optional[str]:
         """What a prompt writes where an image goes (None for a text-only model)."""
-        return "<|vision_start|><|image_pad|><|vision_end|>" if self.processor is not None else None
+        return self.processor.placeholder if self.processor is not None else None
 
     def prepare(self, input_ids: list[int], image_data: Any) -> tuple[list[int], Optional[MultimodalInputs]]:
         """(prompt ids with one token per image embedding, the multimodal inputs); unchanged without images.
@@ -52,7 +53,7 @@ def check_image_request(mm: Optional[MultimodalInputs], params: Any, return_logp
         raise ValueError("sampling_params.repetition_penalty is not supported together with image_data")
     last = mm.images[-1]
     image_end = last.offset + last.num_tokens
-    prompt_len = int(mm.mrope_positions.shape[1])
+    prompt_len = mm.prompt_len
     # Input logprobs start at logprob_start_len, or at the last prompt token when it is negative.
     start = prompt_len - 1 if logprob_start_len is None or logprob_start_len < 0 else logprob_start_len
     if return_logprob and start < image_end:
