@@ -16,6 +16,7 @@ from sglang.srt.model_executor import fused_cpu_decode
 from sglang.srt.model_loader.loader import load_model
 from sglang.srt.model_loader.mxfp4 import dequantize_mxfp4, dequantize_mxfp4_weights
 from sglang.srt.model_loader.q8_blocks import why_no_q8_0_blocks
+from sglang.srt.model_loader.quant_config import QuantizedCheckpointError, resolve_quantization
 from sglang.srt.model_loader.weights import iterate_weights
 from sglang.srt.models.gpt_oss import GptOssForCausalLM
 from sglang.srt.models.registry import architectures_of, get_model_class
@@ -207,6 +208,22 @@ def test_checkpoint_with_mxfp4_experts_matches_transformers(tmp_path, caplog):
         ours.load_weights([*dense.items(), *packed.items()])
     assert any("MXFP4 experts dequantized to" in r.getMessage() for r in caplog.records)
     check_prefill_and_cached_decode(reference, ours, config, prompt_of(25, 6), steps=3)
+
+    # The same tensors as a checkpoint on disk, its config naming the method as published: the loader lets the
+    # model read them (and --quantization mxfp4 names that method).
+    from safetensors.torch import save_file
+
+    published = tmp_path / "published"
+    published.mkdir()
+    config.quantization_config = {"quant_method": "mxfp4", "modules_to_not_convert": ["router", "self_attn"]}
+    config.save_pretrained(published)
+    save_file({name: t.contiguous() for name, t in {**dense, **packed}.items()}, str(published / "model.safetensors"))
+    assert resolve_quantization(str(published), None) is None
+    assert resolve_quantization(str(published), "mxfp4") is None
+    with pytest.raises(QuantizedCheckpointError, match="does not match"):
+        resolve_quantization(str(published), "gptq")
+    loaded = load_model(str(published), torch.float32, "cpu")
+    check_prefill_and_cached_decode(reference, loaded, config, prompt_of(25, 6), steps=3)
 
 
 def test_fast_cpu_paths_say_why_not(tmp_path):

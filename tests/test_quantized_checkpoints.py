@@ -159,7 +159,8 @@ def test_blocks_plan_loads_the_dequantized_weights_in_the_checkpoint_dtype_and_l
 
     if not kernels_available():
         pytest.skip("the compiled GGUF kernels are unavailable")
-    _, quant_dir, _, _ = build_quantized(tmp_path, "gptq-4bit-g32-sym")
+    # act-order group indices: no blocks of its own (tests/test_quantized_blocks.py), Q8_0 blocks made at load
+    _, quant_dir, _, _ = build_quantized(tmp_path, "gptq-4bit-g128-asym-desc_act")
     plan = choose_arithmetic("cpu", cpu_flags=BF16_VNNI_FLAGS, measurements={"float32": 0.5, "bfloat16": 1.0,
                                                                               "int8": 0.1},
                              small_batch_quantization="q8_0", large_batch_weights="blocks")
@@ -168,8 +169,8 @@ def test_blocks_plan_loads_the_dequantized_weights_in_the_checkpoint_dtype_and_l
     attach_fast_paths(model, None, model.config, 8, plan)
     assert all(isinstance(m.linear_method, GGUFLinearMethod) for m in model.modules() if isinstance(m, Linear))
     line = describe_weights(model)
-    assert line.startswith("Weights: GPTQ 4-bit, group 32, symmetric, dequantized to float16 at load, then served "
-                           "as "), line
+    assert line.startswith("Weights: GPTQ 4-bit, group 128, desc_act, asymmetric, dequantized to float16 at load, "
+                           "then served as "), line
     assert "Q8_0 blocks" in line
 
 

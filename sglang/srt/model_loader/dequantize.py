@@ -1,11 +1,12 @@
-"""Dequantize one linear weight of a GPTQ, AWQ, FP8 or compressed-tensors checkpoint, as each format publishes it.
+"""Read one linear weight of a GPTQ, AWQ, FP8 or compressed-tensors checkpoint, as each format publishes it.
 
-Every function returns the float32 weight [out_features, in_features] (the caller rounds it once to the
-checkpoint's dtype): the integer part minus its zero point, times its scale, where each value's scale and zero
-point come from its group, channel, block or the whole tensor. The products are exact in float32 for the integer
-formats (at most 9 significant bits of value times 11 of an fp16 / 8 of a bf16 scale), so the result is the
-format's own dequantization in its scale dtype. Shapes are checked against each other; a mismatch raises
-QuantizedCheckpointError naming the tensor.
+Every function returns the weight's `AffineWeight`: its values [out_features, in_features] unpacked, with the zero
+point and scale of each value, which come from its group, channel, block or the whole tensor. Its `dequantize()` is
+the float32 weight (the caller rounds it once to the checkpoint's dtype): the value minus its zero point, times its
+scale; model_loader/int_blocks.py repacks the same integers into Q4_1 / Q8_0 blocks instead. The products are exact
+in float32 for the integer formats (at most 9 significant bits of value times 11 of an fp16 / 8 of a bf16 scale), so
+the result is the format's own dequantization in its scale dtype. Shapes are checked against each other; a mismatch
+raises QuantizedCheckpointError naming the tensor.
 """
 
 from __future__ import annotations
@@ -88,8 +89,28 @@ def _check(ok: bool, name: str, tensor: torch.Tensor, expected: str) -> None:
         raise QuantizedCheckpointError(f"Checkpoint tensor {name} has shape {list(tensor.shape)}; expected {expected}")
 
 
-def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, layout: ScaleLayout,
-                    bits: int, zero_offset: int, names: dict[str, str]) -> torch.Tensor:
+@dataclass(frozen=True)
+class AffineWeight:
+    """One linear weight as a checkpoint stores it: (values - zero) * scale, values [out, in] (integers, or fp8 values
+    for the float formats), zero (None: 0) and scale float32 broadcasting over [out, in] (one per value, row or the
+    whole tensor); `scale_dtype` is the dtype the scales are stored in. Integer values are unsigned (GPTQ, AWQ) or
+    signed (compressed-tensors), `bits` wide."""
+
+    values: torch.Tensor
+    zero: Optional[torch.Tensor]
+    scale: torch.Tensor
+    scale_dtype: torch.dtype
+    bits: int
+    signed: bool
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [out, in]."""
+        centred = self.values.to(torch.float32) if self.zero is None else self.values.to(torch.float32) - self.zero
+        return centred * self.scale
+
+
+def gptq_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, layout: ScaleLayout,
+                  bits: int, zero_offset: int, names: dict[str, str]) -> AffineWeight:
     """GPTQ: qweight int32 [in / per_word, out] packed along the input, qzeros int32 [groups, out / per_word] packed
     along the output, scales [groups, out]; weight = (q - (zero + zero_offset)) * scale of the column's group."""
     per_word = 32 // bits
@@ -101,12 +122,12 @@ def dequantize_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.T
     _check(tuple(scales.shape) == (num_groups, out_f), names["scales"], scales, f"{[num_groups, out_f]}")
     q = unpack_int32(qweight, bits, 0).t()
     zeros = unpack_int32(qzeros, bits, 1)[:, :out_f].t() + zero_offset
-    return _affine(q, layout.expand(zeros, out_f, in_f, names["qzeros"]),
-                   layout.expand(scales.t(), out_f, in_f, names["scales"]))
+    return AffineWeight(q, layout.expand(zeros, out_f, in_f, names["qzeros"]),
+                        layout.expand(scales.t(), out_f, in_f, names["scales"]), scales.dtype, bits, signed=False)
 
 
-def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, layout: ScaleLayout,
-                   names: dict[str, str]) -> torch.Tensor:
+def awq_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, layout: ScaleLayout,
+                 names: dict[str, str]) -> AffineWeight:
     """AWQ GEMM: qweight int32 [in, out / 8] and qzeros int32 [groups, out / 8] packed along the output in
     AWQ_PACK_ORDER, scales [groups, out]; weight = (q - zero) * scale of the column's group."""
     in_f, out_f = qweight.shape[0], qweight.shape[1] * 8
@@ -116,8 +137,8 @@ def dequantize_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
     _check(tuple(scales.shape) == (num_groups, out_f), names["scales"], scales, f"{[num_groups, out_f]}")
     q = _awq_columns(unpack_int32(qweight, 4, 1)).t()
     zeros = _awq_columns(unpack_int32(qzeros, 4, 1)).t()
-    return _affine(q, layout.expand(zeros, out_f, in_f, names["qzeros"]),
-                   layout.expand(scales.t(), out_f, in_f, names["scales"]))
+    return AffineWeight(q, layout.expand(zeros, out_f, in_f, names["qzeros"]),
+                        layout.expand(scales.t(), out_f, in_f, names["scales"]), scales.dtype, 4, signed=False)
 
 
 def _awq_columns(nibbles: torch.Tensor) -> torch.Tensor:
@@ -127,23 +148,22 @@ def _awq_columns(nibbles: torch.Tensor) -> torch.Tensor:
     return nibbles.reshape(rows, -1, 8)[:, :, position_of_column].reshape(rows, -1)
 
 
-def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, layout: ScaleLayout,
-                   names: dict[str, str]) -> torch.Tensor:
+def fp8_weight(weight: torch.Tensor, scale: torch.Tensor, layout: ScaleLayout, names: dict[str, str]) -> AffineWeight:
     """FP8: weight float8 [out, in] times its scale (one, one per row, or one per block: `weight_scale_inv`, which
     despite its name multiplies, as DeepSeek's and Qwen's checkpoints use it)."""
     _check(weight.dtype in FP8_DTYPES and weight.dim() == 2, names["weight"], weight, "a 2-d float8 tensor")
     out_f, in_f = weight.shape
-    return weight.to(torch.float32) * layout.expand(scale, out_f, in_f, names["scale"])
+    return AffineWeight(weight, None, layout.expand(scale, out_f, in_f, names["scale"]), scale.dtype, 8, signed=True)
 
 
-def dequantize_compressed(values: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.Tensor],
-                          layout: ScaleLayout, names: dict[str, str]) -> torch.Tensor:
+def compressed_weight(values: torch.Tensor, scale: torch.Tensor, zero_point: Optional[torch.Tensor],
+                      layout: ScaleLayout, bits: int, names: dict[str, str]) -> AffineWeight:
     """compressed-tensors: (value - zero_point) * scale; `values` are the signed integers (or fp8 values) of the
     [out, in] weight, `zero_point` already unpacked (None: symmetric)."""
     out_f, in_f = values.shape
     s = layout.expand(scale, out_f, in_f, names["scale"])
     z = layout.expand(zero_point, out_f, in_f, names["zero_point"]) if zero_point is not None else None
-    return _affine(values, z, s)
+    return AffineWeight(values, z, s, scale.dtype, bits, signed=True)
 
 
 def unpack_compressed(packed: torch.Tensor, shape: torch.Tensor, bits: int, names: dict[str, str]) -> torch.Tensor:
@@ -166,8 +186,3 @@ def unpack_compressed_zero_point(zero_point: torch.Tensor, out_f: int, bits: int
     _check(zero_point.dim() == 2 and zero_point.shape[0] == math.ceil(out_f / per_word), name, zero_point,
            f"{math.ceil(out_f / per_word)} packed rows for {out_f} output rows")
     return unpack_int32(zero_point, bits, 0)[:out_f] - (1 << (bits - 1))
-
-
-def _affine(values: torch.Tensor, zero: Optional[torch.Tensor], scale: torch.Tensor) -> torch.Tensor:
-    centred = values.to(torch.float32) if zero is None else values.to(torch.float32) - zero
-    return centred * scale

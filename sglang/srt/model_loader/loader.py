@@ -12,8 +12,10 @@ import torch
 from torch import nn
 
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
+from sglang.srt.model_loader.checkpoint_blocks import QuantizedSource
 from sglang.srt.model_loader.config_overrides import layers_in_config
-from sglang.srt.model_loader.weights import iterate_weights
+from sglang.srt.model_loader.quant_config import resolve_quantization
+from sglang.srt.model_loader.weights import iterate_weights, weight_files
 from sglang.srt.models.registry import architectures_of, get_model_class
 
 logger = logging.getLogger(__name__)
@@ -62,6 +64,9 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device, c
         if isinstance(module, RotaryEmbedding):
             module.rebuild_cache(device)
     model.load_weights(layers_in_config(iterate_weights(model_dir), config))
+    scheme = resolve_quantization(model_dir, None)
+    if scheme is not None:  # where the plan makes blocks, they come from the checkpoint's integers
+        model.quantized_checkpoint = QuantizedSource(weight_files(model_dir), scheme)
     model.requires_grad_(False)
     model.eval()
     logger.info(

@@ -10,7 +10,9 @@ about as much of each weight as bf16 does (a relative rounding of at most 1/254 
 and only batches of at most `max_rows` rows use it; prefill and larger batches keep the float weights (or their
 bf16 copies: model_loader/gemm_methods.py).
 
-The arithmetic plan (layers/arithmetic.py) decides where this applies: `--small-batch-quantization`.
+The arithmetic plan (layers/arithmetic.py) decides where this applies: `--small-batch-quantization`. A model read
+from a GPTQ / AWQ / compressed-tensors checkpoint gets blocks made exactly from the checkpoint's integers there
+instead, where its format has them (model_loader/checkpoint_blocks.py, model_loader/int_blocks.py).
 
 With `--large-batch-weights blocks` (the plan's choice on CPUs with native bf16) the blocks are the layers' only
 weights: the model is loaded with its linear weights in the checkpoint's dtype (`keep_linears_in`, so
@@ -162,6 +164,10 @@ def attach_q8_0_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlock
     moves most of the log-probability error, benchmarks/weight_format_accuracy.py) for batches of at most
     `max_rows` rows; returns the bytes attached (0 when it does not apply, with the reason logged).
 
+    A model loaded from a GPTQ / AWQ / compressed-tensors checkpoint whose integers make blocks gets those instead
+    (model_loader/checkpoint_blocks.py), exactly its own weights: its float weights, where they stay for large
+    batches, are set to the blocks' values, so that every batch computes with the same weights.
+
     `large`: no float weights are kept. Each layer's large batches run the method `large` makes from its blocks and
     float weight (the GEMM over the blocks, or an int8 copy whose outlier columns come from the blocks), and the
     float weight is released as soon as that is made, so the model never holds all of it twice."""
@@ -170,18 +176,52 @@ def attach_q8_0_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlock
         logger.info("No %s blocks for small batches: %s", qtype, reason)
         return 0
     dtype = model.model.embed_tokens.weight.dtype
-    attached = 0
-    for module in _decoder_linears(model):
-        weight = quantize_blocks(module.weight, qtype)
-        module.set_linear_method(blocks_method(module, weight, max_rows, large, dtype))
-        attached += weight.nbytes
     head = getattr(model, "lm_head", None)
     processor = getattr(model, "logits_processor", None)
-    if head is not None and processor is not None and head.weight.shape[1] % QK == 0:
-        weight = quantize_blocks(head.weight, "Q8_0")  # as llama.cpp keeps a Q4 model's output weight wider
-        release = dtype if _untied_head(model) is not None else None
-        processor.set_head_method(blocks_method(head, weight, max_rows, large, release))
-        attached += weight.nbytes
+    with_head = head is not None and processor is not None and head.weight.shape[1] % QK == 0
+    source = getattr(model, "quantized_checkpoint", None)
+    from_file: dict[int, Any] = {}
+    if source is not None:
+        from sglang.srt.model_loader.checkpoint_blocks import checkpoint_blocks
+
+        found = checkpoint_blocks(model, source, _decoder_linears(model), [head] if with_head else [])
+        from_file = found if isinstance(found, dict) else {}
+
+    def make(module: nn.Module, fallback: str) -> GGUFLinearMethod:
+        own_weight = module is not head or _untied_head(model) is not None  # not the input embeddings
+        raw = from_file.pop(id(module), None)  # packed below: the raw copy goes
+        if raw is None:
+            weight = quantize_blocks(module.weight, fallback)  # type: ignore[arg-type]
+        else:
+            assert source is not None
+            weight = GGUFQuantWeight(*raw)
+            source.served[id(weight.packed)] = weight.qtype
+            if large is None and own_weight:  # the float weight serves large batches: the blocks' values then
+                with torch.no_grad():
+                    module.weight.copy_(weight.dequantize())  # type: ignore[operator]
+        release = dtype if own_weight else None
+        return blocks_method(module, weight, max_rows, large, release, from_file=raw is not None)
+
+    attached = made_here = 0
+    made_types: set[str] = set()
+    for module, fallback in [(m, qtype) for m in _decoder_linears(model)] + ([(head, "Q8_0")] if with_head else []):
+        # the LM head Q8_0 as llama.cpp keeps a Q4 model's output weight wider
+        from_checkpoint = id(module) in from_file
+        method = make(module, fallback)
+        if module is head:
+            processor.set_head_method(method)
+        else:
+            module.set_linear_method(method)
+        attached += method.quant_weight.nbytes
+        if not from_checkpoint:
+            made_here += method.quant_weight.nbytes
+            made_types.add(method.quant_weight.qtype)
     what = "every matmul (no float weights kept)" if large is not None else f"matmuls of up to {max_rows} rows"
-    logger.info("Attached %.1f MB of %s blocks (quantized at load) for %s", attached / 2**20, qtype, what)
+    if source is not None:
+        from sglang.srt.model_loader.checkpoint_blocks import log_outcome
+
+        log_outcome(source, found, attached - made_here, what)
+    if made_here:
+        logger.info("Attached %.1f MB of %s blocks (quantized at load) for %s", made_here / 2**20,
+                    "/".join(sorted(made_types)), what)
     return attached

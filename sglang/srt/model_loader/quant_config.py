@@ -3,7 +3,9 @@
 A checkpoint says how its linear weights are stored in `config.json`'s `quantization_config` (older GPTQ and AWQ
 exports keep it in `quantize_config.json` / `quant_config.json` beside it). The engine reads GPTQ, AWQ, FP8 and
 compressed-tensors checkpoints by dequantizing each quantized weight to the checkpoint's float dtype as it is read
-(model_loader/quantized_weights.py); the model then serves those weights through its usual paths. `--quantization`
+(model_loader/quantized_weights.py); where the plan makes blocks for small batches, 4- and 8-bit integer weights are
+then served from Q4_1 / Q8_0 blocks made exactly from their integers (model_loader/checkpoint_blocks.py), else the
+model serves the dequantized weights through its usual paths. `--quantization`
 takes SGLang's method names: a supported one must agree with what the checkpoint holds.
 """
 
@@ -23,12 +25,15 @@ from sglang.srt.model_loader.dtype import checkpoint_dtype, dtype_name
 # kernel, not a format: the checkpoints are plain GPTQ / AWQ).
 FLAG_METHODS = {
     "gptq": "gptq", "gptq_marlin": "gptq", "awq": "awq", "awq_marlin": "awq", "fp8": "fp8",
-    "compressed-tensors": "compressed-tensors", "gguf": "gguf",
+    "compressed-tensors": "compressed-tensors", "gguf": "gguf", "mxfp4": "mxfp4",
 }
+# Methods whose tensors the model's own weight loader reads (GPT-OSS's MXFP4 experts: model_loader/mxfp4.py): the
+# checkpoint loads as a float one, and those tensors reach the model as published.
+MODEL_READ_METHODS = ("mxfp4",)
 # SGLang's other quantization methods: accepted names, refused with a clear message.
 UNSUPPORTED_METHODS = (
     "aqlm", "bitsandbytes", "blockwise_int8", "deepspeedfp", "experts_int8", "fbgemm_fp8", "gptq_marlin_24", "marlin",
-    "mixed_precision", "modelopt", "modelopt_fp4", "moe_wna16", "mxfp4", "petit_nvfp4", "qoq", "qqq", "torchao",
+    "mixed_precision", "modelopt", "modelopt_fp4", "moe_wna16", "petit_nvfp4", "qoq", "qqq", "torchao",
     "tpu_int8", "w4afp8", "w8a8_fp8", "w8a8_int8",
 )
 READ_METHODS = ("gptq", "awq", "fp8", "compressed-tensors")
@@ -182,7 +187,7 @@ def resolve_quantization(model_dir: str, requested: Optional[str], from_gguf: bo
         raise QuantizedCheckpointError(
             f"--quantization {requested} does not match the checkpoint: {where}; drop --quantization or pass the "
             "checkpoint's method")
-    if found is None:
+    if found is None or method in MODEL_READ_METHODS:
         return None
     return parse_scheme(found[0], found[1])
 

@@ -6,7 +6,8 @@ A quantized linear layer `P` is stored as several tensors (GPTQ / AWQ: `P.qweigh
 several shard files. All names are listed first (safetensors headers only) and checked: every quantized weight has
 the tensors it needs, no scale is left without its weight. Then, in file order, each quantized weight is read with
 its companions, dequantized (model_loader/dequantize.py), rounded to the checkpoint's dtype and yielded as `P.weight`;
-every other tensor passes through as it is stored. Only one weight is ever held dequantized.
+every other tensor passes through as it is stored. Only one weight is ever held dequantized. `iterate_quantized`
+reads the same weights unpacked, for the blocks made from their integers (model_loader/int_blocks.py).
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ import torch
 
 from sglang.srt.model_loader.dequantize import (
     FP8_DTYPES,
+    AffineWeight,
     ScaleLayout,
-    dequantize_awq,
-    dequantize_compressed,
-    dequantize_fp8,
-    dequantize_gptq,
+    awq_weight,
+    compressed_weight,
+    fp8_weight,
+    gptq_weight,
     unpack_compressed,
     unpack_compressed_zero_point,
 )
@@ -147,7 +149,7 @@ def iterate_dequantized(files: list[Path], scheme: Scheme, dtype: torch.dtype) -
         module, _, leaf = name.rpartition(".")
         primary = plan.get(module)
         if primary == leaf:
-            weight = _dequantize(scheme, module, primary, store.get)
+            weight = read_weight(scheme, module, primary, store.get).dequantize()
             yield f"{module}.weight", weight.to(dtype)
             del weight
         elif primary is not None and leaf in companions:
@@ -167,26 +169,37 @@ def iterate_dequantized(files: list[Path], scheme: Scheme, dtype: torch.dtype) -
     logger.info("Dequantized %d %s weights to %s as they were read", len(plan), scheme.method, dtype_name(dtype))
 
 
-def _dequantize(scheme: Scheme, module: str, primary: str, fetch: Fetch) -> torch.Tensor:
+def iterate_quantized(files: list[Path], scheme: Scheme) -> Iterator[tuple[str, AffineWeight]]:
+    """(module, its weight as stored) for every quantized weight of the checkpoint `files`, in file order."""
+    store = TensorStore(files)
+    plan = plan_quantized_modules(store.names, scheme)
+    for name in store.names:
+        module, _, leaf = name.rpartition(".")
+        if plan.get(module) == leaf:
+            yield module, read_weight(scheme, module, leaf, store.get)
+
+
+def read_weight(scheme: Scheme, module: str, primary: str, fetch: Fetch) -> AffineWeight:
+    """The quantized weight of `module` (its tensor `primary` and companions, read with `fetch`), unpacked."""
     names = {leaf: f"{module}.{leaf}" for leaf in ("qweight", "qzeros", "scales", "g_idx", "weight")}
     if isinstance(scheme, GPTQScheme):
         g_idx = _optional(fetch, f"{module}.g_idx")
         layout = ScaleLayout("group", scheme.group_size, g_idx, names["g_idx"])
-        return dequantize_gptq(fetch(names["qweight"]), fetch(names["qzeros"]), fetch(names["scales"]), layout,
-                               scheme.bits, scheme.zero_offset, names)
+        return gptq_weight(fetch(names["qweight"]), fetch(names["qzeros"]), fetch(names["scales"]), layout,
+                           scheme.bits, scheme.zero_offset, names)
     if isinstance(scheme, AWQScheme):
-        return dequantize_awq(fetch(names["qweight"]), fetch(names["qzeros"]), fetch(names["scales"]),
-                              ScaleLayout("group", scheme.group_size), names)
+        return awq_weight(fetch(names["qweight"]), fetch(names["qzeros"]), fetch(names["scales"]),
+                          ScaleLayout("group", scheme.group_size), names)
     if isinstance(scheme, FP8Scheme):
         scale_name = f"{module}.weight_scale_inv" if scheme.block else f"{module}.weight_scale"
         scale = fetch(scale_name)
         layout = ScaleLayout("block", block=scheme.block) if scheme.block else ScaleLayout(
             "tensor" if scale.numel() == 1 else "channel")
-        return dequantize_fp8(fetch(names["weight"]), scale, layout, {"weight": names["weight"], "scale": scale_name})
-    return _dequantize_compressed(scheme, module, primary, fetch)
+        return fp8_weight(fetch(names["weight"]), scale, layout, {"weight": names["weight"], "scale": scale_name})
+    return _read_compressed(scheme, module, primary, fetch)
 
 
-def _dequantize_compressed(scheme: CTScheme, module: str, primary: str, fetch: Fetch) -> torch.Tensor:
+def _read_compressed(scheme: CTScheme, module: str, primary: str, fetch: Fetch) -> AffineWeight:
     weights = scheme.weights_for(module)
     assert weights is not None  # plan_quantized_modules checked it
     names = {"packed": f"{module}.weight_packed", "shape": f"{module}.weight_shape", "weight": f"{module}.weight",
@@ -205,7 +218,7 @@ def _dequantize_compressed(scheme: CTScheme, module: str, primary: str, fetch: F
         zero_point = unpack_compressed_zero_point(zero_point, values.shape[0], weights.num_bits, names["zero_point"])
     layout = ScaleLayout(weights.strategy, weights.group_size, _optional(fetch, f"{module}.weight_g_idx"),
                          f"{module}.weight_g_idx", weights.block)
-    return dequantize_compressed(values, fetch(names["scale"]), zero_point, layout, names)
+    return compressed_weight(values, fetch(names["scale"]), zero_point, layout, weights.num_bits, names)
 
 
 def _optional(fetch: Fetch, name: str) -> Optional[torch.Tensor]:

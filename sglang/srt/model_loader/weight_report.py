@@ -18,12 +18,15 @@ from sglang.srt.model_loader.dtype import dtype_name
 from sglang.srt.model_loader.quant_config import describe_checkpoint_quantization
 
 
-def _method_copies(method: LinearMethod) -> list[tuple[Any, str, int]]:
-    """(identity, format, bytes) of the weight forms a linear method holds beside the layer's own parameter."""
+def _method_copies(method: LinearMethod, from_checkpoint: dict[int, str], method_read: str) -> list[
+        tuple[Any, str, int]]:
+    """(identity, format, bytes) of the weight forms a linear method holds beside the layer's own parameter; blocks
+    made from a quantized checkpoint's integers (ids in `from_checkpoint`) named for the `method_read`."""
     out: list[tuple[Any, str, int]] = []
     if isinstance(method, GGUFLinearMethod):
         qw = method.quant_weight
-        out.append((id(qw.packed), f"{qw.qtype} blocks", qw.nbytes))
+        origin = f" from the {method_read} checkpoint" if id(qw.packed) in from_checkpoint else ""
+        out.append((id(qw.packed), f"{qw.qtype} blocks{origin}", qw.nbytes))
         method = method.large
     nbytes = int(getattr(method, "nbytes", 0) or 0)
     if nbytes:
@@ -35,6 +38,8 @@ def weight_bytes_by_format(model: nn.Module) -> dict[str, int]:
     """Format name -> bytes held, largest first: parameters by dtype, then each kind of block or copy."""
     totals: dict[str, int] = {}
     seen: set[Any] = set()
+    source = getattr(model, "quantized_checkpoint", None)
+    from_checkpoint, method_read = (source.served, source.scheme.method) if source is not None else ({}, "")
     for param in model.parameters():
         if param.device.type == "meta" or id(param) in seen:
             continue
@@ -42,7 +47,7 @@ def weight_bytes_by_format(model: nn.Module) -> dict[str, int]:
         name = dtype_name(param.dtype)
         totals[name] = totals.get(name, 0) + param.numel() * param.element_size()
     for method in linear_methods(model):
-        for key, name, nbytes in _method_copies(method):
+        for key, name, nbytes in _method_copies(method, from_checkpoint, method_read):
             if key not in seen:
                 seen.add(key)
                 totals[name] = totals.get(name, 0) + nbytes
@@ -51,10 +56,15 @@ def weight_bytes_by_format(model: nn.Module) -> dict[str, int]:
 
 def describe_weights(model: nn.Module) -> str:
     """One log line: `Weights: 2.21 GB as Q8_0 blocks 1.80 GB, float32 0.41 GB`; for a quantized checkpoint what was
-    read first: `Weights: GPTQ 4-bit, group 128, ..., dequantized to bfloat16 at load, then served as ...`."""
+    read first: `Weights: GPTQ 4-bit, group 128, ..., dequantized to bfloat16 at load, then served as ...`, or
+    `Weights: GPTQ 4-bit, group 128, ..., served from its own Q4_1 blocks: 0.93 GB as Q4_1 blocks from the gptq
+    checkpoint 0.80 GB, ...` where blocks were made from its integers (model_loader/checkpoint_blocks.py)."""
     by_format = weight_bytes_by_format(model)
     parts = ", ".join(f"{name} {nbytes / 1e9:.2f} GB" for name, nbytes in by_format.items())
     total = sum(by_format.values()) / 1e9
+    source = getattr(model, "quantized_checkpoint", None)
+    if source is not None and source.served:
+        return f"Weights: {source.describe()}: {total:.2f} GB as {parts}"
     read = describe_checkpoint_quantization(getattr(model, "config", None))
     if read:
         return f"Weights: {read}, then served as {parts or 'nothing'} ({total:.2f} GB)"
