@@ -187,10 +187,10 @@ def test_prefix_keys_differ_per_adapter_and_admission_limit(tiny):
     assert not limited.admits("attn", ["a", "b"]) and limited.admits("attn", ["a", None])
 
 
-def test_unloading_an_adapter_in_use_is_refused(tiny):
+def test_unloading_an_adapter_in_use_waits_for_its_requests(tiny):
     from types import SimpleNamespace
 
-    from sglang.srt.managers.io_struct import UnloadLoRAAdapterReqInput
+    from sglang.srt.managers.io_struct import LoRAUpdateResult, UnloadLoRAAdapterReqInput
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.managers.scheduler.lora import LoraControl
     from sglang.srt.sampling.sampling_params import SamplingParams
@@ -198,14 +198,21 @@ def test_unloading_an_adapter_in_use_is_refused(tiny):
     *_, manager, dirs = tiny
     manager.load("extra", dirs["a"])
     req = Req("r", [1, 2, 3], SamplingParams(), set(), 0, lora_path="extra")
+    replies: list = []
     sched = SimpleNamespace(waiting=[req], running=[], chunked_req=None, grammar_queue=SimpleNamespace(pending=[]),
-                            runner=SimpleNamespace(lora_state=None))
+                            runner=SimpleNamespace(lora_state=None),
+                            send_to_detokenizer=SimpleNamespace(send_pyobj=replies.append))
     control = LoraControl(sched, manager)  # type: ignore[arg-type]
     assert control.check_request(req) is None and req.lora_uid == manager.uids["extra"]
-    result = control.handle(UnloadLoRAAdapterReqInput("extra"))
-    assert not result.success and "in use by 1 queued or running requests" in (result.error_message or "")
+    assert control.handle(UnloadLoRAAdapterReqInput("extra")) is None  # answered once the request finished
+    control.run_pending()
+    assert replies == [] and "extra" in manager.loaded()
+    late = Req("late", [1], SamplingParams(), set(), 0, lora_path="extra")
+    assert "being unloaded" in (control.check_request(late) or "")
     sched.waiting = []
-    assert control.handle(UnloadLoRAAdapterReqInput("extra")).success and "extra" not in manager.loaded()
+    control.run_pending()
+    assert len(replies) == 1 and isinstance(replies[0], LoRAUpdateResult) and replies[0].success
+    assert "extra" not in manager.loaded()
     unknown = Req("u", [1], SamplingParams(), set(), 0, lora_path="extra")
     assert "lora_path" in (control.check_request(unknown) or "")
 

@@ -170,10 +170,17 @@ class ServerArgs:
     max_loras_per_batch: int = 8
     max_lora_rank: int = 64
     lora_target_modules: Optional[list[str]] = None
-    # Speculative decoding (sglang/srt/speculative/): only NGRAM, which drafts from the request's own tokens and a
-    # bounded cache of recent requests' tokens (no draft model). The draft is a chain: the BFS/PROB tree knobs are
-    # accepted for compatibility and do not change it.
+    # At most this many adapters' weights in memory (None: all); beyond it one is evicted by the policy (lru, fifo),
+    # never a pinned one nor one in use, and read again from its path when a request needs it (lora/pool.py).
+    max_loaded_loras: Optional[int] = None
+    lora_eviction_policy: str = "lru"
+    # Speculative decoding (sglang/srt/speculative/): NGRAM, which drafts from the request's own tokens and a
+    # bounded cache of recent requests' tokens (no draft model), or STANDALONE, where a draft model proposes. The
+    # draft is a chain: the BFS/PROB tree knobs are accepted for compatibility and do not change it.
     speculative_algorithm: Optional[str] = None
+    speculative_draft_model_path: Optional[str] = None
+    speculative_num_steps: Optional[int] = None
+    speculative_eagle_topk: Optional[int] = None
     speculative_num_draft_tokens: Optional[int] = None
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
@@ -262,6 +269,9 @@ class ServerArgs:
             raise ValueError(f"--max-loras-per-batch must be at least 1, got {self.max_loras_per_batch}")
         if self.max_lora_rank < 1:
             raise ValueError(f"--max-lora-rank must be at least 1, got {self.max_lora_rank}")
+        if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
+            raise ValueError(f"--max-loaded-loras ({self.max_loaded_loras}) must be at least --max-loras-per-batch "
+                             f"({self.max_loras_per_batch})")
         if (self.enable_lora or self.lora_paths) and self.tp_size > 1:
             raise ValueError("--enable-lora / --lora-paths: LoRA serving runs with --tp-size 1 only")
         if (self.enable_lora or self.lora_paths) and self.speculative_algorithm:
@@ -317,6 +327,7 @@ _CHOICES = {
     "load_balance_method": ["round_robin", "shortest_queue", "cache_aware", "minimum_tokens"],
 }
 _CHOICES["speculative_ngram_match_type"] = ["BFS", "PROB"]
+_CHOICES["lora_eviction_policy"] = ["lru", "fifo"]
 _HELP = SPECULATIVE_HELP
 
 

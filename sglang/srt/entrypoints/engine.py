@@ -180,12 +180,13 @@ class Engine:
         obj = parse_update_request({"model_path": model_path, "load_format": load_format})
         return self.loop.run_until_complete(update_weights_from_disk(self.tokenizer_manager, obj))
 
-    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict:
-        """Serve the PEFT adapter at `lora_path` as `lora_name`; the /load_lora_adapter result as a dict."""
-        return self._update_lora({"lora_name": lora_name, "lora_path": lora_path}, load=True)
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> dict:
+        """Serve the PEFT adapter at `lora_path` as `lora_name` (`pinned`: never evicted from memory); the
+        /load_lora_adapter result as a dict."""
+        return self._update_lora({"lora_name": lora_name, "lora_path": lora_path, "pinned": pinned}, load=True)
 
     def unload_lora_adapter(self, lora_name: str) -> dict:
-        """Stop serving `lora_name` (refused while requests using it are queued or running)."""
+        """Stop serving `lora_name`, once the requests already using it finished."""
         return self._update_lora({"lora_name": lora_name}, load=False)
 
     def _update_lora(self, body: dict, load: bool) -> dict:

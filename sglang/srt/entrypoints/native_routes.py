@@ -26,6 +26,7 @@ from sglang.srt.entrypoints.body_schemas import (
 from sglang.srt.entrypoints.responses import ORJSONResponse
 from sglang.srt.entrypoints.server_state import model_card, native_error, read_json, server_state, timed_handler
 from sglang.srt.entrypoints.sse import open_stream, sse_json, sse_response
+from sglang.srt.lora.client import adapter_model_cards
 from sglang.srt.managers.data_parallel import merge_states
 from sglang.srt.managers.generate_input import GenerateReqInput
 from sglang.version import __version__
@@ -249,7 +250,8 @@ async def metrics(request: Request):
 @router.get("/v1/models")
 async def list_models(request: Request):
     state = server_state(request)
-    return ORJSONResponse({"object": "list", "data": [model_card(state)]})
+    card = model_card(state)
+    return ORJSONResponse({"object": "list", "data": [card, *adapter_model_cards(card, state.tm.lora_adapters)]})
 
 
 def _health_timeout() -> float:

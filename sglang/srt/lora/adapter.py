@@ -117,16 +117,48 @@ def load_adapter(name: str, path: str, max_rank: int, allowed_modules: tuple[str
     return LoraAdapter(name, path, rank, scaling, targets, weights)
 
 
-def parse_lora_paths(values: list[str]) -> dict[str, str]:
-    """`--lora-paths` entries, `name=path` or a bare path (named by itself), as SGLang accepts them."""
-    out: dict[str, str] = {}
+@dataclass(frozen=True)
+class LoraSpec:
+    """One adapter to serve: its name, its PEFT directory, and whether it stays in memory for good."""
+
+    name: str
+    path: str
+    pinned: bool = False
+
+
+def _parse_lora_spec(value: str) -> LoraSpec:
+    if value.lstrip().startswith("{"):
+        try:
+            entry = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise LoraAdapterError(f"--lora-paths entry {value!r} is not valid JSON: {e}") from None
+        name, path, pinned = entry.get("lora_name"), entry.get("lora_path"), entry.get("pinned", False)
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise LoraAdapterError(f"--lora-paths entry {value!r} needs non-empty lora_name and lora_path strings")
+        if not isinstance(pinned, bool):
+            raise LoraAdapterError(f"--lora-paths entry {value!r}: pinned must be true or false")
+        return LoraSpec(name, path, pinned)
+    name, sep, path = value.partition("=")
+    if not sep:
+        name = path = value
+    if not name or not path:
+        raise LoraAdapterError(f"--lora-paths entry {value!r} must be NAME=PATH, PATH, or "
+                               '{"lora_name": ..., "lora_path": ..., "pinned": ...}')
+    return LoraSpec(name, path)
+
+
+def parse_lora_specs(values: list[str]) -> list[LoraSpec]:
+    """`--lora-paths` entries as SGLang accepts them: `name=path`, a bare path (named by itself), or the JSON
+    object `{"lora_name", "lora_path", "pinned"}`."""
+    specs: list[LoraSpec] = []
     for value in values:
-        name, sep, path = value.partition("=")
-        if not sep:
-            name = path = value
-        if not name or not path:
-            raise LoraAdapterError(f"--lora-paths entry {value!r} must be NAME=PATH or PATH")
-        if name in out:
-            raise LoraAdapterError(f"--lora-paths names adapter {name!r} twice")
-        out[name] = path
-    return out
+        spec = _parse_lora_spec(value)
+        if any(s.name == spec.name for s in specs):
+            raise LoraAdapterError(f"--lora-paths names adapter {spec.name!r} twice")
+        specs.append(spec)
+    return specs
+
+
+def parse_lora_paths(values: list[str]) -> dict[str, str]:
+    """`--lora-paths` as adapter name -> path, in order."""
+    return {spec.name: spec.path for spec in parse_lora_specs(values)}

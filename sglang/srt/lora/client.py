@@ -20,7 +20,10 @@ def parse_lora_update(body: Any, load: bool) -> Union[LoadLoRAAdapterReqInput, U
     path = body.get("lora_path")
     if not isinstance(path, str) or not path:
         raise ValueError("lora_path must be a non-empty string (the adapter's directory).")
-    return LoadLoRAAdapterReqInput(lora_name=name, lora_path=path)
+    pinned = body.get("pinned", False)
+    if not isinstance(pinned, bool):
+        raise ValueError("pinned must be true or false.")
+    return LoadLoRAAdapterReqInput(lora_name=name, lora_path=path, pinned=pinned)
 
 
 async def update_lora_adapters(tm: Any, msg: Union[LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput]
@@ -39,3 +42,10 @@ def lora_result_body(result: LoRAUpdateResult) -> dict[str, Any]:
     message = result.error_message or "Succeeded to update LoRA adapters."
     return {"success": result.success, "message": message, "error_message": result.error_message,
             "loaded_adapters": dict(result.loaded_adapters)}
+
+
+def adapter_model_cards(base_card: dict[str, Any], adapters: dict[str, str]) -> list[dict[str, Any]]:
+    """The /v1/models entries of the loaded adapters, as SGLang lists them: `id` the adapter's name, `root` its
+    path, `parent` the served model."""
+    return [{**base_card, "id": name, "root": path, "parent": base_card["id"], "max_model_len": None}
+            for name, path in adapters.items()]

@@ -106,6 +106,8 @@ class SchedulerState:
     load: int
     # Mean tokens gained per decode forward of a request with speculative decoding (0 when it is off).
     spec_accept_length: float = 0.0
+    # KV slots the draft model's requests hold (STANDALONE speculative decoding; 0 otherwise).
+    spec_draft_used_kv_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """The flat dict of Engine.get_internal_state() and the server's internal_states."""
@@ -216,15 +218,16 @@ class GetWeightsByNameReqOutput:
 
 @dataclass
 class LoadLoRAAdapterReqInput:
-    """/load_lora_adapter: serve the PEFT adapter at `lora_path` under `lora_name`."""
+    """/load_lora_adapter: serve the PEFT adapter at `lora_path` under `lora_name` (`pinned`: never evicted)."""
 
     lora_name: str = ""
     lora_path: str = ""
+    pinned: bool = False
 
 
 @dataclass
 class UnloadLoRAAdapterReqInput:
-    """/unload_lora_adapter: stop serving `lora_name` (refused while a request that uses it is queued or running)."""
+    """/unload_lora_adapter: stop serving `lora_name`; requests already using it finish first."""
 
     lora_name: str = ""
 

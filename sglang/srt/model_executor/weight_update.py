@@ -23,6 +23,7 @@ from torch import nn
 
 from sglang.srt.layers.linear import MergedLinear
 from sglang.srt.layers.pooler import Pooler
+from sglang.srt.lora.layers import carry_lora
 from sglang.srt.mem_cache.kv_pool import KVPool
 from sglang.srt.model_executor.model_runner import ModelRunner, attach_fast_paths, load_for_plan
 from sglang.srt.model_loader.pooling_config import read_pooling_config
@@ -83,6 +84,7 @@ def replace_weights(runner: ModelRunner, kv_pool: KVPool, model_path: str, load_
         quant_bytes = attach_fast_paths(new_model, gguf_path, runner.hf_config, runner.gguf_kernel_max_rows,
                                         runner.arithmetic)
         pooler = Pooler(read_pooling_config(model_dir, runner.is_encoder))
+        carry_lora(serving, new_model)  # the loaded LoRA adapters serve on, over the new weights
     except Exception as e:  # any load error: the serving model was never touched
         logger.warning("Weight update from %s failed: %s", model_path, e)
         raise WeightUpdateError(f"Failed to update weights: {e}.\nRolling back to original weights.") from e

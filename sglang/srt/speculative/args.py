@@ -2,23 +2,37 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-SUPPORTED_ALGORITHMS = ("NGRAM",)
-# SGLang's other algorithms, which need a draft model: refused at startup with a clear message.
-KNOWN_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "LOOKAHEAD")
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ALGORITHMS = ("NGRAM", "STANDALONE")
+# SGLang's other algorithms, which need draft heads: refused at startup with a clear message.
+KNOWN_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "LOOKAHEAD")
 # Tokens verified per step (the draft plus the bonus token) when --speculative-num-draft-tokens is not given.
 DEFAULT_NUM_DRAFT_TOKENS = 8
+# STANDALONE's draft chain length when neither --speculative-num-steps nor --speculative-num-draft-tokens is given.
+DEFAULT_NUM_STEPS = 3
 
 _TREE_KNOB = ("accepted for compatibility with SGLang; this engine drafts a single chain (the longest n-gram "
               "match's continuation), not a BFS/PROB tree, so it has no effect")
 
 SPECULATIVE_HELP = {
-    "speculative_algorithm": "Speculative decoding algorithm. Only NGRAM is supported: drafts come from the "
-                             "request's own tokens and a bounded cache of recent requests' tokens (no draft model); "
-                             "the draft is a chain, not a tree. Off by default.",
+    "speculative_algorithm": "Speculative decoding algorithm: NGRAM (drafts come from the request's own tokens and a "
+                             "bounded cache of recent requests' tokens, no draft model) or STANDALONE (a smaller model "
+                             "with the same vocabulary drafts, --speculative-draft-model-path). The draft is a chain, "
+                             "not a tree. Off by default.",
     "speculative_num_draft_tokens": "Tokens verified per decode step, the bonus token included (the draft has up to "
-                                    f"this many minus one). Default with NGRAM: {DEFAULT_NUM_DRAFT_TOKENS}.",
+                                    f"this many minus one). Default with NGRAM: {DEFAULT_NUM_DRAFT_TOKENS}. With "
+                                    "STANDALONE and --speculative-eagle-topk 1 it is --speculative-num-steps + 1, as "
+                                    "SGLang sets it (another value is adjusted, with a warning); given alone, it sets "
+                                    "--speculative-num-steps to this minus one.",
+    "speculative_draft_model_path": "STANDALONE: the draft model (a directory, .gguf file or hub id this engine "
+                                    "loads), whose vocabulary must equal the served model's.",
+    "speculative_num_steps": "STANDALONE: draft tokens the draft model proposes per decode step (a chain, proposed "
+                             f"greedily). Default {DEFAULT_NUM_STEPS}.",
+    "speculative_eagle_topk": "STANDALONE: draft branches per step; only 1 (a chain) is supported. Default 1.",
     "speculative_ngram_min_match_window_size": "Shortest suffix (in tokens) that must match to propose a draft.",
     "speculative_ngram_max_match_window_size": "Longest suffix (in tokens) compared when looking for a match.",
     "speculative_ngram_capacity": "How many tokens of recent requests the n-gram cache keeps (oldest dropped first).",
@@ -39,6 +53,11 @@ def check_speculative_args(args: Any) -> None:
         raise ValueError(f"--speculative-algorithm {algo}: {known}not supported yet; supported: "
                          f"{', '.join(SUPPORTED_ALGORITHMS)}")
     args.speculative_algorithm = algo.upper()
+    if args.speculative_algorithm == "STANDALONE":
+        _check_standalone(args)
+        return
+    if args.speculative_draft_model_path is not None:
+        raise ValueError("--speculative-draft-model-path is only used with --speculative-algorithm STANDALONE")
     if args.speculative_num_draft_tokens is None:
         args.speculative_num_draft_tokens = DEFAULT_NUM_DRAFT_TOKENS
     if args.speculative_num_draft_tokens < 2:
@@ -58,3 +77,25 @@ def check_speculative_args(args: Any) -> None:
     if args.speculative_ngram_branch_length < 1:
         raise ValueError(f"--speculative-ngram-branch-length must be at least 1, got "
                          f"{args.speculative_ngram_branch_length}")
+
+
+def _check_standalone(args: Any) -> None:
+    """STANDALONE's draft model flags; --speculative-num-draft-tokens derived from the chain length as SGLang does."""
+    if not args.speculative_draft_model_path:
+        raise ValueError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path")
+    if args.tp_size > 1:
+        raise ValueError("--speculative-algorithm STANDALONE runs with --tp-size 1 only (the draft model is not "
+                         "sharded)")
+    topk = 1 if args.speculative_eagle_topk is None else args.speculative_eagle_topk
+    if topk != 1:
+        raise ValueError(f"--speculative-eagle-topk {topk}: only 1 is supported (the draft is a chain, not a tree)")
+    args.speculative_eagle_topk = topk
+    steps, tokens = args.speculative_num_steps, args.speculative_num_draft_tokens
+    if steps is None:
+        steps = tokens - 1 if tokens is not None else DEFAULT_NUM_STEPS
+    if steps < 1:
+        raise ValueError(f"--speculative-num-steps must be at least 1, got {steps}")
+    if tokens is not None and tokens != steps + 1:
+        logger.warning("--speculative-num-draft-tokens is adjusted to --speculative-num-steps + 1 (%d) when "
+                       "--speculative-eagle-topk is 1", steps + 1)
+    args.speculative_num_steps, args.speculative_num_draft_tokens = steps, steps + 1

@@ -22,6 +22,7 @@ from sglang.srt.entrypoints.openai.files import router as files_router
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from sglang.srt.entrypoints.responses import ORJSONResponse
 from sglang.srt.entrypoints.server_state import ServerState, model_card, server_state, timed_handler
+from sglang.srt.lora.client import adapter_model_cards
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +116,12 @@ async def v1_completions(request: Request):
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(request: Request, model: str):
     state = server_state(request)
+    card = model_card(state)
+    adapter = next((c for c in adapter_model_cards(card, state.tm.lora_adapters) if c["id"] == model), None)
+    if adapter is not None:
+        return ORJSONResponse(adapter)
     if model != state.args.served_model_name:
         return ORJSONResponse({"error": {
             "message": f"The model '{model}' does not exist", "type": "invalid_request_error",
             "param": "model", "code": "model_not_found"}}, status_code=404)
-    return ORJSONResponse(model_card(state))
+    return ORJSONResponse(card)

@@ -39,7 +39,7 @@ from sglang.srt.managers.scheduler.policy import SchedulePolicy
 from sglang.srt.managers.scheduler.prefill_adder import PrefillAdder
 from sglang.srt.managers.scheduler.priority import PriorityGate, by_priority
 from sglang.srt.managers.scheduler.results import fail_batch, process_result
-from sglang.srt.managers.scheduler.speculative import NgramSpeculator
+from sglang.srt.managers.scheduler.speculative import create_speculator
 from sglang.srt.managers.scheduler.stats import check_memory, internal_state, log_prefill
 from sglang.srt.managers.scheduler.watchdog import ForwardWatchdog
 from sglang.srt.managers.scheduler.weight_update import WEIGHT_MESSAGES, WeightControl
@@ -133,7 +133,7 @@ class Scheduler:
         self.expert_record = ExpertRecordControl.for_server(server_args, model_info.hf_config)
         self.weight_control = WeightControl(self)
         self.watchdog = ForwardWatchdog(server_args.watchdog_timeout)
-        self.speculator = NgramSpeculator.for_server(server_args)
+        self.speculator = create_speculator(self)
         # Runs before each receive (block or not); tensor-parallel rank 0 heartbeats its other ranks (tp_worker.py)
         self.idle_wait: Optional[Callable[[zmq.Socket, bool], None]] = None
 
@@ -156,6 +156,7 @@ class Scheduler:
     def event_loop(self) -> None:
         while True:
             self.weight_control.run_pending()
+            self.lora.run_pending()
             self.recv_requests(block=self.is_idle() and not self.grammar_queue)
             if self.grammar_queue:
                 self.admit_compiled_grammars()
@@ -221,7 +222,9 @@ class Scheduler:
         elif isinstance(msg, WEIGHT_MESSAGES):
             self.weight_control.handle(msg)
         elif isinstance(msg, LORA_MESSAGES):
-            self.send_to_detokenizer.send_pyobj(self.lora.handle(msg))
+            reply = self.lora.handle(msg)
+            if reply is not None:  # an unload in use answers once its requests finished (lora.run_pending)
+                self.send_to_detokenizer.send_pyobj(reply)
         else:
             logger.error("Unknown message: %r", type(msg))
 
@@ -307,8 +310,8 @@ class Scheduler:
         if req.req_pool_idx is not None:
             self.mem.tree_cache.cache_finished_req(req)
             req.req_pool_idx = None
-        if self.speculator is not None and req.finished():
-            self.speculator.remember(req)
+        if self.speculator is not None:
+            self.speculator.on_release(req)
 
     # ---- batch selection ------------------------------------------------------------------------------
     def get_next_batch(self) -> Optional[ScheduleBatch]:

@@ -1,5 +1,6 @@
 """The scheduler's side of LoRA serving: checking requests' adapters, admitting them within
---max-loras-per-batch, and /load_lora_adapter and /unload_lora_adapter."""
+--max-loras-per-batch with their weights in memory, and /load_lora_adapter and /unload_lora_adapter (an unload
+waits for the requests using the adapter to finish, as SGLang does)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from typing import TYPE_CHECKING, Optional, Union
 
 from sglang.srt.lora.adapter import LoraAdapterError
 from sglang.srt.lora.manager import LoraManager
+from sglang.srt.managers.finish_reason import bad_request
 from sglang.srt.managers.io_struct import LoadLoRAAdapterReqInput, LoRAUpdateResult, UnloadLoRAAdapterReqInput
 from sglang.srt.managers.schedule_batch import Req
+from sglang.srt.managers.scheduler.output import build_output_message
 
 if TYPE_CHECKING:
     from sglang.srt.managers.scheduler.loop import Scheduler
@@ -23,6 +26,7 @@ class LoraControl:
     def __init__(self, scheduler: Scheduler, manager: Optional[LoraManager]) -> None:
         self.scheduler = scheduler
         self.manager = manager
+        self.pending_unloads: list[str] = []  # unloads waiting for the requests that use their adapter
         if manager is not None:
             scheduler.runner.lora_state = manager.state
 
@@ -39,32 +43,57 @@ class LoraControl:
         return refusal
 
     def admits(self, req: Req, batch: list[Req]) -> bool:
-        """Whether `req` may join a prefill batch beside `batch` and the running requests."""
+        """Whether `req` may join a prefill batch beside `batch` and the running requests: its adapter fits
+        --max-loras-per-batch and its weights are in memory (read again now if they were evicted)."""
         if self.manager is None or req.lora_path is None:
             return True
-        running = [r.lora_path for r in self.scheduler.running] + [r.lora_path for r in batch]
-        return self.manager.admits(req.lora_path, running)
+        in_use = self._in_use(batch)
+        if not self.manager.admits(req.lora_path, in_use):
+            return False
+        try:
+            return self.manager.ensure_resident([req.lora_path], {n for n in in_use if n is not None})
+        except LoraAdapterError as e:  # its files went away since it was loaded: the request fails, not the server
+            logger.error("Cannot serve LoRA adapter %s: %s", req.lora_path, e)
+            self.scheduler.waiting.remove(req)
+            req.finished_reason = bad_request(f"lora_path: {e}")
+            self.scheduler.send_to_detokenizer.send_pyobj(build_output_message([req]))
+            return False
 
-    def handle(self, msg: Union[LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput]) -> LoRAUpdateResult:
+    def _in_use(self, batch: list[Req]) -> list[Optional[str]]:
+        """The adapters of the requests that run now or join this prefill batch."""
+        sched = self.scheduler
+        chunked = [sched.chunked_req] if sched.chunked_req is not None else []
+        return [r.lora_path for r in sched.running + chunked + batch]
+
+    def handle(self, msg: Union[LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput]) -> Optional[LoRAUpdateResult]:
+        """The reply to a load or unload; None for an unload that waits for the requests using the adapter
+        (`run_pending` replies once they finished)."""
         if self.manager is None:
             return LoRAUpdateResult(False, "LoRA is not enabled on this server; launch it with --enable-lora")
         try:
             if isinstance(msg, LoadLoRAAdapterReqInput):
-                self.manager.load(msg.lora_name, msg.lora_path)
+                in_use = {n for n in self._in_use([]) if n is not None}
+                self.manager.load(msg.lora_name, msg.lora_path, msg.pinned, in_use)
             else:
-                self._unload(msg.lora_name)
+                if msg.lora_name not in self.manager.registered or msg.lora_name in self.manager.draining:
+                    raise LoraAdapterError(f"The LoRA adapter {msg.lora_name!r} is not loaded")
+                self.manager.draining.add(msg.lora_name)
+                self.pending_unloads.append(msg.lora_name)
+                return None
         except LoraAdapterError as e:
             return LoRAUpdateResult(False, str(e), self.manager.loaded())
         return LoRAUpdateResult(True, None, self.manager.loaded())
 
-    def _unload(self, name: str) -> None:
-        """Refused while a request using the adapter is queued or running: its K/V and its next tokens need it."""
+    def run_pending(self) -> None:
+        """Finish, and answer, the unloads whose adapter no queued or running request uses any more (new requests
+        naming it are refused meanwhile); called every scheduler iteration."""
+        if not self.pending_unloads or self.manager is None:
+            return
         sched = self.scheduler
         queued = sched.waiting + sched.running + ([sched.chunked_req] if sched.chunked_req else [])
         queued += [pending[0] for pending in sched.grammar_queue.pending]
-        users = sum(1 for r in queued if r.lora_path == name)
-        if users:
-            raise LoraAdapterError(f"The LoRA adapter {name!r} is in use by {users} queued or running requests; "
-                                   "unload it once they finish")
-        assert self.manager is not None
-        self.manager.unload(name)
+        in_use = {r.lora_path for r in queued}
+        for name in [n for n in self.pending_unloads if n not in in_use]:
+            self.pending_unloads.remove(name)
+            self.manager.unload(name)
+            sched.send_to_detokenizer.send_pyobj(LoRAUpdateResult(True, None, self.manager.loaded()))

@@ -1,8 +1,9 @@
-"""N-gram speculative decoding in the scheduler (--speculative-algorithm NGRAM): draft, verify, accept.
+"""Speculative decoding in the scheduler (--speculative-algorithm NGRAM or STANDALONE): draft, verify, accept.
 
 A decode step where some running request has a draft runs as one verify forward (speculative/verify.py): a decode
 forward, layer by layer, with one row per verified position; requests without a draft take their usual single row.
-Steps where no request has a draft run the plain decode step (the fused CPU step where it applies).
+Steps where no request has a draft run the plain decode step (the fused CPU step where it applies). Drafts come from
+n-grams of earlier text (NgramSpeculator) or from a draft model (StandaloneSpeculator, speculative/draft_model.py).
 
 Which requests draft: those without penalties, custom logit processors, grammars or a pending min_new_tokens (their
 next-token distribution at a draft position would depend on draft tokens the sampling state has not seen). Each
@@ -23,6 +24,7 @@ from sglang.srt.managers.scheduler.results import _process_req, fail_request, in
 from sglang.srt.managers.scheduler.stats import maybe_log_decode
 from sglang.srt.model_executor.model_runner import StepOutput
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.speculative.draft_model import DraftModel
 from sglang.srt.speculative.ngram_cache import NgramCache, TokenIndex, propose_draft
 from sglang.srt.speculative.verify import (
     VerifyInputs,
@@ -73,13 +75,14 @@ class DraftState:
             self.backoff = 0
 
 
-class NgramSpeculator:
-    def __init__(self, args: ServerArgs) -> None:
-        assert args.speculative_num_draft_tokens is not None
-        self.max_draft = args.speculative_num_draft_tokens - 1
-        self.min_window = args.speculative_ngram_min_match_window_size
-        self.max_window = args.speculative_ngram_max_match_window_size
-        self.shared = NgramCache(self.min_window, self.max_window, args.speculative_ngram_capacity)
+class Speculator:
+    """What every algorithm shares: the verify step, applying its result, and the accept-length statistics. A
+    subclass proposes the drafts and hears what became of them."""
+
+    name = ""
+
+    def __init__(self, max_draft: int) -> None:
+        self.max_draft = max_draft
         self.logged_large_batch = False
         # Accept length (tokens a request gains per verify, the bonus token included) since the last decode log,
         # and the last logged value (for /metrics).
@@ -87,15 +90,26 @@ class NgramSpeculator:
         self.window_steps = 0
         self.accept_length = 0.0
 
-    @classmethod
-    def for_server(cls, args: ServerArgs) -> Optional[NgramSpeculator]:
-        if args.speculative_algorithm is None or args.is_embedding:
-            return None
-        logger.info("Speculative decoding: NGRAM, %d tokens verified per step (chain draft), match window %d-%d, "
-                    "cache of %d tokens, off above %d running requests", args.speculative_num_draft_tokens,
-                    args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size,
-                    args.speculative_ngram_capacity, SPEC_MAX_BATCH)
-        return cls(args)
+    # ---- what an algorithm provides ------------------------------------------------------------------
+    def propose(self, sched: Scheduler, reqs: list[Req]) -> list[list[int]]:
+        """Each request's draft (empty: it decodes one token this step)."""
+        raise NotImplementedError
+
+    def after_verify(self, req: Req, accepted: int, draft: list[int]) -> None:
+        """`req` kept `accepted` tokens of `draft` (it may have finished and been released meanwhile)."""
+
+    def discard(self, req: Req, draft: list[int]) -> None:
+        """A proposed draft is not verified (the step runs as a plain decode step)."""
+
+    def on_release(self, req: Req) -> None:
+        """`req` left the running batch (finished, aborted or retracted) and freed its KV."""
+
+    def idle_error(self) -> Optional[str]:
+        """With no request running: what the algorithm still holds that it should not, or None."""
+        return None
+
+    def draft_used_tokens(self) -> int:
+        return 0
 
     # ---- drafting -------------------------------------------------------------------------------------
     @staticmethod
@@ -105,21 +119,12 @@ class NgramSpeculator:
             return False
         return len(req.output_ids) >= params.min_new_tokens
 
-    def draft(self, req: Req, row_width: int) -> list[int]:
-        room = min(self.max_draft, req.sampling_params.max_new_tokens - len(req.output_ids) - 1,
-                   row_width - req.seqlen - 1)
-        if room <= 0 or not self.can_draft(req):
-            return []
-        state = req.spec_state
-        if state is None:
-            state = req.spec_state = DraftState(TokenIndex(self.min_window, self.max_window), self.max_draft)
-            state.index.extend(req.all_ids())
-        else:
-            state.index.extend(req.output_ids[len(state.index.tokens) - len(req.origin_input_ids):])
-        if state.skip > 0:
-            state.skip -= 1
-            return []
-        return propose_draft(state.index, self.shared, min(room, state.budget))
+    def room(self, req: Req, row_width: int) -> int:
+        """The longest draft `req` may take this step (0: none)."""
+        if not self.can_draft(req):
+            return 0
+        return max(0, min(self.max_draft, req.sampling_params.max_new_tokens - len(req.output_ids) - 1,
+                          row_width - req.seqlen - 1))
 
     def verify_batch(self, sched: Scheduler) -> Optional[ScheduleBatch]:
         """The verify step for the running requests, or None when no request has a draft (plain decode runs)."""
@@ -134,9 +139,11 @@ class NgramSpeculator:
                             SPEC_MAX_BATCH)
                 self.logged_large_batch = True
             return None
-        table = sched.mem.req_to_token_pool.req_to_token
-        drafts = [self.draft(req, table.shape[1]) for req in reqs]
+        drafts = self.propose(sched, reqs)
         if not any(drafts) or verify_slots_needed(reqs, drafts) > sched.mem.available_tokens():
+            for req, draft in zip(reqs, drafts):
+                if draft:
+                    self.discard(req, draft)
             return None
         allocate_verify_slots(sched.mem, reqs, drafts)
         device = sched.runner.device
@@ -169,7 +176,7 @@ class NgramSpeculator:
                         break
                 req.spec_verify_ct += 1
                 if draft:
-                    req.spec_state.update(accepted, len(draft), self.max_draft)
+                    self.after_verify(req, accepted, draft)
                 gained = len(req.output_ids) - before
                 req.spec_accepted_drafts += max(0, gained - 1)
                 self.window_tokens += gained
@@ -195,6 +202,94 @@ class NgramSpeculator:
             self.window_tokens = self.window_steps = 0
         return self.accept_length
 
-    def remember(self, req: Req) -> None:
+
+class NgramSpeculator(Speculator):
+    name = "NGRAM"
+
+    def __init__(self, args: ServerArgs) -> None:
+        assert args.speculative_num_draft_tokens is not None
+        super().__init__(args.speculative_num_draft_tokens - 1)
+        self.min_window = args.speculative_ngram_min_match_window_size
+        self.max_window = args.speculative_ngram_max_match_window_size
+        self.shared = NgramCache(self.min_window, self.max_window, args.speculative_ngram_capacity)
+        logger.info("Speculative decoding: NGRAM, %d tokens verified per step (chain draft), match window %d-%d, "
+                    "cache of %d tokens, off above %d running requests", args.speculative_num_draft_tokens,
+                    args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size,
+                    args.speculative_ngram_capacity, SPEC_MAX_BATCH)
+
+    def propose(self, sched: Scheduler, reqs: list[Req]) -> list[list[int]]:
+        table = sched.mem.req_to_token_pool.req_to_token
+        return [self.draft(req, table.shape[1]) for req in reqs]
+
+    def draft(self, req: Req, row_width: int) -> list[int]:
+        room = self.room(req, row_width)
+        if room <= 0:
+            return []
+        state = req.spec_state
+        if state is None:
+            state = req.spec_state = DraftState(TokenIndex(self.min_window, self.max_window), self.max_draft)
+            state.index.extend(req.all_ids())
+        else:
+            state.index.extend(req.output_ids[len(state.index.tokens) - len(req.origin_input_ids):])
+        if state.skip > 0:
+            state.skip -= 1
+            return []
+        return propose_draft(state.index, self.shared, min(room, state.budget))
+
+    def after_verify(self, req: Req, accepted: int, draft: list[int]) -> None:
+        req.spec_state.update(accepted, len(draft), self.max_draft)
+
+    def on_release(self, req: Req) -> None:
         """A finished request's tokens join the shared n-gram cache."""
-        self.shared.add(req.all_ids())
+        if req.finished():
+            self.shared.add(req.all_ids())
+
+
+class StandaloneSpeculator(Speculator):
+    """A draft model proposes --speculative-num-steps tokens per step, greedily, for every request that may draft."""
+
+    name = "STANDALONE"
+
+    def __init__(self, args: ServerArgs, draft: DraftModel) -> None:
+        assert args.speculative_num_steps is not None
+        super().__init__(args.speculative_num_steps)
+        self.draft = draft
+        logger.info("Speculative decoding: STANDALONE, %s, %d steps (%d tokens verified per step, chain draft), "
+                    "draft KV cache of %d tokens, off above %d running requests", draft.description,
+                    args.speculative_num_steps, args.speculative_num_draft_tokens, draft.mem.max_total_num_tokens,
+                    SPEC_MAX_BATCH)
+
+    def propose(self, sched: Scheduler, reqs: list[Req]) -> list[list[int]]:
+        table = sched.mem.req_to_token_pool.req_to_token
+        steps = [min(self.room(req, table.shape[1]), self.draft.max_steps(req)) for req in reqs]
+        # Run the draft model only when the verify step will find its KV slots (drafts are at most this long).
+        if not any(steps) or verify_slots_needed(reqs, [[0] * k for k in steps]) > sched.mem.available_tokens():
+            return [[] for _ in reqs]
+        return self.draft.propose(reqs, steps)
+
+    def after_verify(self, req: Req, accepted: int, draft: list[int]) -> None:
+        self.draft.settle(req, accepted)
+
+    def discard(self, req: Req, draft: list[int]) -> None:
+        self.draft.settle(req, 0)
+
+    def on_release(self, req: Req) -> None:
+        self.draft.release(req)
+
+    def idle_error(self) -> Optional[str]:
+        return self.draft.idle_error()
+
+    def draft_used_tokens(self) -> int:
+        return self.draft.used_tokens()
+
+
+def create_speculator(sched: Scheduler) -> Optional[Speculator]:
+    """The server's speculator (None when speculative decoding is off); STANDALONE loads its draft model here."""
+    args = sched.args
+    if args.speculative_algorithm is None or args.is_embedding:
+        return None
+    if args.speculative_algorithm == "STANDALONE":
+        draft = DraftModel.load(args, sched.runner.vocab_size, sched.tokenizer, sched.max_total_num_tokens,
+                                SPEC_MAX_BATCH)
+        return StandaloneSpeculator(args, draft)
+    return NgramSpeculator(args)

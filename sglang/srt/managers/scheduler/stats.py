@@ -29,6 +29,10 @@ def check_memory(self: Scheduler) -> None:
             f"total={self.max_total_num_tokens} free_rows={rows_free}/{rows_total}"
         )
         logger.error(self.invariant_error)
+    draft_error = self.speculator.idle_error() if self.speculator is not None else None
+    if draft_error is not None:
+        self.invariant_error = draft_error
+        logger.error(draft_error)
 
 def token_usage(self: Scheduler) -> float:
     used = self.max_total_num_tokens - self.mem.available_tokens()
@@ -53,6 +57,7 @@ def internal_state(self: Scheduler) -> SchedulerState:
         invariant_error=self.invariant_error,
         load=used + sum(len(r.origin_input_ids) for r in self.waiting),
         spec_accept_length=self.speculator.accept_length if self.speculator is not None else 0.0,
+        spec_draft_used_kv_tokens=self.speculator.draft_used_tokens() if self.speculator is not None else 0,
     )
 
 def log_prefill(self: Scheduler, batch: ScheduleBatch, cached: int) -> None:
