@@ -157,7 +157,8 @@ def test_plan_for_this_machine_measures_on_the_model_shapes(monkeypatch):
     assert len(calls) == 1
 
 
-@pytest.mark.parametrize("flags, gemm", [(AVX2_FLAGS, "float32"), (BF16_VNNI_FLAGS, "float32"), (AMX_FLAGS, "bfloat16")])
+@pytest.mark.parametrize("flags, gemm",
+                         [(AVX2_FLAGS, "float32"), (BF16_VNNI_FLAGS, "float32"), (AMX_FLAGS, "bfloat16")])
 def test_an_embedding_model_takes_the_gemm_its_cpu_flags_settle(monkeypatch, flags, gemm):
     """An embedding model's vectors go to the user as they are: its GEMM is settled by the CPU flags (never the
     int8 GEMM, never a startup timing that may flip between two starts), unless --dtype / --cpu-gemm say otherwise."""
