@@ -53,32 +53,49 @@ def run(url: str, prompts: list[str], max_new: int) -> tuple[float, list[list[in
     return tokens / elapsed, outputs, (tokens - len(prompts)) / max(forwards, 1)
 
 
+Results = dict[tuple[str, str], tuple[float, list[list[int]], float]]
+
+
+def workloads() -> dict[str, list[str]]:
+    return {"copy-heavy": [chat(f"Repeat this text exactly: {t}") for t in TEXTS], "free": [chat(q) for q in FREE]}
+
+
+def measure(model: str, configs: dict[str, list[str]], max_new: int) -> Results:
+    """(config, workload) -> run()'s figures, one server per config (its extra flags), each warmed up first."""
+    results: Results = {}
+    for name, extra in configs.items():
+        url = f"http://127.0.0.1:{find_free_port()}"
+        proc = popen_launch_server(model, url, other_args=extra)
+        try:
+            run(url, [chat("Say hello.")], 8)  # warm-up
+            for workload, prompts in workloads().items():
+                results[(name, workload)] = run(url, prompts, max_new)
+        finally:
+            terminate_process(proc)
+    return results
+
+
+def report(results: Results, spec: str, label: str) -> None:
+    """One line per workload: config "plain" against config `spec` (named `label`)."""
+    for workload in workloads():
+        plain, fast = results[("plain", workload)], results[(spec, workload)]
+        same = "identical" if plain[1] == fast[1] else "DIFFERENT"
+        print(f"{workload}: plain {plain[0]:.1f} tok/s, {label} {fast[0]:.1f} tok/s ({fast[0] / plain[0]:.2f}x), "
+              f"{fast[2]:.2f} tokens per decode forward, outputs {same}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--num-draft-tokens", type=int, default=8)
     args = parser.parse_args()
-    workloads = {"copy-heavy": [chat(f"Repeat this text exactly: {t}") for t in TEXTS], "free": [chat(q) for q in FREE]}
     configs = {"plain": [], "ngram": ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens",
                                       str(args.num_draft_tokens)]}
-    results: dict[tuple[str, str], tuple[float, list[list[int]], float]] = {}
-    for name, extra in configs.items():
-        url = f"http://127.0.0.1:{find_free_port()}"
-        proc = popen_launch_server(args.model, url, other_args=extra)
-        try:
-            run(url, [chat("Say hello.")], 8)  # warm-up
-            for workload, prompts in workloads.items():
-                results[(name, workload)] = run(url, prompts, args.max_new_tokens)
-        finally:
-            terminate_process(proc)
+    results = measure(args.model, configs, args.max_new_tokens)
     print(f"# {args.model}, batch 1, greedy, {args.max_new_tokens} new tokens, "
           f"{args.num_draft_tokens} tokens verified per step")
-    for workload in workloads:
-        plain, spec = results[("plain", workload)], results[("ngram", workload)]
-        same = "identical" if plain[1] == spec[1] else "DIFFERENT"
-        print(f"{workload}: plain {plain[0]:.1f} tok/s, NGRAM {spec[0]:.1f} tok/s ({spec[0] / plain[0]:.2f}x), "
-              f"{spec[2]:.2f} tokens per decode forward, outputs {same}")
+    report(results, "ngram", "NGRAM")
 
 
 if __name__ == "__main__":

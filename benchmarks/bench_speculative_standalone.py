@@ -18,10 +18,7 @@ from __future__ import annotations
 import argparse
 import shlex
 
-from bench_speculative_ngram import FREE, TEXTS, chat, run
-
-from sglang.test.test_utils import find_free_port, popen_launch_server
-from sglang.utils import terminate_process
+from bench_speculative_ngram import measure, report
 
 
 def main() -> None:
@@ -33,28 +30,14 @@ def main() -> None:
     parser.add_argument("--num-steps", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     args = parser.parse_args()
-    workloads = {"copy-heavy": [chat(f"Repeat this text exactly: {t}") for t in TEXTS], "free": [chat(q) for q in FREE]}
     served = shlex.split(args.target_args)
     configs = {"plain": served,
                "standalone": [*served, "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path",
                               args.draft, "--speculative-num-steps", str(args.num_steps)]}
-    results: dict[tuple[str, str], tuple[float, list[list[int]], float]] = {}
-    for name, extra in configs.items():
-        url = f"http://127.0.0.1:{find_free_port()}"
-        proc = popen_launch_server(args.model, url, other_args=extra)
-        try:
-            run(url, [chat("Say hello.")], 8)  # warm-up
-            for workload, prompts in workloads.items():
-                results[(name, workload)] = run(url, prompts, args.max_new_tokens)
-        finally:
-            terminate_process(proc)
+    results = measure(args.model, configs, args.max_new_tokens)
     print(f"# {args.model} ({args.target_args}) drafted by {args.draft}, batch 1, greedy, "
           f"{args.max_new_tokens} new tokens, {args.num_steps} draft tokens per step")
-    for workload in workloads:
-        plain, spec = results[("plain", workload)], results[("standalone", workload)]
-        same = "identical" if plain[1] == spec[1] else "DIFFERENT"
-        print(f"{workload}: plain {plain[0]:.1f} tok/s, STANDALONE {spec[0]:.1f} tok/s "
-              f"({spec[0] / plain[0]:.2f}x), {spec[2]:.2f} tokens per decode forward, outputs {same}")
+    report(results, "standalone", "STANDALONE")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
-"""Checks shared by the Phi-3 / Granite / SmolLM3 / OLMo 2 tests: tiny random checkpoints of each with its
-distinctive features switched on, compared with transformers on the same weights.
+"""Checks shared by the Phi-3 / Granite / SmolLM3 / OLMo 2 / DeepSeek-V2 / GPT-OSS tests: tiny random checkpoints
+of each with its distinctive features switched on, compared with transformers on the same weights.
 
 - prefill logits of every token, then paged decode steps against transformers' forward with its KV cache (a LongRoPE
   sequence that grows past the original length keeps the keys it cached before, in both);
 - the same after the CPU's small-batch plan: Q8_0 blocks made at load (model_loader/q8_blocks.py) and, where the
   model qualifies, the fused CPU decode step; transformers then gets the blocks' values as its weights;
-- greedy generation through `sglang.Engine` against `transformers.generate`.
+- a batch extending a fresh prompt beside one over a cached prefix, batched decode, and bfloat16 against
+  transformers in bfloat16;
+- greedy generation through `sglang.Engine` against `transformers.generate` (a batch of prompts, or one prompt
+  prefilled in chunks and then again from the radix cache).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
 from sglang.srt.model_executor import fused_cpu_decode
 from sglang.srt.model_loader.q8_blocks import attach_q8_0_blocks
-from tests.test_models import FLOAT32_TOL, VOCAB, PagedCache, assert_logits_close, reference_logits
+from tests.test_models import BF16_TOL, FLOAT32_TOL, VOCAB, PagedCache, assert_logits_close, reference_logits
 
 # Phi-3's LongRoPE: the original length is short so that test prompts run past it.
 PHI3_ORIGINAL_POSITIONS = 16
@@ -67,6 +70,36 @@ def check_prefill_and_cached_decode(reference, ours, config, prompt: list[int], 
         past = out.past_key_values
         assert_logits_close(step_logits[0], out.logits[0, -1].float(), FLOAT32_TOL, f"decode step {step}")
         token = int(step_logits[0].argmax())
+
+
+def check_batched_extend_and_decode(reference, ours, cache: PagedCache, fresh: list[int], prefixed: list[int],
+                                    cached: int, steps: int = 3) -> None:
+    """The first `cached` tokens of `prefixed` run alone; then one extend batch holds all of `fresh` (row 0) beside
+    the rest of `prefixed` (row 1) over its cached prefix, then `steps` batched decode steps of both rows (rows in
+    the other order), every logit against transformers on the whole sequence."""
+    cache.forward(ours, [(1, prefixed[:cached])])
+    logits = cache.forward(ours, [(0, fresh), (1, prefixed[cached:])], all_logits=True)
+    expected = torch.cat([reference_logits(reference, fresh), reference_logits(reference, prefixed)[cached:]])
+    assert_logits_close(logits, expected, FLOAT32_TOL, "batched extend over a cached prefix")
+    prompts = {0: fresh, 1: prefixed}
+    for step in range(steps):
+        for row in (1, 0):
+            prompts[row].append((row * 31 + step * 7) % VOCAB)
+        step_logits = cache.forward(ours, [(row, [prompts[row][-1]]) for row in (1, 0)])
+        for i, row in enumerate((1, 0)):
+            assert_logits_close(step_logits[i], reference_logits(reference, prompts[row])[-1], FLOAT32_TOL,
+                                f"decode step {step} row {row}")
+
+
+def check_bfloat16_prefill_and_decode(reference, ours, cache: PagedCache, tokens: list[int], steps: int = 3) -> None:
+    """bfloat16 models (ours with a bfloat16 `cache`): prefill logits, then `steps` greedy decode steps, each
+    against transformers' forward over the whole sequence, within BF16_TOL."""
+    logits = cache.forward(ours, [(0, tokens)], all_logits=True)
+    assert_logits_close(logits, reference_logits(reference, tokens), BF16_TOL, "prefill")
+    for step in range(steps):
+        tokens.append(int(logits[-1].argmax()))
+        logits = cache.forward(ours, [(0, tokens[-1:])])
+        assert_logits_close(logits[0], reference_logits(reference, tokens)[-1], BF16_TOL, f"decode step {step}")
 
 
 def give_reference_the_block_values(ours, reference) -> None:
@@ -137,15 +170,45 @@ def check_engine_greedy(directory: Path, config, tokenizer) -> None:
     model = AutoModelForCausalLM.from_config(config).eval()
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
-    expected = []
-    for prompt in ENGINE_PROMPTS:
-        ids = tokenizer.encode(prompt)
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=ENGINE_MAX_NEW, do_sample=False, eos_token_id=None,
-                                 pad_token_id=tokenizer.pad_token_id)
-        expected.append(out[0, len(ids):].tolist())
-    assert all(len(set(ids)) > 2 for ids in expected)  # not a degenerate repetition
+    expected = [hf_greedy(model, tokenizer, tokenizer.encode(prompt), ENGINE_MAX_NEW) for prompt in ENGINE_PROMPTS]
     with Engine(model_path=str(directory), dtype="float32", max_total_tokens=2048) as engine:
         outputs = engine.generate(prompt=ENGINE_PROMPTS, sampling_params=ENGINE_GREEDY)
     assert [o["output_ids"] for o in outputs] == expected
+
+
+def hf_greedy(model, tokenizer, ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers.generate's greedy continuation of `ids` (no stop at EOS), checked not to be a degenerate
+    repetition."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+                             pad_token_id=tokenizer.pad_token_id)
+    continuation = out[0, len(ids):].tolist()
+    assert len(set(continuation)) > 2  # not a degenerate repetition
+    return continuation
+
+
+CHUNKED_NEW_TOKENS = 16
+CHUNKED_PROMPT = ("Once upon a time, in a small village near the mountains, there lived an old clockmaker who "
+                  "repaired every clock in the valley and never asked for anything in return, until one winter")
+
+
+def check_engine_chunked_prefill_and_radix_hit(directory: Path, model, tokenizer) -> None:
+    """Save `model` (its config sized to SmolLM2's tokenizer) with the tokenizer; greedy tokens through the Engine
+    (a prompt of about 40 tokens prefilled in chunks of 16) equal transformers.generate; the same prompt again hits
+    the radix cache and gives the same tokens."""
+    from sglang import Engine
+
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    ids = tokenizer.encode(CHUNKED_PROMPT)
+    assert 35 <= len(ids) <= 45
+    expected = hf_greedy(model, tokenizer, ids, CHUNKED_NEW_TOKENS)
+    params = {"temperature": 0, "max_new_tokens": CHUNKED_NEW_TOKENS, "ignore_eos": True}
+    with Engine(model_path=str(directory), dtype="float32", max_total_tokens=1024, chunked_prefill_size=16) as engine:
+        cold = engine.generate(input_ids=ids, sampling_params=params)
+        warm = engine.generate(input_ids=ids, sampling_params=params)
+    assert cold["meta_info"]["cached_tokens"] == 0
+    assert warm["meta_info"]["cached_tokens"] >= len(ids) - 1
+    assert cold["output_ids"] == expected
+    assert warm["output_ids"] == expected

@@ -151,6 +151,27 @@ def ct_config(fmt: str, weights: dict[str, Any], input_activations: Optional[dic
                 "output_activations": None}}}
 
 
+# A checkpoint format: (quantization_config, layer packer, checkpoint dtype)
+Format = tuple[dict, LayerMaker, torch.dtype]
+
+
+def gptq_format(bits: int, group: int, sym: bool, desc_act: bool = False, fmt: str = "gptq") -> Format:
+    config = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym, "desc_act": desc_act,
+              "checkpoint_format": fmt}
+    return config, gptq_layer(bits, group, sym, desc_act, v1=fmt == "gptq"), torch.float16
+
+
+def awq_format(group: int) -> Format:
+    config = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
+    return config, awq_layer(group), torch.float16
+
+
+def ct_int4_format(strategy: str, group: int, symmetric: bool) -> Format:
+    weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": strategy,
+               "group_size": group if strategy == "group" else None, "dynamic": False, "actorder": None}
+    return ct_config("pack-quantized", weights), ct_packed_layer(4, strategy, group, symmetric), torch.bfloat16
+
+
 def write_quantized_checkpoint(directory: Path, hf_model: Any, quantization_config: dict, make_layer: LayerMaker,
                                dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
     """Save `hf_model` as a quantized checkpoint in `directory` (two shards: each quantized weight's scales and zero

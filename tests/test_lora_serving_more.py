@@ -271,24 +271,14 @@ def test_unload_waits_for_the_requests_using_the_adapter(server, adapters):
     url, reference = server
     r = requests.post(f"{url}/load_lora_adapter", json={"lora_name": "c", "lora_path": adapters["c"]}, timeout=60)
     assert r.status_code == 200, r.text
+    from tests.server_fixtures import stream_generate_in_thread
+
     ids = [5, 6, 7, 8]
     n = 200
     done: dict = {}
-    started = threading.Event()
-
-    def long_request() -> None:
-        body = {"input_ids": ids, "lora_path": "c", "stream": True, "sampling_params": {**GREEDY, "max_new_tokens": n}}
-        with requests.post(f"{url}/generate", json=body, stream=True, timeout=120) as stream:
-            for line in stream.iter_lines():
-                if line.startswith(b"data: ") and line != b"data: [DONE]":
-                    done["last"] = json.loads(line[6:])
-                    started.set()
-        done["at"] = time.monotonic()
-
-    thread = threading.Thread(target=long_request)
-    thread.start()
-    assert started.wait(60)
-    still_running = "at" not in done
+    body = {"input_ids": ids, "lora_path": "c", "sampling_params": {**GREEDY, "max_new_tokens": n}}
+    thread = stream_generate_in_thread(url, body, done)
+    still_running = "done_at" not in done
     r = requests.post(f"{url}/unload_lora_adapter", json={"lora_name": "c"}, timeout=120)
     unloaded_at = time.monotonic()
     thread.join(timeout=120)
@@ -296,7 +286,7 @@ def test_unload_waits_for_the_requests_using_the_adapter(server, adapters):
     last = done["last"]
     assert last["meta_info"]["completion_tokens"] == n and last["meta_info"]["finish_reason"]["type"] == "length"
     assert last["output_ids"][-5:] == hf_greedy(merged(reference, adapters["c"]), ids, n)[-5:]
-    assert still_running and done["at"] <= unloaded_at  # the request ended before the unload answered
+    assert still_running and done["done_at"] <= unloaded_at  # the request ended before the unload answered
     r = generate(url, input_ids=ids, lora_path="c")
     assert r.status_code == 400 and "'c'" in r.text
 

@@ -24,17 +24,13 @@ from sglang.srt.models.deepseek_v2 import (
     is_moe_layer,
 )
 from sglang.srt.models.registry import architectures_of, get_model_class
-from tests.decoder_variant_checks import check_prefill_and_cached_decode
-from tests.test_models import (
-    BF16_TOL,
-    FLOAT32_TOL,
-    VOCAB,
-    PagedCache,
-    assert_logits_close,
-    build_models,
-    prompt_of,
-    reference_logits,
+from tests.decoder_variant_checks import (
+    check_batched_extend_and_decode,
+    check_bfloat16_prefill_and_decode,
+    check_engine_chunked_prefill_and_radix_hit,
+    check_prefill_and_cached_decode,
 )
+from tests.test_models import VOCAB, PagedCache, build_models, prompt_of
 
 KV_LORA_RANK, ROPE_DIM = 32, 8
 LAYERS = 3
@@ -106,33 +102,13 @@ def test_bfloat16_matches_transformers(tmp_path):
     config = tiny_deepseek_config(num_hidden_layers=2)
     reference, ours = build_models(tmp_path, config, dtype=torch.bfloat16)
     assert ours.model.layers[1].mlp.gate.weight.dtype == torch.float32  # the router stays float32, as in transformers
-    cache = latent_cache(config, torch.bfloat16)
-    tokens = prompt_of(17, 6)
-    logits = cache.forward(ours, [(0, tokens)], all_logits=True)
-    assert_logits_close(logits, reference_logits(reference, tokens), BF16_TOL, "prefill")
-    for step in range(3):
-        tokens.append(int(logits[-1].argmax()))
-        logits = cache.forward(ours, [(0, tokens[-1:])])
-        assert_logits_close(logits[0], reference_logits(reference, tokens)[-1], BF16_TOL, f"decode step {step}")
+    check_bfloat16_prefill_and_decode(reference, ours, latent_cache(config, torch.bfloat16), prompt_of(17, 6))
 
 
 def test_batched_extend_over_a_cached_prefix_and_batched_decode(tmp_path):
     config = tiny_deepseek_config()
     reference, ours = build_models(tmp_path, config)
-    cache = latent_cache(config)
-    fresh, prefixed = prompt_of(9, 4), prompt_of(18, 5)
-    cache.forward(ours, [(1, prefixed[:7])])
-    logits = cache.forward(ours, [(0, fresh), (1, prefixed[7:])], all_logits=True)
-    expected = torch.cat([reference_logits(reference, fresh), reference_logits(reference, prefixed)[7:]])
-    assert_logits_close(logits, expected, FLOAT32_TOL, "batched extend")
-    prompts = {0: fresh, 1: prefixed}
-    for step in range(3):
-        for row in (1, 0):
-            prompts[row].append((row * 31 + step * 7) % VOCAB)
-        step_logits = cache.forward(ours, [(row, [prompts[row][-1]]) for row in (1, 0)])
-        for i, row in enumerate((1, 0)):
-            assert_logits_close(step_logits[i], reference_logits(reference, prompts[row])[-1], FLOAT32_TOL,
-                                f"decode step {step} row {row}")
+    check_batched_extend_and_decode(reference, ours, latent_cache(config), prompt_of(9, 4), prompt_of(18, 5), 7)
 
 
 def test_pool_holds_the_latent_and_the_fast_paths_say_why_not(tmp_path):
@@ -171,38 +147,11 @@ def test_registry_knows_the_model_types():
     assert get_model_class(["DeepseekV2ForCausalLM"]) is DeepseekV2ForCausalLM
 
 
-ENGINE_NEW_TOKENS = 16
-PROMPT = ("Once upon a time, in a small village near the mountains, there lived an old clockmaker who repaired "
-          "every clock in the valley and never asked for anything in return, until one winter")
-
-
 def test_engine_greedy_with_chunked_prefill_and_radix_hit(tmp_path, smollm2_tokenizer):
-    """Greedy tokens through the Engine (prompt prefilled in chunks of 16) equal transformers.generate; the same
-    prompt again hits the radix cache and gives the same tokens."""
     from transformers import AutoModelForCausalLM
-
-    from sglang import Engine
 
     tokenizer = smollm2_tokenizer
     config = tiny_deepseek_config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
                                   bos_token_id=tokenizer.bos_token_id)
     torch.manual_seed(7)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    model.save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    ids = tokenizer.encode(PROMPT)
-    assert 35 <= len(ids) <= 45
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=ENGINE_NEW_TOKENS, do_sample=False, eos_token_id=None,
-                             pad_token_id=tokenizer.pad_token_id)
-    expected = out[0, len(ids):].tolist()
-    assert len(set(expected)) > 2  # not a degenerate repetition
-    params = {"temperature": 0, "max_new_tokens": ENGINE_NEW_TOKENS, "ignore_eos": True}
-    with Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=1024, chunked_prefill_size=16) as engine:
-        cold = engine.generate(input_ids=ids, sampling_params=params)
-        warm = engine.generate(input_ids=ids, sampling_params=params)
-    assert cold["meta_info"]["cached_tokens"] == 0
-    assert warm["meta_info"]["cached_tokens"] >= len(ids) - 1
-    assert cold["output_ids"] == expected
-    assert warm["output_ids"] == expected
+    check_engine_chunked_prefill_and_radix_hit(tmp_path, AutoModelForCausalLM.from_config(config).eval(), tokenizer)

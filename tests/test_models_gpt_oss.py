@@ -20,8 +20,13 @@ from sglang.srt.model_loader.quant_config import QuantizedCheckpointError, resol
 from sglang.srt.model_loader.weights import iterate_weights
 from sglang.srt.models.gpt_oss import GptOssForCausalLM
 from sglang.srt.models.registry import architectures_of, get_model_class
-from tests.decoder_variant_checks import check_prefill_and_cached_decode
-from tests.test_models import BF16_TOL, FLOAT32_TOL, VOCAB, PagedCache, assert_logits_close, prompt_of, reference_logits
+from tests.decoder_variant_checks import (
+    check_batched_extend_and_decode,
+    check_bfloat16_prefill_and_decode,
+    check_engine_chunked_prefill_and_radix_hit,
+    check_prefill_and_cached_decode,
+)
+from tests.test_models import FLOAT32_TOL, VOCAB, PagedCache, assert_logits_close, prompt_of, reference_logits
 
 WINDOW = 8
 LAYERS = 4
@@ -115,20 +120,8 @@ def test_attention_with_sinks_in_row_slices(monkeypatch, softcap):
 def test_batched_extend_over_a_cached_prefix_and_batched_decode(tmp_path):
     config = tiny_gpt_oss_config()
     reference, ours = build_pair(tmp_path, config, seed=2)
-    cache = PagedCache(config, torch.float32)
-    fresh, prefixed = prompt_of(11, 4), prompt_of(27, 5)
-    cache.forward(ours, [(1, prefixed[:13])])
-    logits = cache.forward(ours, [(0, fresh), (1, prefixed[13:])], all_logits=True)
-    expected = torch.cat([reference_logits(reference, fresh), reference_logits(reference, prefixed)[13:]])
-    assert_logits_close(logits, expected, FLOAT32_TOL, "batched extend over a cached prefix")
-    prompts = {0: fresh, 1: prefixed}
-    for step in range(3):
-        for row in (1, 0):
-            prompts[row].append((row * 31 + step * 7) % VOCAB)
-        step_logits = cache.forward(ours, [(row, [prompts[row][-1]]) for row in (1, 0)])
-        for i, row in enumerate((1, 0)):
-            assert_logits_close(step_logits[i], reference_logits(reference, prompts[row])[-1], FLOAT32_TOL,
-                                f"decode step {step} row {row}")
+    check_batched_extend_and_decode(reference, ours, PagedCache(config, torch.float32), prompt_of(11, 4),
+                                    prompt_of(27, 5), 13)
 
 
 def test_bfloat16_matches_transformers(tmp_path):
@@ -136,14 +129,7 @@ def test_bfloat16_matches_transformers(tmp_path):
     reference = random_reference(config, seed=8).to(torch.bfloat16)
     reference.save_pretrained(tmp_path)
     ours = load_model(str(tmp_path), torch.bfloat16, "cpu")
-    cache = PagedCache(config, torch.bfloat16)
-    tokens = prompt_of(25, 6)
-    logits = cache.forward(ours, [(0, tokens)], all_logits=True)
-    assert_logits_close(logits, reference_logits(reference, tokens), BF16_TOL, "prefill")
-    for step in range(3):
-        tokens.append(int(logits[-1].argmax()))
-        logits = cache.forward(ours, [(0, tokens[-1:])])
-        assert_logits_close(logits[0], reference_logits(reference, tokens)[-1], BF16_TOL, f"decode step {step}")
+    check_bfloat16_prefill_and_decode(reference, ours, PagedCache(config, torch.bfloat16), prompt_of(25, 6))
 
 
 def random_mxfp4(experts: int, rows: int, cols: int, seed: int, low: int = 118, high: int = 125
@@ -242,35 +228,9 @@ def test_registry_knows_the_architecture_and_model_type():
     assert get_model_class(["GptOssForCausalLM"]) is GptOssForCausalLM
 
 
-ENGINE_NEW_TOKENS = 16
-PROMPT = ("Once upon a time, in a small village near the mountains, there lived an old clockmaker who repaired "
-          "every clock in the valley and never asked for anything in return, until one winter")
-
-
 def test_engine_greedy_with_chunked_prefill_and_radix_hit(tmp_path, smollm2_tokenizer):
-    """Greedy tokens through the Engine (a prompt of about 40 tokens, five windows long, prefilled in chunks of 16)
-    equal transformers.generate; the same prompt again hits the radix cache and gives the same tokens."""
-    from sglang import Engine
-
+    """Through the Engine, the prompt is five sliding windows long."""
     tokenizer = smollm2_tokenizer
     config = tiny_gpt_oss_config(vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
                                  bos_token_id=tokenizer.bos_token_id)
-    model = random_reference(config, seed=7)
-    model.save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    ids = tokenizer.encode(PROMPT)
-    assert 35 <= len(ids) <= 45
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=ENGINE_NEW_TOKENS, do_sample=False, eos_token_id=None,
-                             pad_token_id=tokenizer.pad_token_id)
-    expected = out[0, len(ids):].tolist()
-    assert len(set(expected)) > 2  # not a degenerate repetition
-    params = {"temperature": 0, "max_new_tokens": ENGINE_NEW_TOKENS, "ignore_eos": True}
-    with Engine(model_path=str(tmp_path), dtype="float32", max_total_tokens=1024, chunked_prefill_size=16) as engine:
-        cold = engine.generate(input_ids=ids, sampling_params=params)
-        warm = engine.generate(input_ids=ids, sampling_params=params)
-    assert cold["meta_info"]["cached_tokens"] == 0
-    assert warm["meta_info"]["cached_tokens"] >= len(ids) - 1
-    assert cold["output_ids"] == expected
-    assert warm["output_ids"] == expected
+    check_engine_chunked_prefill_and_radix_hit(tmp_path, random_reference(config, seed=7), tokenizer)

@@ -30,11 +30,11 @@ from sglang.srt.model_loader.weight_report import describe_weights, weight_bytes
 from sglang.srt.model_loader.weights import weight_files
 from tests.quant_packers import (
     LayerMaker,
-    awq_layer,
+    awq_format,
     ct_config,
+    ct_int4_format,
     ct_int8_layer,
-    ct_packed_layer,
-    gptq_layer,
+    gptq_format,
     write_quantized_checkpoint,
 )
 from tests.test_cpu_arithmetic import BF16_VNNI_FLAGS
@@ -46,37 +46,23 @@ FP16, BF16 = torch.float16, torch.bfloat16
 # float32 logits of size ~5 from the same weights, summed in another order (block GEMM vs transformers' matmul)
 SUMMATION_TOL = 5e-4
 
-
-def _gptq(bits: int, group: int, sym: bool, fmt: str = "gptq", desc_act: bool = False) -> tuple[dict, LayerMaker, Any]:
-    config = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym, "desc_act": desc_act,
-              "checkpoint_format": fmt}
-    return config, gptq_layer(bits, group, sym, desc_act, v1=fmt == "gptq"), FP16
-
-
-def _ct_int4(strategy: str, group: int, symmetric: bool) -> tuple[dict, LayerMaker, Any]:
-    weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": strategy,
-               "group_size": group if strategy == "group" else None, "dynamic": False, "actorder": None}
-    return ct_config("pack-quantized", weights), ct_packed_layer(4, strategy, group, symmetric), BF16
-
-
-_AWQ = {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"}
 _CT_INT8 = ct_config("int-quantized", {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"})
 
 # name -> (quantization_config, layer packer, checkpoint dtype, block type, exact: no zero point to round into m).
 # Input widths are 128 and 320 (down_proj): a group of 128 leaves a partial last group of 64 there.
 FORMATS: dict[str, tuple[dict, LayerMaker, Any, str, bool]] = {
-    "gptq-4bit-g32-sym": (*_gptq(4, 32, True), "Q4_1", True),
-    "gptq-4bit-g128-asym": (*_gptq(4, 128, False), "Q4_1", False),
-    "gptq-4bit-g64-asym-v2": (*_gptq(4, 64, False, "gptq_v2"), "Q4_1", False),
-    "awq-4bit-g64": (_AWQ, awq_layer(64), FP16, "Q4_1", False),
-    "ct-int4-group32-sym": (*_ct_int4("group", 32, True), "Q4_1", True),
-    "ct-int4-group64-asym": (*_ct_int4("group", 64, False), "Q4_1", False),
-    "ct-int4-channel-asym": (*_ct_int4("channel", 0, False), "Q4_1", False),
-    "gptq-8bit-g64-sym": (*_gptq(8, 64, True), "Q8_0", True),
-    "gptq-8bit-per-channel-sym-v2": (*_gptq(8, -1, True, "gptq_v2"), "Q8_0", True),
+    "gptq-4bit-g32-sym": (*gptq_format(4, 32, True), "Q4_1", True),
+    "gptq-4bit-g128-asym": (*gptq_format(4, 128, False), "Q4_1", False),
+    "gptq-4bit-g64-asym-v2": (*gptq_format(4, 64, False, fmt="gptq_v2"), "Q4_1", False),
+    "awq-4bit-g64": (*awq_format(64), "Q4_1", False),
+    "ct-int4-group32-sym": (*ct_int4_format("group", 32, True), "Q4_1", True),
+    "ct-int4-group64-asym": (*ct_int4_format("group", 64, False), "Q4_1", False),
+    "ct-int4-channel-asym": (*ct_int4_format("channel", 0, False), "Q4_1", False),
+    "gptq-8bit-g64-sym": (*gptq_format(8, 64, True), "Q8_0", True),
+    "gptq-8bit-per-channel-sym-v2": (*gptq_format(8, -1, True, fmt="gptq_v2"), "Q8_0", True),
     "ct-int8-channel": (_CT_INT8, ct_int8_layer(static_input=False), BF16, "Q8_0", True),
 }
-FALLBACK = _gptq(4, 128, False, desc_act=True)  # act-order: group indices shuffled over the input columns
+FALLBACK = gptq_format(4, 128, False, desc_act=True)  # act-order: group indices shuffled over the input columns
 
 
 def build(tmp_path: Path, spec: tuple[dict, LayerMaker, Any], config: Any = None, seed: int = 0):

@@ -22,52 +22,36 @@ from sglang.srt.model_loader.loader import load_model
 from sglang.srt.model_loader.quant_config import QuantizedCheckpointError, resolve_quantization
 from sglang.srt.server_args import ServerArgs
 from tests.quant_packers import (
-    LayerMaker,
-    awq_layer,
+    awq_format,
     ct_config,
+    ct_int4_format,
     ct_int8_layer,
-    ct_packed_layer,
     fp8_layer,
-    gptq_layer,
+    gptq_format,
     write_quantized_checkpoint,
 )
 from tests.test_models import FLOAT32_TOL, PagedCache, assert_logits_close, prompt_of, reference_logits, tiny_config
 
-FP16, BF16 = torch.float16, torch.bfloat16
-
-
-def _gptq(bits: int, group: int, sym: bool, desc_act: bool, fmt: str = "gptq") -> tuple[dict, LayerMaker, Any]:
-    config = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym, "desc_act": desc_act,
-              "checkpoint_format": fmt}
-    return config, gptq_layer(bits, group, sym, desc_act, v1=fmt == "gptq"), FP16
-
-
-def _ct_int4(strategy: str, group: int, symmetric: bool) -> tuple[dict, LayerMaker, Any]:
-    weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "strategy": strategy,
-               "group_size": group if strategy == "group" else None, "dynamic": False, "actorder": None}
-    return ct_config("pack-quantized", weights), ct_packed_layer(4, strategy, group, symmetric), BF16
-
+BF16 = torch.bfloat16
 
 # name -> (quantization_config, layer packer, checkpoint dtype). Input widths are 128 (q/k/v/gate/up) and 320
 # (down_proj): a GPTQ group of 128 and FP8's 128 x 128 blocks leave a partial last group / block there.
 FORMATS = {
-    "gptq-4bit-g32-sym": _gptq(4, 32, True, False),
-    "gptq-4bit-g128-asym-desc_act": _gptq(4, 128, False, True),
-    "gptq-8bit-g64-asym-v2": _gptq(8, 64, False, False, "gptq_v2"),
-    "gptq-8bit-per-column-desc_act": _gptq(8, -1, True, True),
-    "gptq-2bit-g32-asym": _gptq(2, 32, False, False),
-    "awq-4bit-g32": ({"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"},
-                     awq_layer(32), FP16),
-    "awq-4bit-g64": ({"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True, "version": "gemm"},
-                     awq_layer(64), FP16),
+    "gptq-4bit-g32-sym": gptq_format(4, 32, True, False),
+    "gptq-4bit-g128-asym-desc_act": gptq_format(4, 128, False, True),
+    "gptq-8bit-g64-asym-v2": gptq_format(8, 64, False, False, fmt="gptq_v2"),
+    "gptq-8bit-per-column-desc_act": gptq_format(8, -1, True, True),
+    "gptq-2bit-g32-asym": gptq_format(2, 32, False, False),
+    "awq-4bit-g32": awq_format(32),
+    "awq-4bit-g64": awq_format(64),
     "fp8-block128": ({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                       "weight_block_size": [128, 128]}, fp8_layer("block"), BF16),
     "fp8-per-tensor-static": ({"quant_method": "fp8", "activation_scheme": "static"},
                               fp8_layer("tensor", static_input=True), BF16),
     "fp8-per-channel": ({"quant_method": "fp8", "activation_scheme": "dynamic"}, fp8_layer("channel"), BF16),
-    "ct-int4-group32-sym": _ct_int4("group", 32, True),
-    "ct-int4-group64-asym": _ct_int4("group", 64, False),
-    "ct-int4-channel-asym": _ct_int4("channel", 0, False),
+    "ct-int4-group32-sym": ct_int4_format("group", 32, True),
+    "ct-int4-group64-asym": ct_int4_format("group", 64, False),
+    "ct-int4-channel-asym": ct_int4_format("channel", 0, False),
     "ct-int8-channel-w8a8": (ct_config("int-quantized", {
         "num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}, {
         "num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor", "dynamic": False}),

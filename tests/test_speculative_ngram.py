@@ -91,6 +91,19 @@ def assert_clean(url: str) -> None:
     assert state["token_usage"] == 0.0 and state["load"] == 0
 
 
+def spec_accept_lengths(url: str) -> list[float]:
+    """The values of the sglang:spec_accept_length gauge on /metrics (--enable-metrics)."""
+    metrics = requests.get(f"{url}/metrics", timeout=30).text
+    return [float(ln.split()[-1]) for ln in metrics.splitlines() if ln.startswith("sglang:spec_accept_length")]
+
+
+def assert_refused(argv: list[str], message: str) -> None:
+    """Server arguments `argv` (after a model path) fail validation with an error matching `message`."""
+    args = prepare_server_args(["--model-path", "m", *argv])
+    with pytest.raises(ValueError, match=message):
+        args.validate()
+
+
 def test_greedy_equals_plain_decoding(servers):
     plain, spec = servers
     all_cases = cases()
@@ -132,8 +145,7 @@ def test_speculation_happens_on_copy_prompts(servers):
     assert out["meta_info"]["spec_verify_ct"] < out["meta_info"]["completion_tokens"] - 1
     # the gauge holds the mean accept length of the last decode-log window (every 5 forwards here): copy-heavy
     # decoding gains more than one token per forward
-    metrics = requests.get(f"{spec}/metrics", timeout=30).text
-    values = [float(ln.split()[-1]) for ln in metrics.splitlines() if ln.startswith("sglang:spec_accept_length")]
+    values = spec_accept_lengths(spec)
     assert values and values[0] > 1.0
     assert_clean(spec)
 
@@ -213,7 +225,7 @@ def test_sampled_speculation_follows_target_distribution(servers, smollm2_tokeni
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--speculative-algorithm", "EAGLE"], "not supported yet"),
+    (["--speculative-algorithm", "EAGLE3"], "not supported yet"),
     (["--speculative-algorithm", "FOO"], "not supported yet"),
     (["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "1"], "--speculative-num-draft-tokens"),
     (["--speculative-algorithm", "NGRAM", "--speculative-ngram-min-match-window-size", "4",
@@ -221,9 +233,7 @@ def test_sampled_speculation_follows_target_distribution(servers, smollm2_tokeni
     (["--speculative-algorithm", "NGRAM", "--speculative-ngram-capacity", "-1"], "--speculative-ngram-capacity"),
 ])
 def test_flag_validation(argv, message):
-    args = prepare_server_args(["--model-path", "m", *argv])
-    with pytest.raises(ValueError, match=message):
-        args.validate()
+    assert_refused(argv, message)
 
 
 def test_flags_defaults():

@@ -10,7 +10,6 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
-import requests
 import torch
 
 from sglang import Engine
@@ -18,6 +17,7 @@ from sglang.srt.server_args import ServerArgs, prepare_server_args
 from sglang.srt.speculative.draft_model import DraftModel
 from tests.conftest import save_tiny_llama
 from tests.server_fixtures import running_server
+from tests.test_speculative_ngram import assert_clean, assert_refused, generate, spec_accept_lengths
 
 STEPS = 3
 SPEC_FLAGS = ("--speculative-algorithm", "STANDALONE", "--speculative-num-steps", str(STEPS),
@@ -58,19 +58,6 @@ def servers(models):
         yield plain, spec
 
 
-def generate(url: str, prompt: str, params: dict, stream: bool = False, **extra) -> dict:
-    body = {"text": prompt, "sampling_params": params, "stream": stream, **extra}
-    r = requests.post(f"{url}/generate", json=body, timeout=120, stream=stream)
-    assert r.status_code == 200, r.text
-    if not stream:
-        return r.json()
-    last: dict = {}
-    for line in r.iter_lines():
-        if line.startswith(b"data: ") and line != b"data: [DONE]":
-            last = json.loads(line[6:])
-    return last
-
-
 def cases() -> list[tuple[str, dict, bool]]:
     """(prompt, sampling params, streamed): plain greedy runs and the cuts speculation must respect."""
     base = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
@@ -80,12 +67,6 @@ def cases() -> list[tuple[str, dict, bool]]:
             (PROMPTS[2], {**base, "max_new_tokens": 40}, True),
             (PROMPTS[3], {**base, "json_schema": json.dumps(SCHEMA), "max_new_tokens": 40}, False)]
     return out
-
-
-def assert_clean(url: str) -> None:
-    state = requests.get(f"{url}/get_server_info", timeout=30).json()["internal_states"][0]
-    assert state["num_running_reqs"] == 0 and state["num_queue_reqs"] == 0
-    assert state["token_usage"] == 0.0 and state["load"] == 0
 
 
 def test_greedy_equals_plain_decoding(servers):
@@ -130,8 +111,7 @@ def test_sequential_requests_and_logprobs_match(servers):
         rejected += meta["spec_verify_ct"] * STEPS - meta["spec_accepted_draft_tokens"]
     # the perturbed draft agrees with the target on some tokens, not all: acceptance and rejection both happen
     assert accepted > 0 and rejected > 0
-    metrics = requests.get(f"{spec}/metrics", timeout=30).text
-    values = [float(ln.split()[-1]) for ln in metrics.splitlines() if ln.startswith("sglang:spec_accept_length")]
+    values = spec_accept_lengths(spec)
     assert values and 1.0 < values[0] <= STEPS + 1
     assert_clean(spec)
 
@@ -258,9 +238,7 @@ def test_bad_draft_models_are_refused(models, tmp_path):
     (["--speculative-algorithm", "NGRAM", "--speculative-draft-model-path", "d"], "--speculative-draft-model-path"),
 ])
 def test_flag_validation(argv, message):
-    args = prepare_server_args(["--model-path", "m", *argv])
-    with pytest.raises(ValueError, match=message):
-        args.validate()
+    assert_refused(argv, message)
 
 
 def test_num_draft_tokens_follows_num_steps():

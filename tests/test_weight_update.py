@@ -10,8 +10,6 @@ them: each state is checked by greedy equality for one request alone and for a b
 
 from __future__ import annotations
 
-import json
-import threading
 import time
 
 import pytest
@@ -19,7 +17,7 @@ import requests
 
 from sglang.utils import print_highlight
 from tests.conftest import SMOLLM2
-from tests.server_fixtures import running_server
+from tests.server_fixtures import running_server, stream_generate_in_thread
 from tests.weight_checkpoints import PERTURBED_PARAM, build_perturbed_smollm2, build_tiny_llama, hf_greedy
 
 MAX_NEW = 10
@@ -144,26 +142,15 @@ def test_update_request_validation(base_url, body, field):
     assert out.keys() == {"success", "message"} and out["success"] is False and field in out["message"]
 
 
-def _stream_in_thread(base_url: str, max_new_tokens: int, result: dict, started: threading.Event):
-    def run() -> None:
-        body = {"text": "Tell me a long story about the sea.", "stream": True,
-                "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
-        with requests.post(f"{base_url}/generate", json=body, stream=True, timeout=300) as r:
-            for line in r.iter_lines():
-                if line.startswith(b"data: ") and line != b"data: [DONE]":
-                    result["last"] = json.loads(line[6:])
-                    started.set()
-        result["done_at"] = time.monotonic()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    assert started.wait(120)
-    return thread
+def _stream_in_thread(base_url: str, max_new_tokens: int, result: dict):
+    body = {"text": "Tell me a long story about the sea.",
+            "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
+    return stream_generate_in_thread(base_url, body, result, timeout=300)
 
 
 def test_in_flight_request_finishes_before_the_update(base_url):
     result: dict = {}
-    thread = _stream_in_thread(base_url, 48, result, threading.Event())
+    thread = _stream_in_thread(base_url, 48, result)
     response = _update(base_url, model_path=SMOLLM2)
     updated_at = time.monotonic()
     thread.join(120)
@@ -175,7 +162,7 @@ def test_in_flight_request_finishes_before_the_update(base_url):
 
 def test_abort_all_requests_aborts_in_flight_request(base_url):
     result: dict = {}
-    thread = _stream_in_thread(base_url, 4000, result, threading.Event())
+    thread = _stream_in_thread(base_url, 4000, result)
     response = _update(base_url, model_path=SMOLLM2, abort_all_requests=True)
     thread.join(120)
     assert response.status_code == 200 and response.json()["success"] is True

@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang.srt.distributed.parallel_state import get_tp_group
 from sglang.srt.eplb.expert_distribution import get_global_expert_distribution_recorder
 from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.layers.attention.mla import LatentAttention, deinterleave_pairs
@@ -199,19 +198,16 @@ class DeepseekV2DecoderLayer(PreNormDecoderLayer):
             else LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"),
                           bool(getattr(config, "mlp_bias", False)), dtype, device)
         )
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+        self.attach_norms(config, dtype, device)
 
 
 class DeepseekV2ForCausalLM(VariantForCausalLM):
     fused_decode_exclusion = ("multi-head latent attention (the step runs Llama attention over full K/V heads, "
                               "this model caches one latent row per token)")
+    tensor_parallel = False
 
     def __init__(self, config: Any, dtype: Optional[torch.dtype] = None,
                  device: Optional[torch.device | str] = None) -> None:
-        if get_tp_group().size > 1:
-            raise ValueError(f"{type(self).__name__} does not support tensor parallelism (--tp-size 1)")
         super().__init__(config, dtype, device)
         # What each token caches per layer (model_executor/model_runner.kv_cache_spec sizes the pool from it).
         self.kv_latent_dim = config.kv_lora_rank + config.qk_rope_head_dim

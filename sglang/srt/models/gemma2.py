@@ -123,6 +123,11 @@ class GemmaDecoderLayer(nn.Module):
         return hidden_states + self.post_feedforward_layernorm(mlp_out, out_dtype=hidden_states.dtype)
 
 
+def softcap(logits: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
+    """cap * tanh(logits / cap), or the logits unchanged without a cap."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
 class GemmaModel(nn.Module):
     """Embeddings scaled by sqrt(hidden), the decoder layers and the final norm. `local_rotary_emb` (Gemma 3) turns
     the sliding layers' positions with its own base; otherwise every layer uses `rotary_emb`."""
@@ -142,9 +147,15 @@ class GemmaModel(nn.Module):
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
+        return self.run_layers(self.scale_embeddings(self.embed_tokens(input_ids)), positions, forward_batch)
+
+    def scale_embeddings(self, hidden_states: torch.Tensor) -> torch.Tensor:
         # The factor as transformers holds it: a float32 scalar, rounded to the model dtype before the multiply.
-        hidden_states = hidden_states * torch.tensor(self.config.hidden_size**0.5).to(hidden_states.dtype)
+        return hidden_states * torch.tensor(self.config.hidden_size**0.5).to(hidden_states.dtype)
+
+    def run_layers(self, hidden_states: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+                   ) -> torch.Tensor:
+        """The decoder layers over the (scaled) input embeddings, then the final norm."""
         # One table lookup per forward and RoPE base, shared by the layers that use it.
         global_cos_sin = self.rotary_emb.lookup(positions, hidden_states.dtype)
         local_cos_sin = (global_cos_sin if self.local_rotary_emb is None
@@ -192,11 +203,8 @@ class Gemma2ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         """float32 logits [num_selected, vocab], soft-capped where the config asks."""
-        logits = self.logits_processor(hidden_states, self.lm_head.weight, forward_batch)
-        cap = self.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return softcap(self.logits_processor(hidden_states, self.lm_head.weight, forward_batch),
+                       self.final_logit_softcapping)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         return self.compute_logits(self.model(input_ids, positions, forward_batch), forward_batch)

@@ -19,7 +19,7 @@ Parameter names: `model.vision_tower.*`, `model.multi_modal_projector.*`, `model
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
@@ -27,11 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.forward_batch import ForwardBatch
-from sglang.srt.layers.logits_processor import LogitsProcessor
-from sglang.srt.model_loader.weights import load_checkpoint_weights
-from sglang.srt.models.gemma2 import GemmaModel, GemmaRMSNorm, layer_types_of
+from sglang.srt.models.gemma2 import GemmaModel, GemmaRMSNorm, layer_types_of, softcap
 from sglang.srt.models.gemma3 import Gemma3ForCausalLM
 from sglang.srt.models.qwen_vision import _activation
+from sglang.srt.models.vision_language import VisionLanguageModel, WeightStream
 from sglang.srt.multimodal.forward_inputs import MultimodalForward
 from sglang.srt.multimodal.image_attention import ImageBlockAttention
 
@@ -154,9 +153,7 @@ class _Gemma3Backbone(nn.Module):
         self.language_model = language_model
 
 
-class Gemma3ForConditionalGeneration(nn.Module):
-    has_image_understanding = True
-
+class Gemma3ForConditionalGeneration(VisionLanguageModel):
     def __init__(self, config: Any, dtype: Optional[torch.dtype] = None, device: Device = None) -> None:
         super().__init__()
         self.config = config
@@ -168,15 +165,8 @@ class Gemma3ForConditionalGeneration(nn.Module):
                                     local_rotary)
         self.model = _Gemma3Backbone(SiglipVisionModel(config.vision_config, dtype, device),
                                      Gemma3MultiModalProjector(config, dtype, device), language_model)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        if self.tie_word_embeddings:
-            self.lm_head: nn.Module = language_model.embed_tokens
-        else:
-            self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False, dtype=dtype,
-                                     device=device)
-        self.logits_processor = LogitsProcessor(text_config)
+        self.attach_head(config, text_config, True, dtype, device)
         self.final_logit_softcapping: Optional[float] = getattr(text_config, "final_logit_softcapping", None)
-        self.vocab_size = int(text_config.vocab_size)
 
     def embed_images(self, multimodal: MultimodalForward, hidden_states: torch.Tensor) -> None:
         """Encode the images of this forward and write their rows into hidden_states."""
@@ -193,49 +183,29 @@ class Gemma3ForConditionalGeneration(nn.Module):
     ) -> torch.Tensor:
         lm = self.model.language_model
         multimodal: Optional[MultimodalForward] = forward_batch.multimodal
-        # Image tokens carry cache-key ids beyond the vocabulary; their rows are replaced below.
-        ids = torch.where(input_ids < self.vocab_size, input_ids, torch.zeros_like(input_ids))
-        hidden_states = lm.embed_tokens(ids)
-        # The factor as transformers holds it: a float32 scalar, rounded to the model dtype before the multiply.
-        hidden_states = hidden_states * torch.tensor(self.text_config.hidden_size**0.5).to(hidden_states.dtype)
+        # Gemma's embedding scale applies to the text rows only: the image rows replace the scaled ones unscaled.
+        hidden_states = lm.scale_embeddings(self.text_embeddings(input_ids))
         if multimodal is not None:
             self.embed_images(multimodal, hidden_states)
             if not forward_batch.forward_mode.is_decode() and any(multimodal.image_spans):
                 backend = ImageBlockAttention(forward_batch.attn_backend, multimodal.image_spans)
                 forward_batch = dataclasses.replace(forward_batch, attn_backend=backend)
-        global_cos_sin = lm.rotary_emb.lookup(positions, hidden_states.dtype)
-        local_cos_sin = (global_cos_sin if lm.local_rotary_emb is None
-                         else lm.local_rotary_emb.lookup(positions, hidden_states.dtype))
-        for layer in lm.layers:
-            cos_sin = local_cos_sin if layer.layer_type == "sliding_attention" else global_cos_sin
-            hidden_states = layer(cos_sin, hidden_states, forward_batch)
-        return lm.norm(hidden_states)
+        return lm.run_layers(hidden_states, positions, forward_batch)
 
     def compute_logits(self, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        logits = self.logits_processor(hidden_states, self.lm_head.weight, forward_batch)
-        cap = self.final_logit_softcapping
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return softcap(super().compute_logits(hidden_states, forward_batch), self.final_logit_softcapping)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        return self.compute_logits(self.forward_hidden(input_ids, positions, forward_batch), forward_batch)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        aliases = {"lm_head.weight": "model.language_model.embed_tokens.weight"} if self.tie_word_embeddings else {}
-        load_checkpoint_weights(self, _current_names(weights), tied_aliases=aliases)
-
-
-def _current_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Rename the hub's layout (and the one transformers writes) to this module's names."""
-    for name, tensor in weights:
-        if name.startswith("language_model.lm_head."):
-            name = name[len("language_model."):]
-        elif name.startswith(("vision_tower.", "multi_modal_projector.", "language_model.")):
-            name = "model." + name
-        name = name.replace("model.language_model.model.", "model.language_model.", 1)
-        name = name.replace("model.vision_tower.vision_model.", "model.vision_tower.", 1)
-        yield name, tensor
+    @staticmethod
+    def current_names(weights: WeightStream) -> Iterator[tuple[str, torch.Tensor]]:
+        """Rename the hub's layout (and the one transformers writes) to this module's names."""
+        for name, tensor in weights:
+            if name.startswith("language_model.lm_head."):
+                name = name[len("language_model."):]
+            elif name.startswith(("vision_tower.", "multi_modal_projector.", "language_model.")):
+                name = "model." + name
+            name = name.replace("model.language_model.model.", "model.language_model.", 1)
+            name = name.replace("model.vision_tower.vision_model.", "model.vision_tower.", 1)
+            yield name, tensor
 
 
 EntryClass = Gemma3ForConditionalGeneration

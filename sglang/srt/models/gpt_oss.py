@@ -23,10 +23,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from sglang.srt.distributed.parallel_state import get_tp_group
 from sglang.srt.eplb.expert_distribution import get_global_expert_distribution_recorder
 from sglang.srt.forward_batch import ForwardBatch
-from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.moe.fused_moe import dispatch_experts
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import apply_rotary_emb_
@@ -144,20 +142,13 @@ class GptOssDecoderLayer(PreNormDecoderLayer):
         super().__init__()
         self.self_attn = GptOssAttention(config, layer_id, layer_type, rotary_dim, dtype, device)
         self.mlp = GptOssMoE(config, layer_id, dtype, device)
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+        self.attach_norms(config, dtype, device)
 
 
 class GptOssForCausalLM(VariantForCausalLM):
     fused_decode_exclusion = ("attention sinks, biased projections and mixture-of-experts layers with a clamped "
                               "SwiGLU (the step runs plain Llama layers)")
-
-    def __init__(self, config: Any, dtype: Optional[torch.dtype] = None,
-                 device: Optional[torch.device | str] = None) -> None:
-        if get_tp_group().size > 1:
-            raise ValueError(f"{type(self).__name__} does not support tensor parallelism (--tp-size 1)")
-        super().__init__(config, dtype, device)
+    tensor_parallel = False
 
     def build_model(self, config: Any, dtype: Optional[torch.dtype],
                     device: Optional[torch.device | str]) -> VariantModel:

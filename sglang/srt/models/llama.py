@@ -193,6 +193,18 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
+def run_layers(layers: nn.ModuleList, norm: RMSNorm, hidden_states: torch.Tensor, cos_sin: CosSin,
+               forward_batch: ForwardBatch) -> torch.Tensor:
+    """The decoder layers, then the final norm over the residual stream."""
+    residual: Optional[torch.Tensor] = None
+    for layer in layers:
+        hidden_states, residual = layer(cos_sin, hidden_states, forward_batch, residual)
+    if residual is None:
+        return norm(hidden_states)
+    hidden_states, _ = norm(hidden_states, residual)
+    return hidden_states
+
+
 class LlamaModel(nn.Module):
     """The backbone: embeddings, decoder layers and the final norm."""
 
@@ -225,13 +237,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         hidden_states, cos_sin = self.embed(input_ids, positions)
-        residual: Optional[torch.Tensor] = None
-        for layer in self.layers:
-            hidden_states, residual = layer(cos_sin, hidden_states, forward_batch, residual)
-        if residual is None:
-            return self.norm(hidden_states)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+        return run_layers(self.layers, self.norm, hidden_states, cos_sin, forward_batch)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -15,36 +15,32 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from sglang.srt.distributed.parallel_state import get_tp_group
 from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding, get_rope
 from sglang.srt.layers.vocab_parallel_embedding import vocab_embedding
-from sglang.srt.models.llama import CosSin, LlamaForCausalLM, head_dim_of
+from sglang.srt.models.llama import CosSin, LlamaForCausalLM, head_dim_of, run_layers
 
 # (layer_id, rotary_dim) -> the decoder layer of that index.
 LayerFactory = Callable[[int, int], nn.Module]
 
 
-def run_layers(layers: nn.ModuleList, norm: RMSNorm, hidden_states: torch.Tensor, cos_sin: CosSin,
-               forward_batch: ForwardBatch) -> torch.Tensor:
-    """The decoder layers, then the final norm over the residual stream."""
-    residual: Optional[torch.Tensor] = None
-    for layer in layers:
-        hidden_states, residual = layer(cos_sin, hidden_states, forward_batch, residual)
-    if residual is None:
-        return norm(hidden_states)
-    hidden_states, _ = norm(hidden_states, residual)
-    return hidden_states
-
-
 class PreNormDecoderLayer(nn.Module):
     """A decoder layer whose `self_attn` and `mlp` each run after an RMSNorm (`input_layernorm`,
-    `post_attention_layernorm`), the residual carried through the fused add-and-norm; subclasses build the four."""
+    `post_attention_layernorm`), the residual carried through the fused add-and-norm; subclasses build `self_attn`
+    and `mlp`, then the norms with `attach_norms`."""
 
     self_attn: nn.Module
     mlp: nn.Module
     input_layernorm: RMSNorm
     post_attention_layernorm: RMSNorm
+
+    def attach_norms(self, config: Any, dtype: Optional[torch.dtype], device: Optional[torch.device | str]) -> None:
+        """The two RMSNorms over the config's hidden size, with its rms_norm_eps."""
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
 
     def forward(self, cos_sin: CosSin, hidden_states: torch.Tensor, forward_batch: ForwardBatch,
                 residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,10 +85,14 @@ class VariantForCausalLM(LlamaForCausalLM, ABC):
     # Why the fused CPU decode step (model_executor/fused_cpu_decode.py), which runs plain Llama layers, cannot run
     # this model; None where its layers compute as Llama's.
     fused_decode_exclusion: Optional[str] = None
+    # False where the layers cannot be split over tensor-parallel ranks: the model refuses --tp-size > 1.
+    tensor_parallel = True
 
     def __init__(
         self, config: Any, dtype: Optional[torch.dtype] = None, device: Optional[torch.device | str] = None
     ) -> None:
+        if not self.tensor_parallel and get_tp_group().size > 1:
+            raise ValueError(f"{type(self).__name__} does not support tensor parallelism (--tp-size 1)")
         # LlamaForCausalLM.__init__ would build a LlamaModel: this class builds its own backbone instead.
         nn.Module.__init__(self)
         self.config = config

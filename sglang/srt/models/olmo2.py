@@ -13,7 +13,6 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from sglang.srt.distributed.parallel_state import get_tp_group
 from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import merged_linear, row_parallel_linear
@@ -86,14 +85,8 @@ class Olmo2ForCausalLM(VariantForCausalLM):
     # The fused CPU decode step (model_executor/fused_cpu_decode.py) runs pre-norm Llama layers.
     fused_decode_exclusion = ("OLMo 2 normalises whole q/k projections and the attention and MLP outputs "
                               "(the fused step runs pre-norm Llama layers)")
-
-    def __init__(
-        self, config: Any, dtype: Optional[torch.dtype] = None, device: Optional[torch.device | str] = None
-    ) -> None:
-        if get_tp_group().size > 1:
-            # The q/k norms reduce over every head, which tensor parallelism would split over the ranks.
-            raise ValueError("Olmo2ForCausalLM does not support tensor parallelism (--tp-size 1)")
-        super().__init__(config, dtype, device)
+    # The q/k norms reduce over every head, which tensor parallelism would split over the ranks.
+    tensor_parallel = False
 
     def build_model(self, config: Any, dtype: Optional[torch.dtype],
                     device: Optional[torch.device | str]) -> VariantModel:

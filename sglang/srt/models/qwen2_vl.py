@@ -10,18 +10,17 @@ Checkpoint names: `model.visual.*`, `model.language_model.*`, `lm_head.*` (trans
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from sglang.srt.forward_batch import ForwardBatch
-from sglang.srt.layers.logits_processor import LogitsProcessor
 from sglang.srt.layers.mrope import get_mrope
-from sglang.srt.model_loader.weights import load_checkpoint_weights
-from sglang.srt.models.llama import DecoderOptions, LlamaModel, head_dim_of
+from sglang.srt.models.llama import DecoderOptions, LlamaModel, head_dim_of, run_layers
 from sglang.srt.models.qwen_vision import QwenVisionTransformer
+from sglang.srt.models.vision_language import VisionLanguageModel, WeightStream
 from sglang.srt.multimodal.forward_inputs import MultimodalForward
 
 
@@ -34,10 +33,9 @@ class _VisionLanguageBackbone(nn.Module):
         self.language_model = language_model
 
 
-class Qwen2VLForConditionalGeneration(nn.Module):
+class Qwen2VLForConditionalGeneration(VisionLanguageModel):
     # Qwen2.5-VL overrides this: its vision blocks use RMSNorm, SwiGLU and window attention.
     qwen2_5_vision = False
-    has_image_understanding = True
 
     def __init__(
         self, config: Any, dtype: Optional[torch.dtype] = None, device: Optional[torch.device | str] = None
@@ -52,14 +50,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         language_model = LlamaModel(text_config, DecoderOptions(qkv_bias=True), dtype, device, rotary_emb=rotary)
         visual = QwenVisionTransformer(config.vision_config, self.qwen2_5_vision, dtype, device)
         self.model = _VisionLanguageBackbone(visual, language_model)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head: nn.Module = language_model.embed_tokens
-        else:
-            self.lm_head = nn.Linear(text_config.hidden_size, text_config.vocab_size, bias=False, dtype=dtype,
-                                     device=device)
-        self.logits_processor = LogitsProcessor(text_config)
-        self.vocab_size = int(text_config.vocab_size)
+        self.attach_head(config, text_config, False, dtype, device)
 
     def embed_images(self, multimodal: MultimodalForward, hidden_states: torch.Tensor) -> None:
         """Run the vision encoder over the images of this forward and write their rows into hidden_states."""
@@ -80,41 +71,23 @@ class Qwen2VLForConditionalGeneration(nn.Module):
     ) -> torch.Tensor:
         lm = self.model.language_model
         multimodal: Optional[MultimodalForward] = forward_batch.multimodal
-        # Image tokens may carry cache-key ids beyond the vocabulary; their rows are replaced below anyway.
-        ids = torch.where(input_ids < self.vocab_size, input_ids, torch.zeros_like(input_ids))
-        hidden_states = lm.embed_tokens(ids)
+        hidden_states = self.text_embeddings(input_ids)
         if multimodal is not None:
             self.embed_images(multimodal, hidden_states)
             if multimodal.mrope_positions is not None:
                 positions = multimodal.mrope_positions.to(input_ids.device)
         cos_sin = lm.rotary_emb.lookup(positions, hidden_states.dtype)
-        residual: Optional[torch.Tensor] = None
-        for layer in lm.layers:
-            hidden_states, residual = layer(cos_sin, hidden_states, forward_batch, residual)
-        if residual is None:
-            return lm.norm(hidden_states)
-        hidden_states, _ = lm.norm(hidden_states, residual)
-        return hidden_states
+        return run_layers(lm.layers, lm.norm, hidden_states, cos_sin, forward_batch)
 
-    def compute_logits(self, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        return self.logits_processor(hidden_states, self.lm_head.weight, forward_batch)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
-        return self.compute_logits(self.forward_hidden(input_ids, positions, forward_batch), forward_batch)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        aliases = {"lm_head.weight": "model.language_model.embed_tokens.weight"} if self.tie_word_embeddings else {}
-        load_checkpoint_weights(self, _current_names(weights), tied_aliases=aliases)
-
-
-def _current_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Rename the pre-transformers-5 layout (`visual.*`, `model.layers.*`) to the current one."""
-    for name, tensor in weights:
-        if name.startswith("visual."):
-            name = "model." + name
-        elif name.startswith("model.") and not name.startswith(("model.visual.", "model.language_model.")):
-            name = "model.language_model." + name[len("model."):]
-        yield name, tensor
+    @staticmethod
+    def current_names(weights: WeightStream) -> Iterator[tuple[str, torch.Tensor]]:
+        """Rename the pre-transformers-5 layout (`visual.*`, `model.layers.*`) to the current one."""
+        for name, tensor in weights:
+            if name.startswith("visual."):
+                name = "model." + name
+            elif name.startswith("model.") and not name.startswith(("model.visual.", "model.language_model.")):
+                name = "model.language_model." + name[len("model."):]
+            yield name, tensor
 
 
 EntryClass = Qwen2VLForConditionalGeneration
