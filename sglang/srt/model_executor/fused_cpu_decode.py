@@ -83,22 +83,29 @@ class FusedCpuDecode:
         return forward_batch.forward_mode.is_decode() and 0 < forward_batch.batch_size <= self.max_rows
 
     def forward(self, model: Any, forward_batch: ForwardBatch) -> torch.Tensor:
+        out = self._run(model, forward_batch)
+        # A decode batch wants the logits of every row.
+        return out if self.with_head else model.compute_logits(out, forward_batch)
+
+    def forward_hidden(self, model: Any, forward_batch: ForwardBatch) -> torch.Tensor:
+        """The final (normed) hidden states of every row; only for a step without the LM head (`with_head` False)."""
+        assert not self.with_head
+        return self._run(model, forward_batch)
+
+    def _run(self, model: Any, forward_batch: ForwardBatch) -> torch.Tensor:
         if self.from_tokens:
-            out = self.stack.forward_tokens(
+            return self.stack.forward_tokens(
                 forward_batch.input_ids, forward_batch.positions, forward_batch.out_cache_loc,
                 forward_batch.req_to_token_pool.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
                 forward_batch.rows_share_sequences,
             )
-            # A decode batch wants the logits of every row.
-            return out if self.with_head else model.compute_logits(out, forward_batch)
         hidden_states, (cos, sin) = model.model.embed(forward_batch.input_ids, forward_batch.positions)
         batch = hidden_states.shape[0]  # cos/sin: [B, 1, rotary_dim]
-        hidden_states = self.stack.forward(
+        return self.stack.forward(
             hidden_states, cos.view(batch, -1), sin.view(batch, -1), forward_batch.out_cache_loc,
             forward_batch.req_to_token_pool.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
             forward_batch.rows_share_sequences,
         )
-        return model.compute_logits(hidden_states, forward_batch)
 
 
 def _quant_args(module: nn.Module) -> Optional[tuple[torch.Tensor, str, Optional[torch.Tensor]]]:

@@ -7,6 +7,7 @@ ForwardBatch and the sampling inputs, and calls `forward`. Nothing here imports 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -132,6 +133,9 @@ class ModelRunner:
         self.pooler = Pooler(read_pooling_config(model_dir, self.is_encoder))
         # The LoRA segments every adapted layer reads (lora/layers.py); set when the server serves LoRA.
         self.lora_state: Optional[LoraBatchState] = None
+        # Called with every forward's final (normed) hidden states when set: EAGLE speculative decoding drafts from
+        # the served model's hidden states (speculative/hidden_log.py).
+        self.hidden_sink: Optional[Callable[[ForwardBatch, torch.Tensor], None]] = None
 
     def account_weights(self) -> None:
         """Count the served model's weights by format (every form held: parameters, blocks, GEMM copies) and log
@@ -196,12 +200,24 @@ class ModelRunner:
     @torch.inference_mode()
     def _forward_logits(self, forward_batch: ForwardBatch) -> Optional[torch.Tensor]:
         fused = self.decode_plan.fused if self.decode_plan is not None else None
+        sink = self.hidden_sink
         # The fused decode step cannot add LoRA: a batch with adapter rows runs layer by layer (lora/manager.py).
-        if fused is not None and forward_batch.lora_ids is None and fused.accepts(forward_batch):
-            return fused.forward(self.model, forward_batch)
+        # A step that ends with the LM head gives no hidden states: with a sink, such a model decodes layer by layer.
+        if (fused is not None and forward_batch.lora_ids is None and fused.accepts(forward_batch)
+                and (sink is None or not fused.with_head)):
+            if sink is None:
+                return fused.forward(self.model, forward_batch)
+            hidden = fused.forward_hidden(self.model, forward_batch)
+            sink(forward_batch, hidden)
+            return self.model.compute_logits(hidden, forward_batch)
         forward_batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(forward_batch)
         with lora_rows(self.lora_state, forward_batch.lora_ids, forward_batch.extend_seq_lens_cpu):
-            logits = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+            if sink is None:
+                logits = self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+            else:
+                hidden = self.model.forward_hidden(forward_batch.input_ids, forward_batch.positions, forward_batch)
+                sink(forward_batch, hidden)
+                logits = self.model.compute_logits(hidden, forward_batch)
         # A prompt chunk without logprobs only fills the KV cache.
         return logits if logits.shape[0] else None

@@ -7,9 +7,11 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ALGORITHMS = ("NGRAM", "STANDALONE")
-# SGLang's other algorithms, which need draft heads: refused at startup with a clear message.
-KNOWN_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "LOOKAHEAD")
+SUPPORTED_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE")
+# Algorithms with a draft model or head (--speculative-draft-model-path, --speculative-num-steps, a chain).
+DRAFTING_ALGORITHMS = ("STANDALONE", "EAGLE")
+# SGLang's other algorithms: refused at startup with a clear message.
+KNOWN_ALGORITHMS = ("EAGLE3", "NEXTN", "LOOKAHEAD")
 # Tokens verified per step (the draft plus the bonus token) when --speculative-num-draft-tokens is not given.
 DEFAULT_NUM_DRAFT_TOKENS = 8
 # STANDALONE's draft chain length when neither --speculative-num-steps nor --speculative-num-draft-tokens is given.
@@ -20,19 +22,22 @@ _TREE_KNOB = ("accepted for compatibility with SGLang; this engine drafts a sing
 
 SPECULATIVE_HELP = {
     "speculative_algorithm": "Speculative decoding algorithm: NGRAM (drafts come from the request's own tokens and a "
-                             "bounded cache of recent requests' tokens, no draft model) or STANDALONE (a smaller model "
-                             "with the same vocabulary drafts, --speculative-draft-model-path). The draft is a chain, "
-                             "not a tree. Off by default.",
+                             "bounded cache of recent requests' tokens, no draft model), STANDALONE (a smaller model "
+                             "with the same vocabulary drafts, --speculative-draft-model-path) or EAGLE (an EAGLE-1 "
+                             "head drafts from the served model's hidden states, --speculative-draft-model-path). The "
+                             "draft is a chain, not a tree. Off by default.",
     "speculative_num_draft_tokens": "Tokens verified per decode step, the bonus token included (the draft has up to "
                                     f"this many minus one). Default with NGRAM: {DEFAULT_NUM_DRAFT_TOKENS}. With "
-                                    "STANDALONE and --speculative-eagle-topk 1 it is --speculative-num-steps + 1, as "
-                                    "SGLang sets it (another value is adjusted, with a warning); given alone, it sets "
-                                    "--speculative-num-steps to this minus one.",
+                                    "STANDALONE or EAGLE and --speculative-eagle-topk 1 it is "
+                                    "--speculative-num-steps + 1, as SGLang sets it (another value is adjusted, with a "
+                                    "warning); given alone, it sets --speculative-num-steps to this minus one.",
     "speculative_draft_model_path": "STANDALONE: the draft model (a directory, .gguf file or hub id this engine "
-                                    "loads), whose vocabulary must equal the served model's.",
-    "speculative_num_steps": "STANDALONE: draft tokens the draft model proposes per decode step (a chain, proposed "
-                             f"greedily). Default {DEFAULT_NUM_STEPS}.",
-    "speculative_eagle_topk": "STANDALONE: draft branches per step; only 1 (a chain) is supported. Default 1.",
+                                    "loads), whose vocabulary must equal the served model's. EAGLE: the directory of "
+                                    "an EAGLE-1 head for the served model (config.json with architectures "
+                                    "LlamaForCausalLMEagle, fc and layers.0 weights).",
+    "speculative_num_steps": "STANDALONE, EAGLE: draft tokens the draft model or head proposes per decode step (a "
+                             f"chain, proposed greedily). Default {DEFAULT_NUM_STEPS}.",
+    "speculative_eagle_topk": "STANDALONE, EAGLE: draft branches per step; only 1 (a chain) is supported. Default 1.",
     "speculative_ngram_min_match_window_size": "Shortest suffix (in tokens) that must match to propose a draft.",
     "speculative_ngram_max_match_window_size": "Longest suffix (in tokens) compared when looking for a match.",
     "speculative_ngram_capacity": "How many tokens of recent requests the n-gram cache keeps (oldest dropped first).",
@@ -53,11 +58,12 @@ def check_speculative_args(args: Any) -> None:
         raise ValueError(f"--speculative-algorithm {algo}: {known}not supported yet; supported: "
                          f"{', '.join(SUPPORTED_ALGORITHMS)}")
     args.speculative_algorithm = algo.upper()
-    if args.speculative_algorithm == "STANDALONE":
-        _check_standalone(args)
+    if args.speculative_algorithm in DRAFTING_ALGORITHMS:
+        _check_drafting(args)
         return
     if args.speculative_draft_model_path is not None:
-        raise ValueError("--speculative-draft-model-path is only used with --speculative-algorithm STANDALONE")
+        raise ValueError("--speculative-draft-model-path is only used with --speculative-algorithm "
+                         f"{' or '.join(DRAFTING_ALGORITHMS)}")
     if args.speculative_num_draft_tokens is None:
         args.speculative_num_draft_tokens = DEFAULT_NUM_DRAFT_TOKENS
     if args.speculative_num_draft_tokens < 2:
@@ -79,13 +85,14 @@ def check_speculative_args(args: Any) -> None:
                          f"{args.speculative_ngram_branch_length}")
 
 
-def _check_standalone(args: Any) -> None:
-    """STANDALONE's draft model flags; --speculative-num-draft-tokens derived from the chain length as SGLang does."""
+def _check_drafting(args: Any) -> None:
+    """The draft model's (STANDALONE) or head's (EAGLE) flags; --speculative-num-draft-tokens derived from the chain
+    length as SGLang does."""
+    algo = args.speculative_algorithm
     if not args.speculative_draft_model_path:
-        raise ValueError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path")
+        raise ValueError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path")
     if args.tp_size > 1:
-        raise ValueError("--speculative-algorithm STANDALONE runs with --tp-size 1 only (the draft model is not "
-                         "sharded)")
+        raise ValueError(f"--speculative-algorithm {algo} runs with --tp-size 1 only (the draft is not sharded)")
     topk = 1 if args.speculative_eagle_topk is None else args.speculative_eagle_topk
     if topk != 1:
         raise ValueError(f"--speculative-eagle-topk {topk}: only 1 is supported (the draft is a chain, not a tree)")

@@ -60,8 +60,7 @@ def _as_draft(req: Any) -> Optional[DraftSeq]:
 
 
 class DraftModel:
-    def __init__(self, runner: ModelRunner, mem: MemoryPools, context_len: int, chunk: int, description: str
-                 ) -> None:
+    def __init__(self, runner: Any, mem: MemoryPools, context_len: int, chunk: int, description: str) -> None:
         # "draft <path> (<architecture>, <weight size>)", for the startup line
         self.description = description
         self.runner = runner
@@ -221,6 +220,15 @@ class DraftModel:
     def _forward(self, parts: list[tuple[int, int, list[int]]]) -> list[int]:
         """One forward of the draft model over `parts` (row, first position, tokens), whose slots are allocated;
         the argmax of each part's last token."""
+        forward_batch, last = self._forward_batch(parts)
+        logits = self.runner.forward(forward_batch, None).logits
+        assert logits is not None
+        return logits[last.to(logits.device)].argmax(dim=-1).tolist()
+
+    def _forward_batch(self, parts: list[tuple[int, int, list[int]]]) -> tuple[ForwardBatch, torch.Tensor]:
+        """The forward over `parts` (row, first position, tokens) in the draft's memory, and the index of each
+        part's last token among the rows the runner returns logits for (every row in decode mode, each part's last
+        row in extend mode)."""
         table = self.mem.req_to_token_pool.req_to_token
         device = self.runner.device
         rows = [row for row, _, _ in parts]
@@ -256,9 +264,7 @@ class DraftModel:
                 req_to_token_pool=self.mem.req_to_token_pool, token_to_kv_pool=self.mem.kv_pool,
             )
             last = torch.arange(len(parts))
-        logits = self.runner.forward(forward_batch, None).logits
-        assert logits is not None
-        return logits[last.to(logits.device)].argmax(dim=-1).tolist()
+        return forward_batch, last
 
 
 def check_same_tokenizer(path: str, target_tokenizer: Any, trust_remote_code: bool) -> None:

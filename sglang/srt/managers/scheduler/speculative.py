@@ -1,9 +1,10 @@
-"""Speculative decoding in the scheduler (--speculative-algorithm NGRAM or STANDALONE): draft, verify, accept.
+"""Speculative decoding in the scheduler (--speculative-algorithm NGRAM, STANDALONE or EAGLE): draft, verify, accept.
 
 A decode step where some running request has a draft runs as one verify forward (speculative/verify.py): a decode
 forward, layer by layer, with one row per verified position; requests without a draft take their usual single row.
 Steps where no request has a draft run the plain decode step (the fused CPU step where it applies). Drafts come from
-n-grams of earlier text (NgramSpeculator) or from a draft model (StandaloneSpeculator, speculative/draft_model.py).
+n-grams of earlier text (NgramSpeculator), from a draft model (StandaloneSpeculator, speculative/draft_model.py) or
+from an EAGLE head reading the served model's hidden states (EagleSpeculator, speculative/eagle_draft.py).
 
 Which requests draft: those without penalties, custom logit processors, grammars or a pending min_new_tokens (their
 next-token distribution at a draft position would depend on draft tokens the sampling state has not seen). Each
@@ -25,6 +26,7 @@ from sglang.srt.managers.scheduler.stats import maybe_log_decode
 from sglang.srt.model_executor.model_runner import StepOutput
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.draft_model import DraftModel
+from sglang.srt.speculative.eagle_draft import EagleDraft
 from sglang.srt.speculative.ngram_cache import NgramCache, TokenIndex, propose_draft
 from sglang.srt.speculative.verify import (
     VerifyInputs,
@@ -254,8 +256,8 @@ class StandaloneSpeculator(Speculator):
         assert args.speculative_num_steps is not None
         super().__init__(args.speculative_num_steps)
         self.draft = draft
-        logger.info("Speculative decoding: STANDALONE, %s, %d steps (%d tokens verified per step, chain draft), "
-                    "draft KV cache of %d tokens, off above %d running requests", draft.description,
+        logger.info("Speculative decoding: %s, %s, %d steps (%d tokens verified per step, chain draft), "
+                    "draft KV cache of %d tokens, off above %d running requests", self.name, draft.description,
                     args.speculative_num_steps, args.speculative_num_draft_tokens, draft.mem.max_total_num_tokens,
                     SPEC_MAX_BATCH)
 
@@ -283,11 +285,22 @@ class StandaloneSpeculator(Speculator):
         return self.draft.used_tokens()
 
 
+class EagleSpeculator(StandaloneSpeculator):
+    """An EAGLE head proposes the chain from the served model's hidden states (speculative/eagle_draft.py)."""
+
+    name = "EAGLE"
+
+
 def create_speculator(sched: Scheduler) -> Optional[Speculator]:
-    """The server's speculator (None when speculative decoding is off); STANDALONE loads its draft model here."""
+    """The server's speculator (None when speculative decoding is off); STANDALONE loads its draft model here, EAGLE
+    its head."""
     args = sched.args
     if args.speculative_algorithm is None or args.is_embedding:
         return None
+    if args.speculative_algorithm == "EAGLE":
+        head = EagleDraft.load_eagle(args, sched.runner, sched.context_len, sched.max_total_num_tokens,
+                                     SPEC_MAX_BATCH)
+        return EagleSpeculator(args, head)
     if args.speculative_algorithm == "STANDALONE":
         draft = DraftModel.load(args, sched.runner.vocab_size, sched.tokenizer, sched.max_total_num_tokens,
                                 SPEC_MAX_BATCH)

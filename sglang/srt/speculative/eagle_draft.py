@@ -1,0 +1,204 @@
+"""EAGLE drafting (--speculative-algorithm EAGLE): an EAGLE head (speculative/eagle_head.py) proposes a chain of
+--speculative-num-steps tokens from the served model's hidden states.
+
+The head's row at position i is the pair (token i+1, served model's hidden state at i) and predicts token i+2. A
+request's rows start at the first position whose hidden state the served model computed in this request (a prefix
+served from the radix cache was not computed: the head's context starts after it). Each decode step a request that
+drafts
+
+- catches up: runs the rows whose head K/V is missing, up to the pair (its last token, the hidden state before it),
+  from the hidden states the served model recorded (speculative/hidden_log.py); that last row gives the first draft
+  token and the head's own hidden state;
+- proposes the rest of its chain greedily, each step reading the head's previous hidden state;
+- after verification drops the K/V of every draft row: those rows read the head's hidden states, and the accepted
+  positions are run again from the served model's at the next catch-up, as SGLang's draft extend after decode does.
+
+Memory (rows, slots, release, idle check) is the STANDALONE draft's (speculative/draft_model.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from sglang.srt.mem_cache.memory_pools import KVCacheSpec, build_memory_pools
+from sglang.srt.models.llama import head_dim_of
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.speculative.draft_model import MAX_DRAFT_KV_TOKENS, DraftModel, DraftSeq
+from sglang.srt.speculative.eagle_head import EagleRunner, load_eagle_runner
+from sglang.srt.speculative.hidden_log import HiddenLog
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EagleSeq(DraftSeq):
+    """A DraftSeq whose head position q is the served model's position start + q."""
+
+    start: int = 0
+    pool_row: int = -1  # the request's row in the served model's memory (its hidden states are recorded under it)
+
+
+def _as_eagle(req: Any) -> Optional[EagleSeq]:
+    return req.spec_state if isinstance(req.spec_state, EagleSeq) else None
+
+
+class EagleDraft(DraftModel):
+    runner: EagleRunner
+
+    def __init__(self, runner: EagleRunner, mem: Any, context_len: int, chunk: int, description: str) -> None:
+        super().__init__(runner, mem, context_len, chunk, description)
+        self.hidden = HiddenLog()
+
+    @classmethod
+    def load_eagle(cls, server_args: ServerArgs, target_runner: Any, context_len: int, target_tokens: int,
+                   max_requests: int) -> EagleDraft:
+        """Load the head for the served model of `target_runner`, build its KV memory (as the STANDALONE draft's)
+        and have the served model record its hidden states."""
+        path = server_args.speculative_draft_model_path
+        assert path is not None
+        runner, config = load_eagle_runner(path, target_runner)
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        kv_dtype = (target_runner.arithmetic.kv_dtype if target_runner.arithmetic is not None
+                    else target_runner.dtype)
+        spec = KVCacheSpec(config.num_hidden_layers, num_kv_heads, head_dim_of(config), kv_dtype)
+        width = context_len + 8
+        mem = build_memory_pools(spec, runner.device, context_len,
+                                 max(16, min(target_tokens, max_requests * width, MAX_DRAFT_KV_TOKENS)),
+                                 server_args.mem_fraction_static, max_requests, disable_radix_cache=True)
+        params = sum(p.numel() * p.element_size() for p in runner.head.parameters())
+        shared = ("own embedding" if runner.own_embed is not None else "served model's embedding") + \
+            (", own LM head" if runner.own_lm_head is not None else ", served model's LM head")
+        draft = cls(runner, mem, context_len, server_args.chunked_prefill_size or 4096,
+                    f"head {path} ({config.architectures[0]}, {config.num_hidden_layers} layer, "
+                    f"{params / 2**20:.2f} MB, {shared})")
+        target_runner.hidden_sink = draft.hidden.record
+        fused = target_runner.decode_plan.fused if target_runner.decode_plan is not None else None
+        if fused is not None and fused.with_head:
+            logger.info("Decode path: with EAGLE every batch runs layer by layer: the %s ends with the LM head and "
+                        "gives no hidden states", fused.name)
+        return draft
+
+    # ---- memory ---------------------------------------------------------------------------------------
+    def settle(self, req: Any, accepted: int) -> None:
+        """After verification: free every draft row (the accepted ones run again from the served model's states)."""
+        seq = _as_eagle(req)
+        if seq is None or not seq.pending:
+            return
+        seq.pending = False
+        seq.computed = seq.base + seq.steps - 1
+        self._truncate(seq, seq.base, seq.computed)
+
+    def release(self, req: Any) -> None:
+        seq = _as_eagle(req)
+        super().release(req)
+        if seq is not None and req.req_pool_idx is None:  # the request left the served model's memory
+            self.hidden.drop(seq.pool_row)
+
+    # ---- proposing ------------------------------------------------------------------------------------
+    def propose(self, reqs: list, steps: list[int]) -> list[list[int]]:
+        """Up to steps[i] greedy draft tokens per request; none for a request whose hidden states are missing or
+        which the head's memory cannot hold."""
+        table = self.mem.req_to_token_pool.req_to_token
+        free = self.mem.allocator.available_size()
+        chosen: list[tuple[int, Any, EagleSeq, int]] = []
+        for i, (req, k) in enumerate(zip(reqs, steps)):
+            if k <= 0:
+                continue
+            self.settle(req, 0)
+            seq = self._place(req)
+            if seq is None:
+                continue
+            base = req.seqlen - 1 - seq.start  # head rows for the served model's positions start .. seqlen-2
+            need = base - seq.computed + k - 1
+            if need > free:
+                continue
+            table[seq.row, seq.computed : base + k - 1] = self.mem.alloc_slots(need)
+            seq.base, seq.steps, seq.pending = base, k, True
+            free -= need
+            chosen.append((i, req, seq, k))
+        drafts: list[list[int]] = [[] for _ in reqs]
+        if not chosen:
+            return drafts
+        try:
+            hidden, first = self._catch_up_hidden([(req, seq) for _, req, seq, _ in chosen])
+            for (i, *_), token in zip(chosen, first):
+                drafts[i].append(token)
+            state = {i: hidden[n : n + 1] for n, (i, *_) in enumerate(chosen)}
+            for j in range(1, max(k for *_, k in chosen)):
+                active = [(i, seq) for i, _, seq, k in chosen if k > j]
+                parts = [(seq.row, seq.base + j - 1, [drafts[i][-1]]) for i, seq in active]
+                out, tokens = self._run(parts, torch.cat([state[i] for i, _ in active]), [s.start for _, s in active])
+                for n, ((i, _), token) in enumerate(zip(active, tokens)):
+                    drafts[i].append(token)
+                    state[i] = out[n : n + 1]
+        except Exception:  # noqa: BLE001 - the head failing costs speculation for this step, not the requests
+            logger.exception("The EAGLE head failed; these requests decode this step without a draft")
+            for _, req, _, _ in chosen:
+                self.release(req)
+            return [[] for _ in reqs]
+        return drafts
+
+    def _place(self, req: Any) -> Optional[EagleSeq]:
+        """The request's head state, (re)started where the served model's recorded hidden states begin; None when
+        they do not reach its last position or no head row is free."""
+        pool_row = req.req_pool_idx
+        first = self.hidden.first(pool_row, req.seqlen - 1)
+        seq = _as_eagle(req)
+        if seq is not None and (first is None or first > seq.start + seq.computed):
+            self.release(req)  # the recorded states restarted after a gap: so does the head's context
+            seq = None
+        if first is None or req.seqlen - 1 - first < 1:
+            return None
+        if seq is None:
+            row = self.mem.req_to_token_pool.alloc()
+            if row is None:
+                return None
+            seq = req.spec_state = EagleSeq(row, start=first, pool_row=pool_row)
+        return seq
+
+    def _catch_up_hidden(self, items: list[tuple[Any, EagleSeq]]) -> tuple[torch.Tensor, list[int]]:
+        """Run each request's missing rows up to the pair (last token, hidden state before it), in forwards of at
+        most `chunk` rows; the head's hidden state and greedy token after each request's last row."""
+        pos = [seq.computed for _, seq in items]
+        first: list[int] = [-1] * len(items)
+        last_hidden: list[Optional[torch.Tensor]] = [None] * len(items)
+        while True:
+            budget = self.chunk
+            parts, hiddens, owners, starts = [], [], [], []
+            for n, (req, seq) in enumerate(items):
+                take = min(seq.base - pos[n], budget)
+                if take <= 0:
+                    continue
+                ids = req.all_ids()
+                lo = seq.start + pos[n]  # the served model's position of the first row
+                parts.append((seq.row, pos[n], ids[lo + 1 : lo + 1 + take]))
+                hiddens.append(self.hidden.get(req.req_pool_idx, lo, lo + take))
+                owners.append(n)
+                starts.append(seq.start)
+                pos[n] += take
+                budget -= take
+            if not parts:
+                break
+            out, tokens = self._run(parts, torch.cat(hiddens), starts)
+            for m, (n, token) in enumerate(zip(owners, tokens)):
+                first[n] = token
+                last_hidden[n] = out[m]
+        for req, seq in items:
+            self.hidden.consumed(req.req_pool_idx, seq.start + seq.base)
+        return torch.stack([h for h in last_hidden if h is not None]), first
+
+    def _run(self, parts: list[tuple[int, int, list[int]]], hidden_in: torch.Tensor, starts: list[int]
+             ) -> tuple[torch.Tensor, list[int]]:
+        """One forward of the head over `parts` (head row, first head position, tokens), the hidden state of each
+        token in `hidden_in`; `starts`: each part's offset from head positions to the served model's positions,
+        at which the rotary embedding turns (the head's K/V row for position q is at index q - start)."""
+        forward_batch, _ = self._forward_batch(parts)
+        lens = torch.tensor([len(tokens) for _, _, tokens in parts], dtype=torch.int64)
+        last = lens.cumsum(0) - 1  # each part's last row (the head returns every row, in either mode)
+        offsets = torch.tensor([s for s, (_, _, tokens) in zip(starts, parts) for _ in tokens], dtype=torch.int64)
+        forward_batch.positions = forward_batch.positions + offsets.to(forward_batch.positions.device)
+        return self.runner.forward(forward_batch, hidden_in, last)
