@@ -1,4 +1,4 @@
-"""Choosing the GGUF-blocks linear method at load time for a model read from a Q4_0 / Q4_1 / Q8_0 GGUF file.
+"""Choosing the GGUF-blocks linear method at load time for a model read from a GGUF file.
 
 Every linear layer and the LM head get the file's original blocks through `GGUFLinearMethod`
 (layers/quantization/gguf_linear.py), which runs batches of at most `max_rows` rows on them. The blocks are attached
@@ -7,7 +7,11 @@ same weights. Where the plan serves every batch from blocks (`--large-batch-weig
 with native bf16) the float weights are then released and large batches multiply the blocks too (or an int8 copy
 made from them: model_loader/gemm_methods.blocks_large_method): the model holds the file's bytes, not a float32 copy.
 Otherwise the float weights stay for large batches.
-Q4_0 tensors arrive as the Q4_1 blocks of the same values (model_loader/gguf_reader.py).
+
+Q4_0 tensors become the Q4_1 blocks of the same values. A file's other types (Q4_K, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K,
+Q6_K, mixed within one file as K-quant "M" files mix them) are checked the same way against their own values, then
+converted into Q4_1 / Q8_0 blocks one layer at a time (model_loader/gguf_block_convert.py: the bounds), and the
+layer computes with the converted blocks' values at every batch size.
 """
 
 from __future__ import annotations
@@ -17,19 +21,19 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Optional
 
+import numpy as np
 import torch
+from torch import nn
 
 from sglang.srt.layers.linear import Linear
 from sglang.srt.layers.quantization.gguf_blocks import (
     GGUFQuantWeight,
-    as_raw_tensor,
-    dequantize_raw,
     kernels_available,
     kernels_unavailable_reason,
-    normalize_qtype,
     rotary_rows_gguf_to_hf,
 )
-from sglang.srt.model_loader.gguf_reader import read_gguf_quant_tensors
+from sglang.srt.model_loader.gguf_block_convert import convert_blocks, file_values, served_type
+from sglang.srt.model_loader.gguf_reader import read_gguf_block_tensors
 from sglang.srt.model_loader.q8_blocks import LargeFromBlocks, blocks_method
 
 logger = logging.getLogger(__name__)
@@ -39,8 +43,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_ROWS = 64
 
 
-# A GGUF matrix as read from the file, before packing: (qtype, raw uint8 [n, row_bytes], n, k).
+# A GGUF matrix as read from the file, before packing: (stored type, raw uint8 [n, row_bytes], n, k).
 RawBlocks = tuple[str, torch.Tensor, int, int]
+# What a candidate for one layer's weight yields: one matrix, or several stacked along N (fused QKV, gate/up).
+Parts = list[RawBlocks]
 
 
 def _rows(blocks: RawBlocks, index: torch.Tensor) -> RawBlocks:
@@ -48,15 +54,21 @@ def _rows(blocks: RawBlocks, index: torch.Tensor) -> RawBlocks:
     return qtype, raw[index], n, k
 
 
-def _concat(parts: Sequence[Optional[RawBlocks]]) -> Optional[RawBlocks]:
-    """Blocks stacked along N (fused QKV, gate/up); None when a part is missing or the parts do not fit."""
+def _stack(parts: Sequence[Optional[RawBlocks]]) -> Optional[Parts]:
+    """Matrices stacked along N (fused QKV, gate/up), each in its own stored type; None when a part is missing or
+    the parts' K differ."""
     if not parts or any(p is None for p in parts):
         return None
     full = [p for p in parts if p is not None]
-    qtype, k = full[0][0], full[0][3]
-    if any(p[0] != qtype or p[3] != k for p in full):
+    return full if all(p[3] == full[0][3] for p in full) else None
+
+
+def _concat(parts: Sequence[Optional[RawBlocks]]) -> Optional[RawBlocks]:
+    """Blocks of one type stacked along N; None when a part is missing or the parts do not fit."""
+    full = _stack(parts)
+    if full is None or any(p[0] != full[0][0] for p in full):
         return None
-    return qtype, torch.cat([p[1] for p in full]), sum(p[2] for p in full), k
+    return full[0][0], torch.cat([p[1] for p in full]), sum(p[2] for p in full), full[0][3]
 
 
 # Weights compared per slice when checking a candidate: a few MB of float32, so the dequantized copy stays in cache,
@@ -66,31 +78,55 @@ def _concat(parts: Sequence[Optional[RawBlocks]]) -> Optional[RawBlocks]:
 CHECK_SLICE_VALUES = 1 << 20
 
 
-def _dequantizes_to(blocks: RawBlocks, target: torch.Tensor, slice_values: Optional[int] = None) -> bool:
-    """Whether the blocks dequantize to `target` bit for bit (a bf16 target: to the bf16 rounding of their values,
-    which still tells a wrong row order or tensor apart). Compared a slice of rows (of about `slice_values` values,
-    default CHECK_SLICE_VALUES) at a time, so the float copy stays in cache and a wrong candidate is rejected at its
-    first slice instead of after the whole weight."""
-    qtype, raw, n, k = blocks
-    if tuple(target.shape) != (n, k) or target.dtype not in (torch.float32, torch.bfloat16):
+def _dequantizes_to(parts: Parts, target: torch.Tensor, slice_values: Optional[int] = None) -> bool:
+    """Whether the stacked matrices' stored values equal `target` bit for bit (a bf16 target: the bf16 rounding of
+    those values, which still tells a wrong row order or tensor apart). Compared a slice of rows (of about
+    `slice_values` values, default CHECK_SLICE_VALUES) at a time, so the float copy stays in cache and a wrong
+    candidate is rejected at its first slice instead of after the whole weight."""
+    if (target.dim() != 2 or target.dtype not in (torch.float32, torch.bfloat16)
+            or target.shape[0] != sum(p[2] for p in parts) or any(p[3] != target.shape[1] for p in parts)):
         return False
-    rows_per_slice = max(1, (slice_values or CHECK_SLICE_VALUES) // k)
-    for start in range(0, n, rows_per_slice):
-        rows = raw[start : start + rows_per_slice]
-        values = dequantize_raw(qtype, rows, rows.shape[0], k).to(target.dtype)
-        if not torch.equal(values, target[start : start + rows.shape[0]]):
-            return False
+    offset = 0
+    for qtype, raw, n, k in parts:
+        rows_per_slice = max(1, (slice_values or CHECK_SLICE_VALUES) // k)
+        for start in range(0, n, rows_per_slice):
+            rows = raw[start : start + rows_per_slice]
+            values = file_values(qtype, rows, rows.shape[0], k).to(target.dtype)
+            if not torch.equal(values, target[offset + start : offset + start + rows.shape[0]]):
+                return False
+        offset += n
     return True
 
 
-def _matching(candidates: Sequence[Callable[[], Optional[RawBlocks]]], target: torch.Tensor) -> Optional[
-        GGUFQuantWeight]:
-    """The first candidate whose dequantized weight equals `target` exactly, packed for the kernels."""
+def _as_parts(found: Optional[RawBlocks | Parts]) -> Optional[Parts]:
+    return [found] if isinstance(found, tuple) else found
+
+
+def _matching_parts(candidates: Sequence[Callable[[], Optional[RawBlocks | Parts]]],
+                    target: torch.Tensor) -> Optional[Parts]:
+    """The first candidate whose stored values equal `target` exactly."""
     for make in candidates:
-        blocks = make()
-        if blocks is not None and _dequantizes_to(blocks, target):
-            return GGUFQuantWeight(*blocks)
+        parts = _as_parts(make())
+        if parts and _dequantizes_to(parts, target):
+            return parts
     return None
+
+
+def _served(parts: Parts) -> tuple[GGUFQuantWeight, bool]:
+    """The parts as one weight the kernels read, and whether it holds the file's blocks as stored (Q4_1 / Q8_0 of
+    one type) rather than blocks converted from them (model_loader/gguf_block_convert.py)."""
+    types = {p[0] for p in parts}
+    target = served_type(types)
+    as_stored = types == {target}
+    raws = [p[1] if as_stored else convert_blocks(p[0], p[1], p[2], p[3], target) for p in parts]
+    return GGUFQuantWeight(target, torch.cat(raws), sum(p[2] for p in parts), parts[0][3]), as_stored
+
+
+def _matching(candidates: Sequence[Callable[[], Optional[RawBlocks | Parts]]], target: torch.Tensor) -> Optional[
+        GGUFQuantWeight]:
+    """The first candidate whose stored values equal `target` exactly, as blocks the kernels read."""
+    parts = _matching_parts(candidates, target)
+    return None if parts is None else _served(parts)[0]
 
 
 def attach_gguf_quant_weights(model: Any, gguf_path: str, config: Any, max_rows: int = DEFAULT_MAX_ROWS,
@@ -112,55 +148,86 @@ def attach_gguf_quant_weights(model: Any, gguf_path: str, config: Any, max_rows:
     if any(not hasattr(layer.mlp, "gate_up_proj") for layer in layers):
         logger.info("GGUF blocks are attached to dense models only; %s has expert layers", type(model).__name__)
         return 0
-    tensors = read_gguf_quant_tensors(gguf_path)
+    tensors = read_gguf_block_tensors(gguf_path)
 
     def block(name: str) -> Optional[RawBlocks]:
         entry = tensors.get(name)
         if entry is None:
             return None
         qtype, raw, n, k = entry
-        return normalize_qtype(qtype), as_raw_tensor(raw, qtype, n, k), n, k  # copied out of the memory map
+        return qtype, torch.from_numpy(np.array(raw, copy=True)), n, k  # copied out of the memory map
 
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-    attached = 0
-    plan: list[tuple[Linear, Optional[GGUFQuantWeight]]] = []
+    plan: list[tuple[nn.Module, Parts]] = []
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
         q, k, v = (block(f"blk.{i}.attn_{n}.weight") for n in ("q", "k", "v"))
         if q is None or k is None or v is None:
             return 0
 
-        def qkv_hf_order(q: RawBlocks = q, k: RawBlocks = k, v: RawBlocks = v) -> Optional[RawBlocks]:
+        def qkv_hf_order(q: RawBlocks = q, k: RawBlocks = k, v: RawBlocks = v) -> Optional[Parts]:
             # llama.cpp's converter interleaves the rotary halves of Q and K for Llama models.
-            return _concat([_rows(q, rotary_rows_gguf_to_hf(q[2], num_heads)),
-                            _rows(k, rotary_rows_gguf_to_hf(k[2], num_kv_heads)), v])
+            return _stack([_rows(q, rotary_rows_gguf_to_hf(q[2], num_heads)),
+                           _rows(k, rotary_rows_gguf_to_hf(k[2], num_kv_heads)), v])
 
-        gate_up = partial(_concat, [block(f"blk.{i}.ffn_gate.weight"), block(f"blk.{i}.ffn_up.weight")])
+        gate_up = partial(_stack, [block(f"blk.{i}.ffn_gate.weight"), block(f"blk.{i}.ffn_up.weight")])
         matches = [
-            (attn.qkv_proj, _matching([qkv_hf_order, partial(_concat, [q, k, v])], attn.qkv_proj.weight)),
-            (attn.o_proj, _matching([partial(block, f"blk.{i}.attn_output.weight")], attn.o_proj.weight)),
-            (mlp.gate_up_proj, _matching([gate_up], mlp.gate_up_proj.weight)),
-            (mlp.down_proj, _matching([partial(block, f"blk.{i}.ffn_down.weight")], mlp.down_proj.weight)),
+            (attn.qkv_proj, _matching_parts([qkv_hf_order, partial(_stack, [q, k, v])], attn.qkv_proj.weight)),
+            (attn.o_proj, _matching_parts([partial(block, f"blk.{i}.attn_output.weight")], attn.o_proj.weight)),
+            (mlp.gate_up_proj, _matching_parts([gate_up], mlp.gate_up_proj.weight)),
+            (mlp.down_proj, _matching_parts([partial(block, f"blk.{i}.ffn_down.weight")], mlp.down_proj.weight)),
         ]
-        if any(w is None for _, w in matches):
+        if any(parts is None for _, parts in matches):
             logger.info("GGUF blocks of layer %d do not match the loaded weights; using float weights only", i)
             return 0
-        plan += matches
+        plan += [(module, parts) for module, parts in matches if parts is not None]
     head = getattr(model, "lm_head", None)
-    head_weight = None
-    if head is not None:
-        head_weight = _matching([lambda: block("output.weight"), lambda: block("token_embd.weight")], head.weight)
-    dtype = model.model.embed_tokens.weight.dtype
-    for module, weight in plan:
-        assert weight is not None
-        module.set_linear_method(blocks_method(module, weight, max_rows, large, dtype, from_file=True))
+    embed = model.model.embed_tokens
+    if head is not None and hasattr(model, "logits_processor"):
+        head_parts = _matching_parts([lambda: block("output.weight"), lambda: block("token_embd.weight")],
+                                     head.weight)
+        if head_parts is not None:
+            plan.append((head, head_parts))
+    return _attach(model, plan, max_rows, large, embed.weight.dtype)
+
+
+def _attach(model: Any, plan: list[tuple[nn.Module, Parts]], max_rows: int, large: Optional[LargeFromBlocks],
+            dtype: torch.dtype) -> int:
+    """Give each module of `plan` (the LM head last, if there) the blocks of its matched parts; returns their
+    bytes. Converted blocks are named by what was read (`model.gguf_block_origins`, the weights report); where the
+    float weights stay for large batches they are set to the converted blocks' values, and an LM head that is the
+    input embeddings takes blocks only where their values are the embeddings' own."""
+    head = getattr(model, "lm_head", None)
+    tied = head is not None and head.weight is model.model.embed_tokens.weight
+    try:  # every layer's blocks first: a tensor that cannot be converted leaves the model as it is
+        served = [(module, *_served(parts), "+".join(sorted({p[0] for p in parts}))) for module, parts in plan]
+    except ValueError as err:
+        logger.info("GGUF blocks could not be converted (%s); using float weights only", err)
+        return 0
+    origins: dict[int, str] = {}
+    routes: set[str] = set()
+    attached = 0
+    for module, weight, as_stored, read in served:
+        if module is head and tied and not as_stored and not _dequantizes_to(
+                [(weight.qtype, weight.raw(), weight.n, weight.k)], module.weight):
+            logger.info("GGUF %s LM head tied to the embeddings keeps its float weights", read)
+            continue
+        if not as_stored:
+            origins[id(weight.packed)] = f"GGUF {read}"
+            routes.add(f"{read} as {weight.qtype}")
+            if large is None and not (module is head and tied):
+                with torch.no_grad():  # the float weight serves large batches: the blocks' values then
+                    module.weight.copy_(weight.dequantize())  # type: ignore[operator]
+        if module is head:
+            release = dtype if not tied else None
+            model.logits_processor.set_head_method(blocks_method(head, weight, max_rows, large, release,
+                                                                 from_file=True))
+        else:
+            module.set_linear_method(blocks_method(module, weight, max_rows, large, dtype, from_file=True))  # type: ignore[operator]
         attached += weight.nbytes
-    if head_weight is not None and head is not None and hasattr(model, "logits_processor"):
-        release = dtype if head.weight is not model.model.embed_tokens.weight else None
-        model.logits_processor.set_head_method(blocks_method(head, head_weight, max_rows, large, release,
-                                                             from_file=True))
-        attached += head_weight.nbytes
+    model.gguf_block_origins = origins
     what = "every matmul (no float weights kept)" if large is not None else f"matmuls of up to {max_rows} rows"
-    logger.info("Attached %.1f MB of GGUF blocks for %s", attached / 2**20, what)
+    converted = f" (converted at load: {', '.join(sorted(routes))})" if routes else ""
+    logger.info("Attached %.1f MB of GGUF blocks for %s%s", attached / 2**20, what, converted)
     return attached

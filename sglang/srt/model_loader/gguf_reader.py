@@ -17,6 +17,11 @@ _GGUF_STRING, _GGUF_ARRAY = 8, 9
 _GGUF_ALIGNMENT_KEY = "general.alignment"
 # Type ids of the block formats the kernels read (ggml's enum).
 _GGML_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+# Type ids of every block format served from blocks (the kernels' own, and those converted into them at load:
+# model_loader/gguf_block_convert.py): name, weights per block, bytes per block.
+GGML_BLOCK_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
+                    8: ("Q8_0", 32, 34), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
+                    13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
 Q4_0_BLOCK_BYTES = 18
 
 
@@ -112,4 +117,24 @@ def read_gguf_quant_tensors(
             continue
         nbytes = n * row_bytes(qname, k)
         out[name] = (qname, data[offset : offset + nbytes].reshape(n, row_bytes(qname, k)), n, k)
+    return out
+
+
+def read_gguf_block_tensors(
+    path: str | os.PathLike, names: Sequence[str] | None = None
+) -> dict[str, tuple[str, np.ndarray, int, int]]:
+    """The 2-D matrices of a GGUF file in any type of `GGML_BLOCK_TYPES`, as stored: {name: (type name, raw uint8
+    [N, row_bytes] (a read-only view of the memory-mapped file), N, K)}; `names` restricts the result."""
+    wanted = set(names) if names is not None else None
+    data, table = gguf_tensor_table(path)
+    out: dict[str, tuple[str, np.ndarray, int, int]] = {}
+    for name, dims, ttype, offset in table:
+        if (wanted is not None and name not in wanted) or ttype not in GGML_BLOCK_TYPES or len(dims) != 2:
+            continue
+        qname, per_block, block_bytes = GGML_BLOCK_TYPES[ttype]
+        k, n = dims
+        if k % per_block:
+            continue
+        row = k // per_block * block_bytes
+        out[name] = (qname, data[offset : offset + n * row].reshape(n, row), n, k)
     return out

@@ -18,14 +18,17 @@ from sglang.srt.model_loader.dtype import dtype_name
 from sglang.srt.model_loader.quant_config import describe_checkpoint_quantization
 
 
-def _method_copies(method: LinearMethod, from_checkpoint: dict[int, str], method_read: str) -> list[
-        tuple[Any, str, int]]:
+def _method_copies(method: LinearMethod, from_checkpoint: dict[int, str], method_read: str,
+                   from_gguf: dict[int, str]) -> list[tuple[Any, str, int]]:
     """(identity, format, bytes) of the weight forms a linear method holds beside the layer's own parameter; blocks
-    made from a quantized checkpoint's integers (ids in `from_checkpoint`) named for the `method_read`."""
+    made from a quantized checkpoint's integers (ids in `from_checkpoint`) named for the `method_read`, blocks
+    converted from a GGUF file's other types (ids in `from_gguf`, model_loader/gguf_quant.py) for those types."""
     out: list[tuple[Any, str, int]] = []
     if isinstance(method, GGUFLinearMethod):
         qw = method.quant_weight
         origin = f" from the {method_read} checkpoint" if id(qw.packed) in from_checkpoint else ""
+        if id(qw.packed) in from_gguf:
+            origin = f" from {from_gguf[id(qw.packed)]}"
         out.append((id(qw.packed), f"{qw.qtype} blocks{origin}", qw.nbytes))
         method = method.large
     nbytes = int(getattr(method, "nbytes", 0) or 0)
@@ -46,8 +49,9 @@ def weight_bytes_by_format(model: nn.Module) -> dict[str, int]:
         seen.add(id(param))
         name = dtype_name(param.dtype)
         totals[name] = totals.get(name, 0) + param.numel() * param.element_size()
+    from_gguf = getattr(model, "gguf_block_origins", None) or {}
     for method in linear_methods(model):
-        for key, name, nbytes in _method_copies(method, from_checkpoint, method_read):
+        for key, name, nbytes in _method_copies(method, from_checkpoint, method_read, from_gguf):
             if key not in seen:
                 seen.add(key)
                 totals[name] = totals.get(name, 0) + nbytes
