@@ -9,14 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from sglang.srt.layers.quantization.gguf_blocks import QK, row_bytes
-
 # GGUF metadata value types: fixed sizes in bytes; 8 = string, 9 = array.
 _GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 _GGUF_ALIGNMENT_KEY = "general.alignment"
-# Type ids of the block formats the kernels read (ggml's enum).
-_GGML_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
 # Type ids of every block format served from blocks (the kernels' own, and those converted into them at load:
 # model_loader/gguf_block_convert.py): name, weights per block, bytes per block.
 GGML_BLOCK_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
@@ -103,20 +99,12 @@ def read_gguf_quant_tensors(
     The Q4_1 / Q8_0 arrays are read-only views of the memory-mapped file. Only 2-D tensors are returned (gguf lists dims
     reversed, [K, N]); `names` restricts the result to those tensors.
     """
-    wanted = set(names) if names is not None else None
-    data, table = gguf_tensor_table(path)
     out: dict[str, tuple[str, np.ndarray, int, int]] = {}
-    for name, dims, ttype, offset in table:
-        qname = _GGML_TYPE_NAMES.get(ttype)
-        if (wanted is not None and name not in wanted) or qname is None or len(dims) != 2:
-            continue
-        k, n = dims
+    for name, (qname, raw, n, k) in read_gguf_block_tensors(path, names).items():
         if qname == "Q4_0":
-            nbytes = n * (k // QK) * Q4_0_BLOCK_BYTES
-            out[name] = ("Q4_1", q4_0_as_q4_1(data[offset : offset + nbytes].reshape(n, -1)), n, k)
-            continue
-        nbytes = n * row_bytes(qname, k)
-        out[name] = (qname, data[offset : offset + nbytes].reshape(n, row_bytes(qname, k)), n, k)
+            out[name] = ("Q4_1", q4_0_as_q4_1(raw), n, k)
+        elif qname in ("Q4_1", "Q8_0"):
+            out[name] = (qname, raw, n, k)
     return out
 
 
