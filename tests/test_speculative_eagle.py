@@ -20,16 +20,9 @@ from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.args import check_speculative_args
 from tests.conftest import save_tiny_llama
 from tests.server_fixtures import running_server
+from tests.test_speculative_standalone import COMMON, PROMPTS, SCHEMA, STEPS, spec_flags
 
-STEPS = 3
-SPEC_FLAGS = ("--speculative-algorithm", "EAGLE", "--speculative-num-steps", str(STEPS),
-              "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(STEPS + 1))
-COMMON = ("--max-total-tokens", "4096", "--dtype", "float32")
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
-          "required": ["name", "age"]}
-PROMPTS = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b\n",
-           "Alice went to the market to buy apples, bread and milk.", "1, 2, 3, 4, 5, 6, 7, 8",
-           "Roses are red, violets are blue", "SELECT name FROM users WHERE", "Once upon a time", "Hello"]
+SPEC_FLAGS = spec_flags("EAGLE")
 
 
 def save_eagle_head(path: Path, config, fc: torch.Tensor, fc_bias: torch.Tensor, layer_state: dict,

@@ -20,8 +20,15 @@ from tests.server_fixtures import running_server
 from tests.test_speculative_ngram import assert_clean, assert_refused, generate, spec_accept_lengths
 
 STEPS = 3
-SPEC_FLAGS = ("--speculative-algorithm", "STANDALONE", "--speculative-num-steps", str(STEPS),
-              "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(STEPS + 1))
+
+
+def spec_flags(algorithm: str) -> tuple[str, ...]:
+    """A chain of STEPS draft tokens per step with `algorithm`, SGLang's flags spelled out."""
+    return ("--speculative-algorithm", algorithm, "--speculative-num-steps", str(STEPS), "--speculative-eagle-topk",
+            "1", "--speculative-num-draft-tokens", str(STEPS + 1))
+
+
+SPEC_FLAGS = spec_flags("STANDALONE")
 COMMON = ("--max-total-tokens", "4096", "--dtype", "float32")
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
           "required": ["name", "age"]}
