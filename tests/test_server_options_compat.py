@@ -236,7 +236,10 @@ def test_metrics_gauges_show_a_running_request(stream_output_server, model_dir):
     # long enough to be running at the scrape however loaded the machine; closing the stream aborts it
     body = {"input_ids": PROMPT_IDS, "sampling_params": {**GREEDY, "max_new_tokens": 30000}, "stream": True}
     with requests.post(f"{url}/generate", json=body, stream=True, timeout=120) as r:
-        next(line for line in r.iter_lines() if line.startswith(b"data: "))
+        # `lines` stays referenced while the gauges are read: a line iterator that is dropped closes the connection,
+        # and the server then aborts the request
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith(b"data: "))
         deadline = time.monotonic() + 5  # the scheduler publishes its gauges every few steps
         running = scrape(url)
         while value(running, "sglang:num_running_reqs", model_dir) == 0 and time.monotonic() < deadline:
