@@ -79,8 +79,11 @@ def generate(url: str, prompt: str, params: dict, stream: bool = False, **extra)
 
 @pytest.fixture(scope="module")
 def servers():
-    with running_server() as plain, running_server("--speculative-algorithm", "NGRAM", "--enable-metrics",
-                                                   "--decode-log-interval", "5") as spec:
+    # One GEMM for both servers: left to each start's timing, the two may pick different GEMMs for their prefills
+    # and then differ from the first token on, with or without speculation.
+    same = ("--cpu-gemm", "float32")
+    with running_server(*same) as plain, running_server(*same, "--speculative-algorithm", "NGRAM", "--enable-metrics",
+                                                        "--decode-log-interval", "5") as spec:
         yield plain, spec
 
 
