@@ -120,11 +120,8 @@ def plan_for_this_machine(device: str, dtype: str, cpu_gemm: str,
     flags = read_cpu_flags()
     machine = platform.machine()
     settled = embedding_gemm(device, dtype, cpu_gemm, flags, machine) if embedding else None
-    if settled is not None:  # an embedding model's GEMM is settled by the flags, never by a timing
-        plan = choose_arithmetic(device, dtype, settled[0], flags, machine, None, config_dtype, gguf_activations,
-                                 small_batch_quantization, kv_cache_dtype, prefill_attention, large_batch_weights,
-                                 linear_float_bytes(hf_config))
-        return dataclasses.replace(plan, reason=settled[1])
+    if settled is not None:  # an embedding model's GEMM is settled by the flags: nothing left to measure
+        cpu_gemm = settled[0]
     gemms = gemms_to_measure(device, dtype, cpu_gemm, flags, machine) if measure else ()
     measurements = None
     if gemms:
@@ -136,6 +133,7 @@ def plan_for_this_machine(device: str, dtype: str, cpu_gemm: str,
             torch.set_num_threads(before)
         logger.info("Startup GEMM measurement (GFLOP/s on the model's MLP shapes): %s",
                     ", ".join(f"{g} {r:.0f}" for g, r in measurements.items()))
-    return choose_arithmetic(device, dtype, cpu_gemm, flags, machine, measurements, config_dtype, gguf_activations,
+    plan = choose_arithmetic(device, dtype, cpu_gemm, flags, machine, measurements, config_dtype, gguf_activations,
                              small_batch_quantization, kv_cache_dtype, prefill_attention, large_batch_weights,
                              linear_float_bytes(hf_config))
+    return plan if settled is None else dataclasses.replace(plan, reason=settled[1])
