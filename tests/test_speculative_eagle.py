@@ -12,7 +12,6 @@ from types import SimpleNamespace
 from typing import Optional
 
 import pytest
-import requests
 import torch
 
 from sglang import Engine
@@ -20,7 +19,8 @@ from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.args import check_speculative_args
 from tests.conftest import save_tiny_llama
 from tests.server_fixtures import running_server
-from tests.test_speculative_standalone import COMMON, PROMPTS, SCHEMA, STEPS, spec_flags
+from tests.test_speculative_ngram import assert_clean, generate
+from tests.test_speculative_standalone import COMMON, PROMPTS, STEPS, assert_engine_idle, greedy_cases_match, spec_flags
 
 SPEC_FLAGS = spec_flags("EAGLE")
 
@@ -92,65 +92,15 @@ def fitted_engine(models):
     engine.shutdown()
 
 
-def generate(url: str, prompt: str, params: dict, stream: bool = False) -> dict:
-    body = {"text": prompt, "sampling_params": params, "stream": stream}
-    r = requests.post(f"{url}/generate", json=body, timeout=120, stream=stream)
-    assert r.status_code == 200, r.text
-    if not stream:
-        return r.json()
-    last: dict = {}
-    for line in r.iter_lines():
-        if line.startswith(b"data: ") and line != b"data: [DONE]":
-            last = json.loads(line[6:])
-    return last
-
-
-def cases(plain: str) -> list[tuple[str, dict, bool]]:
-    """(prompt, sampling params, streamed): plain greedy runs, cuts by max_new_tokens, a streamed run, a JSON
-    schema, and a stop string that the plain output contains."""
-    base = {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
-    out = [(p, base, False) for p in PROMPTS]
-    out += [(PROMPTS[0], {**base, "max_new_tokens": STEPS - 1}, False),
-            (PROMPTS[1], {**base, "max_new_tokens": 1}, False),
-            (PROMPTS[2], {**base, "max_new_tokens": 40}, True),
-            (PROMPTS[3], {**base, "json_schema": json.dumps(SCHEMA), "max_new_tokens": 40}, False)]
-    text = generate(plain, PROMPTS[2], base)["text"]
-    out.append((PROMPTS[2], {"temperature": 0, "max_new_tokens": 24, "stop": [text[len(text) // 2:][:3]]}, False))
-    return out
-
-
-def assert_server_idle(url: str) -> None:
-    state = requests.get(f"{url}/get_server_info", timeout=30).json()["internal_states"][0]
-    assert state["num_running_reqs"] == 0 and state["num_queue_reqs"] == 0
-    assert state["token_usage"] == 0.0 and state["load"] == 0
-
-
-def assert_engine_idle(engine: Engine) -> None:
-    """Both KV pools back to idle (the served model's and the head's), no invariant error."""
-    state = engine.get_internal_state()
-    assert state["invariant_error"] is None
-    assert state["spec_draft_used_kv_tokens"] == 0
-    assert state["free_kv_tokens"] + state["evictable_size"] == state["max_total_num_tokens"]
-
-
 def test_greedy_equals_plain_decoding(servers):
-    all_cases = cases(servers.plain)
-    want = [generate(servers.plain, p, params) for p, params, _ in all_cases]
-    assert want[-1]["meta_info"]["finish_reason"]["type"] == "stop"
-    with ThreadPoolExecutor(len(all_cases)) as pool:
-        got = list(pool.map(lambda c: generate(servers.spec, c[0], c[1], stream=c[2]), all_cases))
-    for (prompt, params, stream), w, g in zip(all_cases, want, got):
-        assert g["output_ids"] == w["output_ids"], (prompt, params)
-        assert g["meta_info"]["finish_reason"] == w["meta_info"]["finish_reason"]
-        if not stream:
-            assert g["text"] == w["text"]
+    got = greedy_cases_match(servers.plain, servers.spec)
     constrained = got[len(PROMPTS) + 3]["text"]  # follows the schema (cut by max_new_tokens)
     assert constrained.startswith("{") and '"name"' in constrained
     for g in got:
         meta = g["meta_info"]
         if meta["completion_tokens"] > 1:
             assert meta["spec_verify_ct"] > 0
-    assert_server_idle(servers.spec)
+    assert_clean(servers.spec)
 
 
 def test_fitted_head_accepts_drafts(servers, fitted_engine):

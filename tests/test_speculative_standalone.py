@@ -76,8 +76,9 @@ def cases() -> list[tuple[str, dict, bool]]:
     return out
 
 
-def test_greedy_equals_plain_decoding(servers):
-    plain, spec = servers
+def greedy_cases_match(plain: str, spec: str) -> list[dict]:
+    """`cases()` plus a stop string the plain output contains, on the plain server one at a time and on the
+    speculative one all at once: the same tokens, finish reasons and (unstreamed) texts. The speculative results."""
     want = [generate(plain, p, params) for p, params, _ in cases()]
     # a stop string the plain output contains, cut at the same token by the speculative server
     text = want[2]["text"]
@@ -93,6 +94,20 @@ def test_greedy_equals_plain_decoding(servers):
         assert g["meta_info"]["finish_reason"] == w["meta_info"]["finish_reason"]
         if not stream:
             assert g["text"] == w["text"]
+    return got
+
+
+def assert_engine_idle(engine: Engine) -> None:
+    """Both KV pools back to idle (the served model's and the draft's), no invariant error."""
+    state = engine.get_internal_state()
+    assert state["invariant_error"] is None
+    assert state["spec_draft_used_kv_tokens"] == 0
+    assert state["free_kv_tokens"] + state["evictable_size"] == state["max_total_num_tokens"]
+
+
+def test_greedy_equals_plain_decoding(servers):
+    plain, spec = servers
+    got = greedy_cases_match(plain, spec)
     assert got[len(PROMPTS) + 3]["text"].startswith('{ "name":')  # the constrained output follows the schema
     assert all(g["meta_info"]["spec_verify_ct"] > 0 for g in got if g["meta_info"]["completion_tokens"] > 1)
     assert sum(g["meta_info"]["spec_accepted_draft_tokens"] for g in got) > 0
@@ -164,10 +179,7 @@ def test_draft_equal_to_target_accepts_every_token(same_draft_engine):
     params[2]["stop"] = [first[len(first) // 2 : len(first) // 2 + 2]]
     outs = same_draft_engine.generate(prompt=PROMPTS[:4], sampling_params=params)
     assert outs[2]["meta_info"]["finish_reason"]["type"] == "stop"
-    state = same_draft_engine.get_internal_state()
-    assert state["invariant_error"] is None
-    assert state["spec_draft_used_kv_tokens"] == 0
-    assert state["free_kv_tokens"] + state["evictable_size"] == state["max_total_num_tokens"]
+    assert_engine_idle(same_draft_engine)
 
 
 class DecodingReq:
