@@ -7,6 +7,22 @@ SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def kept_gemm_measurements(tmp_path_factory):
+    """One startup GEMM measurement per shape for the whole session, in a folder of its own: every server the
+    suite starts on this machine makes the same plan (tests compare two servers' greedy tokens), and no rates kept
+    by an earlier run on this machine are read."""
+    from sglang.srt.model_loader.gemm_measurement import MEASUREMENT_DIR_ENV
+
+    before = os.environ.get(MEASUREMENT_DIR_ENV)
+    os.environ[MEASUREMENT_DIR_ENV] = str(tmp_path_factory.mktemp("gemm-measurements"))
+    yield
+    if before is None:
+        os.environ.pop(MEASUREMENT_DIR_ENV, None)
+    else:
+        os.environ[MEASUREMENT_DIR_ENV] = before
+
+
 @pytest.fixture
 def killed_process_env(tmp_path_factory) -> dict[str, str]:
     """The environment for a server (or other process tree) that a test kills with SIGKILL: a killed process

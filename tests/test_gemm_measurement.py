@@ -4,6 +4,8 @@ measured rates (int8 only where clearly faster), and the real linear methods tim
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_cpu_arithmetic import AMX_FLAGS, AVX2_FLAGS, BF16_VNNI_FLAGS
@@ -131,7 +133,8 @@ def test_a_gemm_that_cannot_run_is_left_out(monkeypatch):
     assert (plan.large_batch_gemm, plan.reason) == ("bfloat16", "the CPU has native bf16 dot products")
 
 
-def test_plan_for_this_machine_measures_on_the_model_shapes(monkeypatch):
+def test_plan_for_this_machine_measures_on_the_model_shapes(monkeypatch, tmp_path):
+    monkeypatch.setenv(gm.MEASUREMENT_DIR_ENV, str(tmp_path))
     calls = []
 
     def fake_measure(gemms, mlp):
@@ -170,3 +173,35 @@ def test_an_embedding_model_takes_the_gemm_its_cpu_flags_settle(monkeypatch, fla
     plan = gemm_measurement.plan_for_this_machine("cpu", "auto", "auto", embedding=True)
     assert plan.large_batch_gemm == gemm and "embedding model" in plan.reason
     assert gemm_measurement.plan_for_this_machine("cpu", "auto", "int8", embedding=True).large_batch_gemm == "int8"
+
+
+def test_the_measurement_is_kept_so_two_starts_make_the_same_plan(monkeypatch, tmp_path):
+    """The first start measures and keeps the rates; a later start on the same machine, threads and shapes reads
+    them instead of timing again (so both take the same GEMM), a different thread count measures anew, a damaged
+    file is measured again, and `none` keeps nothing."""
+    rates = iter([{"bfloat16": 100.0, "int8": 180.0}, {"bfloat16": 100.0, "int8": 50.0},
+                  {"bfloat16": 100.0, "int8": 50.0}, {"bfloat16": 100.0, "int8": 50.0}])
+    calls = []
+
+    def fake_measure(gemms, mlp):
+        calls.append(mlp)
+        return next(rates)
+
+    monkeypatch.setenv(gm.MEASUREMENT_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(gm, "measure_large_batch_gemms", fake_measure)
+    monkeypatch.setattr(gm.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(gm, "read_cpu_flags", lambda: frozenset(BF16_VNNI_FLAGS))
+    config = tiny_config("llama")
+    first = gm.plan_for_this_machine("cpu", "auto", "auto", hf_config=config, threads=1)
+    second = gm.plan_for_this_machine("cpu", "auto", "auto", hf_config=config, threads=1)
+    assert first.large_batch_gemm == second.large_batch_gemm == "int8" and len(calls) == 1
+    kept = list(tmp_path.glob("*/rates.json"))
+    assert len(kept) == 1 and json.loads(kept[0].read_text())["rates"] == {"bfloat16": 100.0, "int8": 180.0}
+    # two threads: another key, measured (and now int8 is slower there)
+    assert gm.plan_for_this_machine("cpu", "auto", "auto", hf_config=config, threads=2).large_batch_gemm == "bfloat16"
+    assert len(calls) == 2
+    kept[0].write_text("{not json")
+    assert gm.plan_for_this_machine("cpu", "auto", "auto", hf_config=config, threads=1).large_batch_gemm == "bfloat16"
+    monkeypatch.setenv(gm.MEASUREMENT_DIR_ENV, "none")
+    gm.plan_for_this_machine("cpu", "auto", "auto", hf_config=config, threads=1)
+    assert len(calls) == 4

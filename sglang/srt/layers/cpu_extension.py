@@ -22,14 +22,10 @@ from typing import Any
 
 import torch
 
+from sglang.srt.model_loader.disk_cache import cache_root
 from sglang.srt.model_loader.dtype import read_cpu_flags
 
 logger = logging.getLogger(__name__)
-
-
-def cache_root() -> Path:
-    configured = os.environ.get("SGLANG_CACHE_DIR")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "sglang-lite"
 
 
 PORTABLE_ENV = "SGLANG_CPU_KERNELS_PORTABLE"

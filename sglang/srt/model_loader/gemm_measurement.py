@@ -20,16 +20,21 @@ a 7B model's).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
+import os
 import platform
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Optional, Union
 
 import torch
 
 from sglang.srt.layers.arithmetic import ArithmeticPlan, choose_arithmetic, embedding_gemm, gemms_to_measure
 from sglang.srt.layers.linear import LinearMethod
+from sglang.srt.model_loader.disk_cache import build_cached_dir, cache_root
 from sglang.srt.model_loader.dtype import read_cpu_flags
 from sglang.srt.model_loader.gemm_methods import method_factory
 
@@ -40,6 +45,9 @@ MEASURE_ROWS = (128, 512)
 # (hidden, intermediate) where the model's config has none: SmolLM2-135M's.
 DEFAULT_MLP = (576, 1536)
 ROUNDS = 4
+# Part of the key of a kept measurement: bump it when what is timed changes, so older rates are not read.
+MEASUREMENT_VERSION = "1"
+MEASUREMENT_DIR_ENV = "SGLANG_GEMM_MEASUREMENT_DIR"
 
 
 def _prepared(gemm: str, weights: list[torch.Tensor], rows: Sequence[int],
@@ -85,6 +93,58 @@ def measure_large_batch_gemms(gemms: Sequence[str], mlp: tuple[int, int] = DEFAU
     return {gemm: flops / t / 1e9 for (gemm, _), t in zip(work, best)}
 
 
+def measurement_dir() -> Optional[Path]:
+    """Where measured rates are kept: `$SGLANG_GEMM_MEASUREMENT_DIR` (`none` keeps nothing), else
+    `<cache root>/gemm-measurements`."""
+    configured = os.environ.get(MEASUREMENT_DIR_ENV, "").strip()
+    if configured.lower() in ("none", "off", "0"):
+        return None
+    return Path(configured).expanduser() if configured else cache_root() / "gemm-measurements"
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _measurement_key(gemms: Sequence[str], mlp: tuple[int, int], threads: int) -> str:
+    parts = [MEASUREMENT_VERSION, _cpu_model(), platform.machine(), " ".join(sorted(read_cpu_flags())),
+             torch.__version__, str(threads), ",".join(gemms), f"{mlp[0]}x{mlp[1]}",
+             ",".join(map(str, MEASURE_ROWS)), str(ROUNDS)]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def kept_measurement(gemms: Sequence[str], mlp: tuple[int, int], threads: int) -> tuple[dict[str, float], str]:
+    """The rates of `gemms` on this machine, measured once and kept (`measurement_dir()`), and where they came
+    from for the log. A lock serializes concurrent starts: the second waits for the first one's rates."""
+    where = measurement_dir()
+    if where is None:
+        return measure_large_batch_gemms(gemms, mlp), "measured now"
+    target = where / _measurement_key(gemms, mlp, threads)
+    fresh = not target.is_dir()
+
+    def build(tmp: Path) -> None:
+        rates = measure_large_batch_gemms(gemms, mlp)
+        (tmp / "rates.json").write_text(json.dumps({"rates": rates, "threads": threads, "mlp": list(mlp),
+                                                    "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}))
+
+    try:
+        kept = json.loads((build_cached_dir(target, build) / "rates.json").read_text())
+        rates = {str(g): float(r) for g, r in kept["rates"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        logger.warning("The kept GEMM measurement in %s cannot be used (%s): measuring again", target, err)
+        return measure_large_batch_gemms(gemms, mlp), "measured now"
+    if fresh:
+        return rates, f"measured now, kept in {target}"
+    return rates, f"measured {kept.get('measured_at', '?')}, read from {target} (delete it to measure again)"
+
+
 def _mlp_shape(hf_config: Optional[object]) -> tuple[int, int]:
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     hidden, intermediate = getattr(text, "hidden_size", None), getattr(text, "intermediate_size", None)
@@ -128,11 +188,11 @@ def plan_for_this_machine(device: str, dtype: str, cpu_gemm: str,
         before = torch.get_num_threads()
         torch.set_num_threads(threads or before)
         try:
-            measurements = measure_large_batch_gemms(gemms, _mlp_shape(hf_config))
+            measurements, source = kept_measurement(gemms, _mlp_shape(hf_config), torch.get_num_threads())
         finally:
             torch.set_num_threads(before)
-        logger.info("Startup GEMM measurement (GFLOP/s on the model's MLP shapes): %s",
-                    ", ".join(f"{g} {r:.0f}" for g, r in measurements.items()))
+        logger.info("Startup GEMM measurement (GFLOP/s on the model's MLP shapes): %s (%s)",
+                    ", ".join(f"{g} {r:.0f}" for g, r in measurements.items()), source)
     plan = choose_arithmetic(device, dtype, cpu_gemm, flags, machine, measurements, config_dtype, gguf_activations,
                              small_batch_quantization, kv_cache_dtype, prefill_attention, large_batch_weights,
                              linear_float_bytes(hf_config))

@@ -8,27 +8,19 @@ a complete one, never a half-written one.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import hashlib
 import logging
 import os
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
+
+from sglang.srt.model_loader.disk_cache import build_cached_dir, cache_root
 
 logger = logging.getLogger(__name__)
 
 # Part of every cache key: bump it when the layout of a converted directory changes, so stale entries are rebuilt.
 CONVERTER_VERSION = "2"
-
-
-def cache_root() -> Path:
-    """Root of everything this package caches on disk: `$SGLANG_CACHE_DIR`, else `~/.cache/sglang-lite`."""
-    configured = os.environ.get("SGLANG_CACHE_DIR")
-    root = Path(configured).expanduser() if configured else Path.home() / ".cache" / "sglang-lite"
-    return root
 
 
 def file_fingerprint(path: str | os.PathLike) -> str:
@@ -37,37 +29,6 @@ def file_fingerprint(path: str | os.PathLike) -> str:
     stat = os.stat(real)
     key = f"{CONVERTER_VERSION}\0{real}\0{stat.st_size}\0{stat.st_mtime_ns}"
     return hashlib.sha256(key.encode()).hexdigest()[:12]
-
-
-def build_cached_dir(target: Path, build: Callable[[Path], None]) -> Path:
-    """Return `target`, creating it first with `build(tmp_dir)` when missing.
-
-    A lock file serializes builders of the same target (so concurrent servers do not all spend the conversion
-    time and memory), and the rename from a sibling temp dir makes the directory appear complete or not at all.
-    """
-    if target.is_dir():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    lock_path = target.parent / f".{target.name}.lock"
-    with open(lock_path, "a+") as lock_file:
-        fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX)
-        try:
-            if target.is_dir():  # another process finished it while we waited for the lock
-                return target
-            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
-            try:
-                build(tmp)
-                os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; the cache is meant to be readable like any other
-                os.rename(tmp, target)
-            except OSError:
-                if not target.is_dir():
-                    raise
-                # Someone without the lock (e.g. an older process) published first; theirs is as good as ours.
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-        finally:
-            fcntl.flock(lock_file.fileno(), fcntl.LOCK_UN)
-    return target
 
 
 def converted_dir_for(gguf_path: str | os.PathLike) -> Path:

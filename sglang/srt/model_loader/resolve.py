@@ -15,12 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from sglang.srt.model_loader.gguf_convert import (
-    build_cached_dir,
-    cache_root,
-    convert_gguf_to_hf_dir,
-    file_fingerprint,
-)
+from sglang.srt.model_loader.disk_cache import build_cached_dir, cache_root
+from sglang.srt.model_loader.gguf_convert import convert_gguf_to_hf_dir, file_fingerprint
 
 logger = logging.getLogger(__name__)
 
