@@ -17,7 +17,7 @@ from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod  # noqa:
 from sglang.srt.model_executor.model_runner import attach_fast_paths, load_for_plan  # noqa: E402
 from sglang.srt.model_loader.gguf_reader import q4_0_as_q4_1  # noqa: E402
 from sglang.srt.model_loader.weight_report import weight_bytes_by_format  # noqa: E402
-from tests.test_cpu_arithmetic import BF16_VNNI_FLAGS  # noqa: E402
+from tests.test_cpu_arithmetic import AVX2_FLAGS, BF16_VNNI_FLAGS  # noqa: E402
 from tests.test_models import build_models, max_diff, tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="the compiled GGUF kernels are unavailable")
@@ -105,6 +105,38 @@ def test_gguf_file_blocks_serve_every_batch(monkeypatch, tmp_path, file_qtype, l
     # the blocks are the file's: the float weights the conversion wrote equal their values
     q_blocks = ours.model.layers[1].mlp.down_proj.linear_method.quant_weight.dequantize()
     assert torch.equal(q_blocks, reference.model.layers[1].mlp.down_proj.weight)
+
+
+def test_quantized_checkpoints_are_served_from_their_blocks_on_avx2(monkeypatch, tmp_path):
+    """On an AVX2 CPU (float32 plan) a quantized checkpoint is still held as its blocks alone: they serve small
+    batches and, converted to float32 a slab at a time, large ones; a float checkpoint there keeps its float32 plan,
+    and a small quantized one its dense copy for large batches."""
+    from transformers import AutoConfig
+
+    from sglang.srt.model_loader.resolve import resolve_model_path
+    from tests.test_model_loader import _tiny_llama_tensors, _write_tiny_gguf
+
+    big = 6_800_000_000  # a 1.7B model's float32 linears
+    plan = choose_arithmetic("cpu", cpu_flags=AVX2_FLAGS, linear_float_bytes=big, quantized_checkpoint=True)
+    assert (plan.cpu_class, plan.large_batch_gemm, plan.block_gemm) == ("avx2", "float32", "float32")
+    assert (plan.small_batch_quantization, plan.large_batch_weights) == ("q8_0", "blocks")
+    assert plan.large_batch_weights_reason == "one copy of the quantized checkpoint's weights"
+    float_plan = choose_arithmetic("cpu", cpu_flags=AVX2_FLAGS, linear_float_bytes=big)
+    assert (float_plan.small_batch_quantization, float_plan.large_batch_weights) == ("none", "dense")
+    small = choose_arithmetic("cpu", cpu_flags=AVX2_FLAGS, linear_float_bytes=500_000_000, quantized_checkpoint=True)
+    assert small.large_batch_weights == "dense" and "is small" in small.large_batch_weights_reason
+
+    monkeypatch.setenv("SGLANG_CACHE_DIR", str(tmp_path / "cache"))
+    tensors = {name: (np.ones_like(v) if v.ndim == 1 else v * 0.05)
+               for name, v in _tiny_llama_tensors(seed=4, t=TINY_BLOCKS).items()}
+    gguf_path = tmp_path / "tiny-avx2.gguf"
+    _write_tiny_gguf(gguf_path, tensors, TINY_BLOCKS, linear_qtype="Q4_0")
+    model_dir = resolve_model_path(str(gguf_path))
+    config = AutoConfig.from_pretrained(model_dir)
+    ours = load_for_plan(model_dir, torch.float32, torch.device("cpu"), str(gguf_path), 8, plan)
+    reference = load_for_plan(model_dir, torch.float32, torch.device("cpu"), None, 0, None)
+    assert attach_fast_paths(ours, str(gguf_path), config, 8, plan) > 0
+    assert_served_from_blocks(ours, reference, config, "Q4_1", "float32", made_at_load=False)
 
 
 @pytest.mark.parametrize("large_gemm", ["float32", "int8"])

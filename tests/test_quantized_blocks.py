@@ -37,7 +37,7 @@ from tests.quant_packers import (
     gptq_format,
     write_quantized_checkpoint,
 )
-from tests.test_cpu_arithmetic import BF16_VNNI_FLAGS
+from tests.test_cpu_arithmetic import AVX2_FLAGS, BF16_VNNI_FLAGS
 from tests.test_models import PagedCache, max_diff, prompt_of, reference_logits, tiny_config
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="the compiled GGUF kernels are unavailable")
@@ -190,6 +190,18 @@ def test_q4_1_checkpoint_keeps_only_its_blocks_bytes(tmp_path):
     by_format = weight_bytes_by_format(model)
     assert by_format["Q4_1 blocks from the gptq checkpoint"] == linear_weights // 32 * 20
     assert "float16" not in by_format and "bfloat16" not in by_format
+
+
+def test_avx2_plan_serves_a_4_bit_checkpoint_from_its_blocks_alone(tmp_path):
+    """The automatic plan of an AVX2 CPU (float32 everywhere for float checkpoints) holds a GPTQ checkpoint of a
+    model too large for a dense copy as its Q4_1 blocks alone, not dequantized to float32."""
+    hf_model, quant_dir = build(tmp_path, FORMATS["gptq-4bit-g128-asym"][:3])
+    plan = choose_arithmetic("cpu", cpu_flags=AVX2_FLAGS, linear_float_bytes=6_800_000_000, quantized_checkpoint=True)
+    model = load_served(quant_dir, plan)
+    linear_weights = sum(p.numel() for name, p in hf_model.named_parameters() if name.endswith("proj.weight"))
+    by_format = weight_bytes_by_format(model)
+    assert by_format["Q4_1 blocks from the gptq checkpoint"] == linear_weights // 32 * 20
+    assert all(m.weight.device.type == "meta" for m, _ in linears_with_parts(model))
 
 
 def test_dense_large_batch_weights_are_the_blocks_values(tmp_path):

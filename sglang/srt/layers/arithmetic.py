@@ -190,6 +190,7 @@ def choose_arithmetic(
     prefill_attention: str = "auto",
     large_batch_weights: str = "auto",
     linear_float_bytes: Optional[int] = None,
+    quantized_checkpoint: bool = False,
 ) -> ArithmeticPlan:
     """The arithmetic for a server: model dtype, the large-batch GEMM, the GGUF kernels' activations, the blocks
     made for a checkpoint without GGUF blocks and the KV cache dtype.
@@ -198,6 +199,11 @@ def choose_arithmetic(
     between float32 and bfloat16 on a CPU this function does not classify, and between int8 and the GEMM the flags
     pick where the CPU has integer dot products (`gemms_to_measure`; int8 only at `INT8_MIN_GAIN` times that GEMM's
     rate or more).
+
+    `quantized_checkpoint`: the checkpoint's linear weights are quantized (a GGUF file, GPTQ / AWQ /
+    compressed-tensors integers, FP8). Its blocks then serve small batches on every CPU class (AVX2 included, whose
+    float32 plan otherwise keeps a float checkpoint dense), and large batches read them too where the model is not
+    small: the user chose the quantized format for its size, and a dense float32 copy would hold 4 bytes per weight.
     """
     if gguf_activations not in GGUF_ACTIVATIONS:
         raise ValueError(f"--gguf-activations must be one of {GGUF_ACTIVATIONS}, got {gguf_activations!r}")
@@ -227,7 +233,7 @@ def choose_arithmetic(
         # measured float32 faster; a float32 plan asked for, or an AVX2 CPU's, stays float32
         native = automatic(dtype, cpu_gemm) and plan.cpu_class in NATIVE_BF16_CLASSES
         on = plan.cpu_class != "" and plan.weight_dtype == torch.float32 and (
-            plan.large_batch_gemm != "float32" or native)
+            plan.large_batch_gemm != "float32" or native or quantized_checkpoint)
         small_batch_quantization = "q8_0" if on else "none"
     elif small_batch_quantization != "none" and (plan.cpu_class == "" or plan.weight_dtype != torch.float32):
         raise ValueError(f"--small-batch-quantization {small_batch_quantization} needs float32 weights on CPU "
@@ -238,7 +244,7 @@ def choose_arithmetic(
         plan = dataclasses.replace(plan, block_gemm="float32")
     kv, kv_why = choose_kv_cache_dtype(kv_cache_dtype, plan, dtype, cpu_gemm)
     weights, weights_why = choose_large_batch_weights(large_batch_weights, plan, small_batch_quantization,
-                                                      linear_float_bytes)
+                                                      linear_float_bytes, quantized_checkpoint)
     plan = dataclasses.replace(plan, gguf_activations=act, gguf_activations_reason=why,
                                small_batch_quantization=small_batch_quantization, large_batch_weights=weights,
                                large_batch_weights_reason=weights_why,
@@ -254,14 +260,17 @@ DENSE_BELOW_FLOAT_BYTES = 1 << 30
 
 
 def choose_large_batch_weights(requested: str, plan: ArithmeticPlan, small_batch_quantization: str,
-                               linear_float_bytes: Optional[int] = None) -> tuple[str, str]:
+                               linear_float_bytes: Optional[int] = None,
+                               quantized_checkpoint: bool = False) -> tuple[str, str]:
     """Whether the large batches of a checkpoint without GGUF blocks multiply its Q8_0 blocks (converted a slab at a
     time for the `block_gemm` GEMM, float32 or bf16: layers/quantization/block_gemm.py) instead of a float32 copy of
     the weights and the large-batch GEMM's own copy. `auto`: blocks wherever the plan makes the blocks and the CPU
     has native bf16: the model then holds ~1.06 bytes per weight instead of 4 + 1.06 + the GEMM copy's 1-2, and runs
     large batches at 0.9-1.04x the rate of the faster dense copy (benchmarks/RESULTS.md, 2026-11-27). Where the int8
     GEMM was measured fastest its copy stays beside the blocks (2.1 bytes per weight in all: the int8 GEMM ran
-    2.2x the float32 GEMM there), its outlier columns read from the blocks."""
+    2.2x the float32 GEMM there), its outlier columns read from the blocks. A quantized checkpoint's blocks serve
+    large batches on every CPU class (float32 slabs on AVX2, whose block kernels already convert each block once
+    for all the rows of a batch of 10 rows or more)."""
     if requested == "dense":
         return "dense", "--large-batch-weights dense"
     if small_batch_quantization == "none":
@@ -271,10 +280,12 @@ def choose_large_batch_weights(requested: str, plan: ArithmeticPlan, small_batch
         return "dense", "no blocks are made for small batches"
     if requested == "blocks":
         return "blocks", "--large-batch-weights blocks"
-    if plan.cpu_class not in NATIVE_BF16_CLASSES:
+    if plan.cpu_class not in NATIVE_BF16_CLASSES and not quantized_checkpoint:
         return "dense", "this CPU class keeps its float32 plan"
     if linear_float_bytes is not None and linear_float_bytes < DENSE_BELOW_FLOAT_BYTES:
         return "dense", f"a float32 copy of {linear_float_bytes / 1e9:.2f} GB is small: the dense GEMM is faster"
+    if plan.cpu_class not in NATIVE_BF16_CLASSES:
+        return "blocks", "one copy of the quantized checkpoint's weights"
     return "blocks", "one copy of the weights"
 
 
