@@ -40,7 +40,7 @@ def test_hub_id_and_gguf_path_resolve_to_same_cached_dir(smollm2_dir):
         assert resolve_model_path(spelling) == smollm2_dir
         assert time.perf_counter() - start < 2.0, f"{spelling} was not served from the cache"
     files = set(os.listdir(smollm2_dir))
-    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= files
+    assert {"config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"} <= files
     assert "generation_config.json" in files
     assert not [name for name in os.listdir(Path(smollm2_dir).parent) if name.startswith(".tmp-")]
 
@@ -250,6 +250,17 @@ def test_tiny_gguf_converts_to_matching_hf_dir(monkeypatch, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     monkeypatch.setenv("SGLANG_CACHE_DIR", str(tmp_path / "cache"))
+    # shards of at most ~40 KB: the converter writes each one as it fills, never holding the whole model
+    monkeypatch.setattr(gguf_convert, "SHARD_BYTES", 40_000)
+    written: list[int] = []
+    real_save = gguf_convert._ShardWriter.flush
+
+    def recording_flush(self):
+        if self.pending:
+            written.append(self.pending_bytes)
+        real_save(self)
+
+    monkeypatch.setattr(gguf_convert._ShardWriter, "flush", recording_flush)
     source = _tiny_llama_tensors(seed=0)
     gguf_path = tmp_path / "models" / "tiny-llama.gguf"
     gguf_path.parent.mkdir()
@@ -259,7 +270,10 @@ def test_tiny_gguf_converts_to_matching_hf_dir(monkeypatch, tmp_path):
     assert Path(model_dir).parent == tmp_path / "cache" / "gguf"
     assert Path(model_dir).name.startswith("tiny-llama-")
     assert resolve_model_path(str(gguf_path.parent)) == model_dir  # a dir holding exactly one .gguf
-    assert [p.name for p in weight_files(model_dir)] == ["model.safetensors"]
+    shards = [p.name for p in weight_files(model_dir)]
+    assert len(shards) == len(written) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    biggest = max(v.nbytes * 4 // v.itemsize for v in source.values())
+    assert all(size <= max(40_000, biggest) for size in written)
 
     converted = dict(iterate_weights(model_dir))
     assert set(converted) == set(source)
@@ -393,7 +407,7 @@ def test_concurrent_conversions_agree(tmp_path):
     ]
     outputs = [proc.communicate(timeout=300)[0].strip() for proc in procs]
     assert all(proc.returncode == 0 for proc in procs)
-    assert len(set(outputs)) == 1 and Path(outputs[0], "model.safetensors").is_file()
+    assert len(set(outputs)) == 1 and Path(outputs[0], "model.safetensors.index.json").is_file()
     assert sorted(p.name for p in (tmp_path / "cache" / "gguf").iterdir() if not p.name.endswith(".lock")) == [
         Path(outputs[0]).name
     ]

@@ -1,4 +1,4 @@
-"""Turn a GGUF checkpoint into a cached Hugging Face directory (config, float32 safetensors, tokenizer).
+"""Turn a GGUF checkpoint into a cached Hugging Face directory (config, float32 safetensors shards, tokenizer).
 
 The dequantization is slow (tens of seconds for a 135M model), so the result is stored once per GGUF file under
 the cache root and published with an atomic rename: a process that races another one either sees no directory or
@@ -7,12 +7,11 @@ a complete one, never a half-written one.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
+import json
 import logging
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 from sglang.srt.model_loader.disk_cache import build_cached_dir, cache_root
@@ -20,7 +19,7 @@ from sglang.srt.model_loader.disk_cache import build_cached_dir, cache_root
 logger = logging.getLogger(__name__)
 
 # Part of every cache key: bump it when the layout of a converted directory changes, so stale entries are rebuilt.
-CONVERTER_VERSION = "2"
+CONVERTER_VERSION = "3"
 
 
 def file_fingerprint(path: str | os.PathLike) -> str:
@@ -49,24 +48,89 @@ def convert_gguf_to_hf_dir(gguf_path: str | os.PathLike) -> str:
     return str(build_cached_dir(target, functools.partial(_write_hf_dir, gguf_path)))
 
 
-@contextlib.contextmanager
-def _quiet_gguf_progress() -> Iterator[None]:
-    """Silence the per-tensor tqdm bar of transformers' GGUF loader (it uses tqdm directly, not its own switch)."""
-    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+# Tensors go to safetensors shards of about this many bytes, each written as soon as it fills: the conversion holds
+# one shard and one dequantized tensor at a time (a 7B model's float32 weights are ~28 GB; whole they would not fit
+# the memory of a machine that serves it from its blocks).
+SHARD_BYTES = 2 << 30
 
-    original = gguf_utils.tqdm
-    gguf_utils.tqdm = functools.partial(original, disable=True)
-    try:
-        yield
-    finally:
-        gguf_utils.tqdm = original
+
+class _ShardWriter:
+    """Writes float32 tensors to numbered safetensors shards and the index that names them."""
+
+    def __init__(self, out_dir: Path, shard_bytes: int) -> None:
+        self.out_dir, self.shard_bytes = out_dir, shard_bytes
+        self.pending: dict = {}
+        self.pending_bytes = 0
+        self.files: list[tuple[str, list[str]]] = []  # (file name, tensor names), in writing order
+        self.total = 0
+
+    def add(self, name: str, tensor) -> None:
+        import torch
+
+        tensor = tensor.to(torch.float32).contiguous()  # float32 keeps the dequantized values exact
+        if self.pending and self.pending_bytes + tensor.nbytes > self.shard_bytes:
+            self.flush()
+        self.pending[name] = tensor
+        self.pending_bytes += tensor.nbytes
+        self.total += tensor.nbytes
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        name = f"model-{len(self.files) + 1:05d}.safetensors"
+        save_file(self.pending, str(self.out_dir / name), metadata={"format": "pt"})
+        os.chmod(self.out_dir / name, 0o644)  # safetensors creates it owner-only, unlike the JSON files beside it
+        self.files.append((name, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> None:
+        self.flush()
+        if not self.files:
+            raise ValueError("No tensors could be read from the GGUF file")
+        count = len(self.files)
+        weight_map = {}
+        for i, (old, names) in enumerate(self.files, start=1):  # model-0000i-of-0000n, as sharded checkpoints are named
+            new = f"model-{i:05d}-of-{count:05d}.safetensors"
+            os.rename(self.out_dir / old, self.out_dir / new)
+            weight_map.update(dict.fromkeys(names, new))
+        index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+        (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _stream_tensors(gguf_path: str, skeleton, writer: _ShardWriter) -> None:
+    """Dequantize the file's tensors one at a time, rename them as transformers' GGUF loader does (its per-
+    architecture tensor processors: Q/K row order, MoE experts gathered), and hand each to `writer`."""
+    import numpy as np
+    import torch
+    from gguf import GGUFReader, dequantize
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+        load_gguf_checkpoint,
+        read_field,
+    )
+
+    parsed = load_gguf_checkpoint(gguf_path, return_tensors=False)  # the config only: no tensor is read
+    reader = GGUFReader(gguf_path)
+    architecture = read_field(reader, "general.architecture")[0]
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed.get("config", {}))
+    mapping = get_gguf_hf_weights_map(skeleton, processor)
+    parsed["tensors"] = {}  # where the MoE processors gather expert tensors
+    for tensor in reader.tensors:
+        result = processor.process(weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
+                                   tensor_key_mapping=mapping, parsed_parameters=parsed)
+        if result.name in mapping:
+            writer.add(mapping[result.name], torch.from_numpy(np.copy(result.weights)))
+        for name in list(parsed["tensors"]):
+            writer.add(name, parsed["tensors"].pop(name))
 
 
 def _write_hf_dir(gguf_path: str, out_dir: Path) -> None:
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     src_dir, file_name = os.path.split(gguf_path)
     config = AutoConfig.from_pretrained(src_dir, gguf_file=file_name)
@@ -75,17 +139,13 @@ def _write_hf_dir(gguf_path: str, out_dir: Path) -> None:
         skeleton = AutoModelForCausalLM.from_config(config)
     # GGUF metadata has no architecture class name; record the one transformers picked.
     config.architectures = [type(skeleton).__name__]
-    with _quiet_gguf_progress():
-        checkpoint = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=skeleton)
+    writer = _ShardWriter(out_dir, SHARD_BYTES)
+    try:
+        _stream_tensors(gguf_path, skeleton, writer)
+        writer.finish()
+    except ValueError as err:
+        raise ValueError(f"{err}: {gguf_path}") from err
     del skeleton
-    # Float32 keeps the dequantized values exact; the loader casts to the serving dtype later.
-    tensors = {name: t.to(torch.float32).contiguous() for name, t in checkpoint["tensors"].items()}
-    if not tensors:
-        raise ValueError(f"No tensors could be read from {gguf_path}")
-    weights_file = out_dir / "model.safetensors"
-    save_file(tensors, str(weights_file), metadata={"format": "pt"})
-    os.chmod(weights_file, 0o644)  # safetensors creates it owner-only, unlike the JSON files beside it
-    del tensors, checkpoint
 
     config.save_pretrained(out_dir)
     try:
