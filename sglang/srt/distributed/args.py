@@ -52,11 +52,11 @@ def check_model_supports_tp(hf_config: Any, tp_size: int) -> None:
     model_class = get_model_class(architectures_of(hf_config))
     if not issubclass(model_class, (LlamaForCausalLM, Gemma2ForCausalLM)):
         raise ValueError(f"--tp-size {tp_size}: {model_class.__name__} does not support tensor parallelism "
-                         "(supported: dense Llama-family decoders such as Llama, Qwen2/3, Mistral and Phi-3, "
-                         "and Gemma 2/3)")
-    if issubclass(model_class, LlamaForCausalLM) and model_class.mlp_factory() is not None:
-        raise ValueError(f"--tp-size {tp_size}: mixture-of-experts models ({model_class.__name__}) do not support "
-                         "tensor parallelism")
+                         "(supported: Llama-family decoders such as Llama, Qwen2/3, Mistral and Phi-3, their "
+                         "mixture-of-experts variants (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3), and Gemma 2/3)")
+    if not getattr(model_class, "tensor_parallel", True):
+        raise ValueError(f"--tp-size {tp_size}: {model_class.__name__} does not support tensor parallelism "
+                         "(--tp-size 1)")
     config = hf_config.get_text_config()
     # Every rank's heads, so the first error is raised here rather than in a rank while it builds the model.
     for rank in range(tp_size):

@@ -15,22 +15,28 @@ ones. Routing: softmax scores, top-k over all experts (`greedy`) or over the exp
 chooses with a per-expert correction bias added (a group scored by its two best) and weights by the unbiased
 scores. Weights are renormalized with `norm_topk_prob` and multiplied by `routed_scaling_factor`, in float32, from
 a float32 router as transformers keeps it.
+
+Tensor parallelism splits the attention heads over the ranks (each rank's query rows, `kv_b_proj` rows and `o_proj`
+input columns; the latent projection and the cache of the latent are the same on every rank, as every head reads
+the whole latent), and the MLPs and experts over their intermediate size (layers/moe/fused_moe.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglang.srt.distributed.parallel_state import get_tp_group
+from sglang.srt.distributed.partition import head_partition
 from sglang.srt.eplb.expert_distribution import get_global_expert_distribution_recorder
 from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.layers.attention.mla import LatentAttention, deinterleave_pairs
 from sglang.srt.layers.layernorm import RMSNorm
-from sglang.srt.layers.linear import Linear
+from sglang.srt.layers.linear import ColumnParallelLinear, Linear, check_full_rows, row_parallel_linear
 from sglang.srt.layers.moe.fused_moe import FusedMoE
 from sglang.srt.layers.moe.topk import TopKOutput
 from sglang.srt.layers.rotary_embedding import _yarn_mscale, apply_rotary_emb, rope_parameters_from_config
@@ -53,6 +59,17 @@ def yarn_softmax_scale(config: Any, qk_head_dim: int) -> float:
     return scale
 
 
+def head_rows(in_features: int, name: str, per_head: int, heads: int, first: int, count: int,
+              dtype: Optional[torch.dtype], device: Optional[torch.device | str]) -> Linear:
+    """A projection to `per_head` rows for each of `heads` heads; under tensor parallelism this rank's heads' rows
+    (heads first .. first + count) only, loaded from the checkpoint's `name`."""
+    tp = get_tp_group()
+    if tp.size == 1:
+        return Linear(in_features, heads * per_head, False, dtype, device)
+    return ColumnParallelLinear(in_features, [(name, heads * per_head)], False, dtype, device, tp,
+                                [(first * per_head, count * per_head)])
+
+
 def is_moe_layer(config: Any, layer_id: int) -> bool:
     """Experts from layer `first_k_dense_replace` on, in every `moe_layer_freq`-th layer (as SGLang counts them)."""
     if not getattr(config, "n_routed_experts", None) or layer_id < (config.first_k_dense_replace or 0):
@@ -64,7 +81,10 @@ class DeepseekV2Attention(nn.Module):
     def __init__(self, config: Any, layer_id: int, dtype: Optional[torch.dtype],
                  device: Optional[torch.device | str]) -> None:
         super().__init__()
-        hidden, heads = config.hidden_size, config.num_attention_heads
+        hidden, all_heads = config.hidden_size, config.num_attention_heads
+        tp = get_tp_group()
+        part = head_partition(all_heads, all_heads, tp.size, tp.rank)
+        first, heads = part.q_start, part.num_heads
         self.num_heads = heads
         self.qk_nope_head_dim = config.qk_nope_head_dim
         self.qk_rope_head_dim = config.qk_rope_head_dim
@@ -76,21 +96,37 @@ class DeepseekV2Attention(nn.Module):
         self.q_a_layernorm: Optional[RMSNorm] = None
         self.q_b_proj: Optional[Linear] = None
         if config.q_lora_rank is None:
-            self.q_proj = Linear(hidden, heads * qk_head_dim, False, dtype, device)
+            self.q_proj = head_rows(hidden, "q_proj", qk_head_dim, all_heads, first, heads, dtype, device)
         else:
             self.q_a_proj = Linear(hidden, config.q_lora_rank, bias, dtype, device)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS, dtype=dtype, device=device)
-            self.q_b_proj = Linear(config.q_lora_rank, heads * qk_head_dim, False, dtype, device)
+            self.q_b_proj = head_rows(config.q_lora_rank, "q_b_proj", qk_head_dim, all_heads, first, heads, dtype,
+                                      device)
         self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias, dtype, device)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS, dtype=dtype, device=device)
         # A plain nn.Linear: attention reads its weight as the absorbed W_UK / W_UV and never runs it as a layer, so
         # the loader gives it no other linear method (blocks, reduced-precision copies).
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, heads * (self.qk_nope_head_dim + config.v_head_dim),
-                                   bias=False, dtype=dtype, device=device)
-        self.o_proj = Linear(heads * config.v_head_dim, hidden, bias, dtype, device)
+        kv_b_per_head = self.qk_nope_head_dim + config.v_head_dim
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, heads * kv_b_per_head, bias=False, dtype=dtype, device=device)
+        # this rank's heads' rows of the checkpoint's kv_b_proj: (first row, rows, the checkpoint's rows)
+        self.kv_b_rows = (first * kv_b_per_head, heads * kv_b_per_head, all_heads * kv_b_per_head)
+        self.o_proj = row_parallel_linear(all_heads * config.v_head_dim, hidden, bias, dtype, device,
+                                          cols=(first * config.v_head_dim, heads * config.v_head_dim))
         self.interleaved_rope = bool(getattr(config, "rope_interleave", True))
         self.attn = LatentAttention(layer_id, heads, self.qk_nope_head_dim, config.v_head_dim, self.kv_lora_rank,
                                     self.qk_rope_head_dim, yarn_softmax_scale(config, qk_head_dim))
+
+    def checkpoint_slicers(self) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+        """Under tensor parallelism, this rank's heads' rows of the checkpoint's kv_b_proj."""
+        first, rows, full = self.kv_b_rows
+        if rows == full:
+            return {}
+
+        def kv_b(t: torch.Tensor) -> torch.Tensor:
+            check_full_rows(t, full, "kv_b_proj.weight")
+            return t.narrow(0, first, rows)
+
+        return {"kv_b_proj.weight": kv_b}
 
     def _rotate(self, x: torch.Tensor, cos_sin: CosSin) -> torch.Tensor:
         if self.interleaved_rope:
@@ -204,7 +240,6 @@ class DeepseekV2DecoderLayer(PreNormDecoderLayer):
 class DeepseekV2ForCausalLM(VariantForCausalLM):
     fused_decode_exclusion = ("multi-head latent attention (the step runs Llama attention over full K/V heads, "
                               "this model caches one latent row per token)")
-    tensor_parallel = False
 
     def __init__(self, config: Any, dtype: Optional[torch.dtype] = None,
                  device: Optional[torch.device | str] = None) -> None:

@@ -8,6 +8,9 @@ index_add_. Experts nobody chose cost nothing; the only Python loop is over expe
 
 Experts are visited in increasing index order, the order transformers adds them in, so in bfloat16 the output is
 rounded the same way as the reference.
+
+Under tensor parallelism each rank holds every expert's slice of the intermediate size (its gate and up rows, the
+matching down columns), as the dense MLP is split, and the ranks' partial outputs are summed with one all_reduce.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglang.srt.distributed.parallel_state import get_tp_group
+from sglang.srt.distributed.partition import check_partition_fits, partition
 from sglang.srt.layers.linear import copy_checked
 from sglang.srt.layers.moe.topk import TopKOutput
 
@@ -108,6 +113,11 @@ class FusedMoE(nn.Module):
         checkpoint_block: Optional[str] = None,
     ) -> None:
         super().__init__()
+        self.tp = get_tp_group()
+        check_partition_fits(intermediate_size, self.tp.size, "expert intermediate size")
+        # This rank's rows of each expert's gate and up projections (and columns of its down projection).
+        self.full_intermediate_size = intermediate_size
+        self.intermediate_start, intermediate_size = partition(intermediate_size, self.tp.size, self.tp.rank)
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
         self.expert_names = expert_names
@@ -124,7 +134,32 @@ class FusedMoE(nn.Module):
         )
 
     def forward(self, hidden_states: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
-        return fused_experts(hidden_states, self.gate_up_proj, self.down_proj, topk.weights, topk.ids)
+        out = fused_experts(hidden_states, self.gate_up_proj, self.down_proj, topk.weights, topk.ids)
+        return self.tp.all_reduce(out) if self.tp.size > 1 else out
+
+    def _rows(self, t: torch.Tensor, dim: int, name: str) -> torch.Tensor:
+        """This rank's slice of the intermediate axis `dim` of a whole checkpoint tensor."""
+        if t.dim() <= dim or t.shape[dim] != self.full_intermediate_size:
+            raise ValueError(f"Checkpoint weight {name} has shape {tuple(t.shape)}, the model expects "
+                             f"{self.full_intermediate_size} along dimension {dim}")
+        return t.narrow(dim, self.intermediate_start, self.intermediate_size)
+
+    def checkpoint_slicers(self) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+        """The fused layout's stacked tensors ([E, 2*I, H] gate then up rows, [E, H, I]) cut to this rank's slice."""
+        if self.tp.size == 1:
+            return {}
+        full = self.full_intermediate_size
+
+        def gate_up(t: torch.Tensor) -> torch.Tensor:
+            if t.dim() != 3 or t.shape[1] != 2 * full:
+                return t  # the copy reports the shape mismatch
+            return torch.cat([self._rows(t[:, :full], 1, "gate_up_proj"), self._rows(t[:, full:], 1, "gate_up_proj")],
+                             dim=1)
+
+        def down(t: torch.Tensor) -> torch.Tensor:
+            return self._rows(t, 2, "down_proj") if t.dim() == 3 and t.shape[2] == full else t
+
+        return {"gate_up_proj": gate_up, "down_proj": down}
 
     def checkpoint_pieces(self, prefix: str) -> dict[str, tuple[str, PieceLoader]]:
         """Per-expert checkpoint name (`{prefix}.{e}.gate_proj.weight`, ...) -> (stacked parameter, loader)."""
@@ -144,6 +179,8 @@ class FusedMoE(nn.Module):
         target = getattr(self, param).data[expert]
         if row is not None:
             target = target.narrow(0, row, self.intermediate_size)
+        if self.tp.size > 1 and tensor.dim() == 2:  # gate / up: rows; down: columns
+            tensor = self._rows(tensor, 0 if row is not None else 1, name)
         copy_checked(target, tensor, name)
 
     def extra_repr(self) -> str:

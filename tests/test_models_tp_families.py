@@ -1,7 +1,9 @@
 """Tensor parallelism for the sliding-window families: Gemma 3 (text), Phi-3 (fused qkv_proj / gate_up_proj in the
 checkpoint, each rank loading its heads' q/k/v rows and its slice of gate and up), Gemma 2 (soft-capping) and
-Mistral at TP=2 give the TP=1 greedy tokens and logprobs on tiny random checkpoints, with prompts several windows
-long split into chunks.
+Mistral, and for the mixture-of-experts families, DeepSeek-V2 (multi-head latent attention split by heads, the
+latent cached whole on each rank; routed experts split over their intermediate size, shared experts and the dense
+layer as MLPs), Qwen2-MoE (gated shared expert) and Mixtral, at TP=2 give the
+TP=1 greedy tokens and logprobs on tiny random checkpoints, with prompts several windows long split into chunks.
 
 Run every tensor-parallel test with `pytest -m tensor_parallel`.
 """
@@ -30,10 +32,21 @@ TOP_LOGPROBS = 5
 LOGPROB_TOL = 1e-4
 ENGINE_ARGS = dict(dtype="float32", cpu_gemm="float32", max_total_tokens=1024, random_seed=0,
                    chunked_prefill_size=8, max_prefill_tokens=8)
-FAMILIES = ["gemma3", "phi3", "gemma2", "mistral"]
+FAMILIES = ["gemma3", "phi3", "gemma2", "mistral", "deepseek_v2", "qwen2_moe", "mixtral"]
 
 
 def _config(family: str, vocab_size: int) -> Any:
+    if family == "deepseek_v2":
+        from tests.test_models_deepseek_v2 import tiny_deepseek_config
+
+        # q_proj without the low-rank query, as DeepSeek-V2-Lite has; an odd expert width (17 + 16 columns)
+        return tiny_deepseek_config(None, vocab_size=vocab_size, moe_intermediate_size=33)
+    if family in ("qwen2_moe", "mixtral"):
+        from tests.test_moe_models import tiny_moe_config
+
+        # Qwen2-MoE's gated shared expert beside the routed ones; Mixtral's w1/w3/w2 experts
+        name = "qwen2_moe-mlp-only" if family == "qwen2_moe" else family
+        return tiny_moe_config(name, vocab_size=vocab_size, sliding_window=None)
     if family == "phi3":
         # Partial rotary, LongRoPE (prompts past the original length) and a window over every layer; an odd MLP
         # width, so the ranks' gate and up slices differ in size (64 + 63 rows of each).
@@ -114,3 +127,6 @@ def test_tp_support_check_accepts_them_and_refuses_ranks_without_heads():
         check_model_supports_tp(_config(family, 512), 2)
     with pytest.raises(ValueError, match="--tp-size 8 leaves ranks without attention heads"):
         check_model_supports_tp(_config("gemma3", 512), 8)
+    # a family whose layers are not split yet is refused before any process starts
+    with pytest.raises(ValueError, match="Olmo2ForCausalLM does not support tensor parallelism"):
+        check_model_supports_tp(tiny_variant_config("olmo2"), 2)
