@@ -306,7 +306,7 @@ def _layer_of(config) -> dict:
     ({"speculative_algorithm": "EAGLE"}, "--speculative-draft-model-path"),
     ({"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "d", "speculative_eagle_topk": 4},
      "--speculative-eagle-topk"),
-    ({"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "d"}, "not supported yet"),
+    ({"speculative_algorithm": "NEXTN", "speculative_draft_model_path": "d"}, "not supported yet"),
 ])
 def test_flag_validation(argv, message):
     with pytest.raises(ValueError, match=message):

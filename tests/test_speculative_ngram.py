@@ -228,7 +228,7 @@ def test_sampled_speculation_follows_target_distribution(servers, smollm2_tokeni
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--speculative-algorithm", "EAGLE3"], "not supported yet"),
+    (["--speculative-algorithm", "LOOKAHEAD"], "not supported yet"),
     (["--speculative-algorithm", "FOO"], "not supported yet"),
     (["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "1"], "--speculative-num-draft-tokens"),
     (["--speculative-algorithm", "NGRAM", "--speculative-ngram-min-match-window-size", "4",

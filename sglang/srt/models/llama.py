@@ -194,10 +194,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 def run_layers(layers: nn.ModuleList, norm: RMSNorm, hidden_states: torch.Tensor, cos_sin: CosSin,
-               forward_batch: ForwardBatch) -> torch.Tensor:
-    """The decoder layers, then the final norm over the residual stream."""
+               forward_batch: ForwardBatch, capture: tuple[int, ...] = (),
+               captured: Optional[list[torch.Tensor]] = None) -> torch.Tensor:
+    """The decoder layers, then the final norm over the residual stream. For each index in `capture` (ascending),
+    the residual stream entering that layer is appended to `captured` (EAGLE3 drafts from them)."""
     residual: Optional[torch.Tensor] = None
-    for layer in layers:
+    for i, layer in enumerate(layers):
+        if i in capture:
+            assert captured is not None
+            captured.append(hidden_states if residual is None else hidden_states + residual)
         hidden_states, residual = layer(cos_sin, hidden_states, forward_batch, residual)
     if residual is None:
         return norm(hidden_states)
@@ -228,6 +233,10 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=device)
+        # Layers whose input (the residual stream) each forward captures, concatenated in `aux_hidden_states`
+        # [num_tokens, len * hidden_size] (speculative/eagle3_head.py sets them); none by default.
+        self.layers_to_capture: tuple[int, ...] = ()
+        self.aux_hidden_states: Optional[torch.Tensor] = None
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, CosSin]:
         """Token embeddings and the rotary (cos, sin) of each position: the inputs of the first layer."""
@@ -237,7 +246,13 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         hidden_states, cos_sin = self.embed(input_ids, positions)
-        return run_layers(self.layers, self.norm, hidden_states, cos_sin, forward_batch)
+        if not self.layers_to_capture:
+            return run_layers(self.layers, self.norm, hidden_states, cos_sin, forward_batch)
+        captured: list[torch.Tensor] = []
+        out = run_layers(self.layers, self.norm, hidden_states, cos_sin, forward_batch, self.layers_to_capture,
+                         captured)
+        self.aux_hidden_states = torch.cat(captured, dim=-1)
+        return out
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,5 +1,6 @@
-"""EAGLE drafting (--speculative-algorithm EAGLE): an EAGLE head (speculative/eagle_head.py) proposes a chain of
---speculative-num-steps tokens from the served model's hidden states.
+"""EAGLE drafting (--speculative-algorithm EAGLE or EAGLE3): an EAGLE-1 head (speculative/eagle_head.py) or an
+EAGLE-3 head (speculative/eagle3_head.py) proposes a chain of --speculative-num-steps tokens from the served model's
+hidden states (EAGLE-1: its final ones; EAGLE-3: the concatenated inputs of three of its layers).
 
 The head's row at position i is the pair (token i+1, served model's hidden state at i) and predicts token i+2. A
 request's rows start at the first position whose hidden state the served model computed in this request (a prefix
@@ -28,6 +29,7 @@ from sglang.srt.mem_cache.memory_pools import KVCacheSpec, build_memory_pools
 from sglang.srt.models.llama import head_dim_of
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.draft_model import MAX_DRAFT_KV_TOKENS, DraftModel, DraftSeq
+from sglang.srt.speculative.eagle3_head import Eagle3Runner, TargetCapture, load_eagle3_runner
 from sglang.srt.speculative.eagle_head import EagleRunner, load_eagle_runner
 from sglang.srt.speculative.hidden_log import HiddenLog
 
@@ -47,20 +49,27 @@ def _as_eagle(req: Any) -> Optional[EagleSeq]:
 
 
 class EagleDraft(DraftModel):
-    runner: EagleRunner
+    runner: EagleRunner | Eagle3Runner
 
-    def __init__(self, runner: EagleRunner, mem: Any, context_len: int, chunk: int, description: str) -> None:
+    def __init__(self, runner: EagleRunner | Eagle3Runner, mem: Any, context_len: int, chunk: int,
+                 description: str) -> None:
         super().__init__(runner, mem, context_len, chunk, description)
         self.hidden = HiddenLog()
 
     @classmethod
     def load_eagle(cls, server_args: ServerArgs, target_runner: Any, context_len: int, target_tokens: int,
                    max_requests: int) -> EagleDraft:
-        """Load the head for the served model of `target_runner`, build its KV memory (as the STANDALONE draft's)
-        and have the served model record its hidden states."""
+        """Load the head (EAGLE-1 or, with --speculative-algorithm EAGLE3, EAGLE-3) for the served model of
+        `target_runner`, build its KV memory (as the STANDALONE draft's) and have the served model record its hidden
+        states (EAGLE3: those entering the captured layers)."""
         path = server_args.speculative_draft_model_path
         assert path is not None
-        runner, config = load_eagle_runner(path, target_runner)
+        runner: EagleRunner | Eagle3Runner
+        capture: tuple[int, ...] = ()
+        if server_args.speculative_algorithm == "EAGLE3":
+            runner, config, capture = load_eagle3_runner(path, target_runner, server_args.speculative_token_map)
+        else:
+            runner, config = load_eagle_runner(path, target_runner)
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         kv_dtype = (target_runner.arithmetic.kv_dtype if target_runner.arithmetic is not None
                     else target_runner.dtype)
@@ -72,9 +81,16 @@ class EagleDraft(DraftModel):
         params = sum(p.numel() * p.element_size() for p in runner.head.parameters())
         shared = ("own embedding" if runner.own_embed is not None else "served model's embedding") + \
             (", own LM head" if runner.own_lm_head is not None else ", served model's LM head")
+        if isinstance(runner, Eagle3Runner):
+            shared += f" over {len(runner.hot_ids)} draft tokens, reads the inputs of layers {list(capture)}"
         draft = cls(runner, mem, context_len, server_args.chunked_prefill_size or 4096,
                     f"head {path} ({config.architectures[0]}, {config.num_hidden_layers} layer, "
                     f"{params / 2**20:.2f} MB, {shared})")
+        if capture:
+            sink = TargetCapture(target_runner, capture, draft.hidden.record)
+            sink.arm()
+            target_runner.hidden_sink = sink
+            return draft
         target_runner.hidden_sink = draft.hidden.record
         fused = target_runner.decode_plan.fused if target_runner.decode_plan is not None else None
         if fused is not None and fused.with_head:

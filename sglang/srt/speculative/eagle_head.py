@@ -109,19 +109,22 @@ class EagleRunner:
         return selected, logits.argmax(dim=-1).tolist()
 
 
-def read_head_config(path: str) -> Any:
-    """The head's config (a Llama config with its architectures), or ValueError naming the flag."""
+def read_head_config(path: str, algorithm: str = "EAGLE", architectures_expected: tuple[str, ...] = EAGLE_ARCHITECTURES
+                     ) -> Any:
+    """The head's config (a Llama config with its architectures and extra fields), or ValueError naming the
+    flag."""
     from transformers import LlamaConfig
 
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
-        raise ValueError(f"{FLAG} {path}: no config.json (an EAGLE head is a directory with config.json and weights)")
+        raise ValueError(f"{FLAG} {path}: no config.json (an {algorithm} head is a directory with config.json and "
+                         "weights)")
     with open(config_file) as f:
         raw = json.load(f)
     architectures = raw.get("architectures") or []
-    if not any(a in EAGLE_ARCHITECTURES for a in architectures):
-        raise ValueError(f"{FLAG} {path}: architectures {architectures} is not an EAGLE head for "
-                         f"--speculative-algorithm EAGLE (expected one of {', '.join(EAGLE_ARCHITECTURES)})")
+    if not any(a in architectures_expected for a in architectures):
+        raise ValueError(f"{FLAG} {path}: architectures {architectures} is not an {algorithm} head for "
+                         f"--speculative-algorithm {algorithm} (expected one of {', '.join(architectures_expected)})")
     raw.pop("model_type", None)
     return LlamaConfig(**raw)
 
@@ -141,7 +144,7 @@ def load_eagle_runner(path: str, target_runner: Any) -> tuple[EagleRunner, Any]:
         raise ValueError(f"{FLAG} {path}: EAGLE heads draft for Llama-family served models, not "
                          f"{type(target).__name__}")
     try:
-        weights = {_checkpoint_name(name): tensor for name, tensor in iterate_weights(path)}
+        weights = {checkpoint_name(name): tensor for name, tensor in iterate_weights(path)}
     except Exception as e:  # noqa: BLE001 - any failure to read the head is the flag's error
         raise ValueError(f"{FLAG} {path}: cannot read the head's weights: {type(e).__name__}: {e}") from e
     vocab = text_config.vocab_size
@@ -165,5 +168,5 @@ def load_eagle_runner(path: str, target_runner: Any) -> tuple[EagleRunner, Any]:
     return EagleRunner(head, target_runner, embed, lm_head, config, device), config
 
 
-def _checkpoint_name(name: str) -> str:
+def checkpoint_name(name: str) -> str:
     return name[len("model."):] if name.startswith("model.") else name

@@ -1,4 +1,5 @@
-"""Speculative decoding in the scheduler (--speculative-algorithm NGRAM, STANDALONE or EAGLE): draft, verify, accept.
+"""Speculative decoding in the scheduler (--speculative-algorithm NGRAM, STANDALONE, EAGLE or EAGLE3): draft, verify,
+accept.
 
 A decode step where some running request has a draft runs as one verify forward (speculative/verify.py): a decode
 forward, layer by layer, with one row per verified position; requests without a draft take their usual single row.
@@ -25,6 +26,7 @@ from sglang.srt.managers.scheduler.results import _process_req, fail_request, in
 from sglang.srt.managers.scheduler.stats import maybe_log_decode
 from sglang.srt.model_executor.model_runner import StepOutput
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.speculative.args import EAGLE_ALGORITHMS
 from sglang.srt.speculative.draft_model import DraftModel
 from sglang.srt.speculative.eagle_draft import EagleDraft
 from sglang.srt.speculative.ngram_cache import NgramCache, TokenIndex, propose_draft
@@ -286,9 +288,13 @@ class StandaloneSpeculator(Speculator):
 
 
 class EagleSpeculator(StandaloneSpeculator):
-    """An EAGLE head proposes the chain from the served model's hidden states (speculative/eagle_draft.py)."""
+    """An EAGLE or EAGLE3 head proposes the chain from the served model's hidden states (speculative/eagle_draft.py)."""
 
     name = "EAGLE"
+
+    def __init__(self, args: ServerArgs, draft: DraftModel) -> None:
+        self.name = args.speculative_algorithm or self.name
+        super().__init__(args, draft)
 
 
 def create_speculator(sched: Scheduler) -> Optional[Speculator]:
@@ -297,7 +303,7 @@ def create_speculator(sched: Scheduler) -> Optional[Speculator]:
     args = sched.args
     if args.speculative_algorithm is None or args.is_embedding:
         return None
-    if args.speculative_algorithm == "EAGLE":
+    if args.speculative_algorithm in EAGLE_ALGORITHMS:
         head = EagleDraft.load_eagle(args, sched.runner, sched.context_len, sched.max_total_num_tokens,
                                      SPEC_MAX_BATCH)
         return EagleSpeculator(args, head)
