@@ -175,8 +175,9 @@ class ServerArgs:
     max_loaded_loras: Optional[int] = None
     lora_eviction_policy: str = "lru"
     # Speculative decoding (sglang/srt/speculative/): NGRAM, which drafts from the request's own tokens and a
-    # bounded cache of recent requests' tokens (no draft model), or STANDALONE, where a draft model proposes. The
-    # draft is a chain: the BFS/PROB tree knobs are accepted for compatibility and do not change it.
+    # bounded cache of recent requests' tokens (no draft model), STANDALONE, where a draft model proposes, or EAGLE /
+    # EAGLE3, where a draft head reads the served model's hidden states. The draft is a chain: the BFS/PROB tree
+    # knobs are accepted for compatibility and do not change it.
     speculative_algorithm: Optional[str] = None
     speculative_draft_model_path: Optional[str] = None
     speculative_num_steps: Optional[int] = None
