@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sglang.srt.model_loader.loader import load_model
-from sglang.srt.model_loader.quant_config import QuantizedCheckpointError, resolve_quantization
+from sglang.srt.model_loader.quant_config import OnlineScheme, QuantizedCheckpointError, resolve_quantization
 from sglang.srt.server_args import ServerArgs
 from tests.quant_packers import (
     awq_format,
@@ -241,9 +241,11 @@ def test_quantization_flag_is_checked_against_the_checkpoint(gptq_dir, tmp_path)
         Engine(model_path=str(gptq_dir), quantization="awq")
     float_dir = tmp_path / "float"
     build_quantized(tmp_path, "awq-4bit-g32")
-    with pytest.raises(QuantizedCheckpointError, match="--quantization fp8 does not match the checkpoint: it has "
+    with pytest.raises(QuantizedCheckpointError, match="--quantization gptq does not match the checkpoint: it has "
                                                        "no quantization_config"):
-        resolve_quantization(str(float_dir), "fp8")
+        resolve_quantization(str(float_dir), "gptq")
+    # fp8 and w8a8_int8 quantize a float checkpoint at load (tests/test_quantize_on_the_fly.py)
+    assert resolve_quantization(str(float_dir), "fp8") == OnlineScheme("fp8")
     with pytest.raises(ValueError, match="--quantization bitsandbytes is not supported by this engine"):
         ServerArgs(model_path=str(gptq_dir), quantization="bitsandbytes").validate()
     with pytest.raises(ValueError, match="'int3' is not a known quantization method"):

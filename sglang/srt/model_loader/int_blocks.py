@@ -28,7 +28,7 @@ import torch
 
 from sglang.srt.layers.quantization.gguf_blocks import QK
 from sglang.srt.model_loader.dequantize import AffineWeight
-from sglang.srt.model_loader.quant_config import AWQScheme, CTScheme, FP8Scheme, GPTQScheme, Scheme
+from sglang.srt.model_loader.quant_config import AWQScheme, CTScheme, FP8Scheme, GPTQScheme, OnlineScheme, Scheme
 
 # A matrix of raw GGUF blocks before packing: (qtype, uint8 [n, row_bytes], n, k) (model_loader/gguf_quant.py).
 RawBlocks = tuple[str, torch.Tensor, int, int]
@@ -36,7 +36,9 @@ RawBlocks = tuple[str, torch.Tensor, int, int]
 
 def checkpoint_block_reason(scheme: Scheme) -> Optional[str]:
     """Why a checkpoint of `scheme` cannot be served from blocks made of its integers, as far as its settings tell
-    (None: it can, if its tensors agree: `blocks_of`)."""
+    (None: it can, if its tensors agree: `blocks_of`). A float checkpoint quantized at load is the kind it becomes."""
+    if isinstance(scheme, OnlineScheme):
+        scheme = scheme.served_as
     if isinstance(scheme, FP8Scheme):
         return "FP8 weights have no integer block layout here"
     if isinstance(scheme, (GPTQScheme, AWQScheme)):

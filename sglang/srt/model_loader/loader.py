@@ -14,7 +14,13 @@ from torch import nn
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
 from sglang.srt.model_loader.checkpoint_blocks import QuantizedSource
 from sglang.srt.model_loader.config_overrides import layers_in_config
-from sglang.srt.model_loader.quant_config import resolve_quantization
+from sglang.srt.model_loader.quant_config import (
+    OnlineScheme,
+    Scheme,
+    dequantized_dtype,
+    online_scheme_of,
+    resolve_quantization,
+)
 from sglang.srt.model_loader.weights import iterate_weights, weight_files
 from sglang.srt.models.registry import architectures_of, get_model_class
 
@@ -63,8 +69,9 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device, c
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.rebuild_cache(device)
-    model.load_weights(layers_in_config(iterate_weights(model_dir), config))
-    scheme = resolve_quantization(model_dir, None)
+    # A checkpoint's own quantization_config first; else the on-the-fly mode the served config carries.
+    scheme: Optional[Scheme] = resolve_quantization(model_dir, None) or online_scheme_of(config)
+    model.load_weights(layers_in_config(_checkpoint_weights(model_dir, config, scheme), config))
     if scheme is not None:  # where the plan makes blocks, they come from the checkpoint's integers
         model.quantized_checkpoint = QuantizedSource(weight_files(model_dir), scheme)
     model.requires_grad_(False)
@@ -74,3 +81,13 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device, c
         model_class.__name__, dtype, device, model_dir, time.perf_counter() - start,
     )
     return model
+
+
+def _checkpoint_weights(model_dir: str, config: Any, scheme: Optional[Scheme]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors as the model loads them: a float checkpoint quantized at load by `--quantization`
+    has its decoder linear weights quantized and read back as that format's values (model_loader/online_quant.py)."""
+    if isinstance(scheme, OnlineScheme):
+        from sglang.srt.model_loader.quantized_weights import iterate_dequantized
+
+        return iterate_dequantized(weight_files(model_dir), scheme, dequantized_dtype(config, scheme))
+    return iterate_weights(model_dir)

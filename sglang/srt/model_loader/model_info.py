@@ -35,7 +35,7 @@ def load_model_info(server_args: ServerArgs) -> ModelInfo:
     from transformers import AutoConfig, GenerationConfig
 
     from sglang.srt.model_loader.gemm_measurement import plan_for_this_machine
-    from sglang.srt.model_loader.quant_config import read_quantization_config, resolve_quantization
+    from sglang.srt.model_loader.quant_config import quantization_settings, resolve_quantization
     from sglang.srt.model_loader.resolve import gguf_source_for, resolve_model_path
 
     model_dir = resolve_model_path(server_args.model_path)
@@ -52,8 +52,9 @@ def load_model_info(server_args: ServerArgs) -> ModelInfo:
     hf_config = apply_overrides(AutoConfig.from_pretrained(model_dir, trust_remote_code=server_args.trust_remote_code),
                                 server_args.json_model_override_args)
     if scheme is not None and not getattr(hf_config, "quantization_config", None):
-        # settings from an older export's side file, so that the model's config says how its weights were read
-        hf_config.quantization_config = read_quantization_config(model_dir)[0]  # type: ignore[index]
+        # settings from an older export's side file (or --quantization's on-the-fly mode: every process then
+        # quantizes at load), so that the model's config says how its weights were read
+        hf_config.quantization_config = quantization_settings(model_dir, scheme)
     # Vision-language configs keep the decoder's settings in text_config.
     context_len = server_args.context_length or _config_context_len(hf_config.get_text_config())
     config_dtype = getattr(hf_config, "dtype", None)

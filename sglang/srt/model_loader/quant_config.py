@@ -6,7 +6,9 @@ compressed-tensors checkpoints by dequantizing each quantized weight to the chec
 (model_loader/quantized_weights.py); where the plan makes blocks for small batches, 4- and 8-bit integer weights are
 then served from Q4_1 / Q8_0 blocks made exactly from their integers (model_loader/checkpoint_blocks.py), else the
 model serves the dequantized weights through its usual paths. `--quantization`
-takes SGLang's method names: a supported one must agree with what the checkpoint holds.
+takes SGLang's method names: a supported one must agree with what the checkpoint holds, except SGLang's on-the-fly
+modes `w8a8_int8` and `fp8` on a float checkpoint, whose decoder linear weights are quantized as they are read
+(`OnlineScheme`, model_loader/online_quant.py) and then served as the checkpoint kind they become.
 """
 
 from __future__ import annotations
@@ -25,8 +27,12 @@ from sglang.srt.model_loader.dtype import checkpoint_dtype, dtype_name
 # kernel, not a format: the checkpoints are plain GPTQ / AWQ).
 FLAG_METHODS = {
     "gptq": "gptq", "gptq_marlin": "gptq", "awq": "awq", "awq_marlin": "awq", "fp8": "fp8",
-    "compressed-tensors": "compressed-tensors", "gguf": "gguf", "mxfp4": "mxfp4",
+    "compressed-tensors": "compressed-tensors", "gguf": "gguf", "mxfp4": "mxfp4", "w8a8_int8": "w8a8_int8",
 }
+# Methods that quantize a float checkpoint at load (fp8 also names an FP8 checkpoint, read as it is stored).
+ONLINE_METHODS = ("w8a8_int8", "fp8")
+# The key of the quantization_config the served model's config carries for an on-the-fly mode (OnlineScheme).
+ONLINE_KEY = "quantized_at_load"
 # Methods whose tensors the model's own weight loader reads (GPT-OSS's MXFP4 experts: model_loader/mxfp4.py): the
 # checkpoint loads as a float one, and those tensors reach the model as published.
 MODEL_READ_METHODS = ("mxfp4",)
@@ -34,7 +40,7 @@ MODEL_READ_METHODS = ("mxfp4",)
 UNSUPPORTED_METHODS = (
     "aqlm", "bitsandbytes", "blockwise_int8", "deepspeedfp", "experts_int8", "fbgemm_fp8", "gptq_marlin_24", "marlin",
     "mixed_precision", "modelopt", "modelopt_fp4", "moe_wna16", "petit_nvfp4", "qoq", "qqq", "torchao",
-    "tpu_int8", "w4afp8", "w8a8_fp8", "w8a8_int8",
+    "tpu_int8", "w4afp8", "w8a8_fp8",
 )
 READ_METHODS = ("gptq", "awq", "fp8", "compressed-tensors")
 # Where older exports keep the quantization settings when config.json has none.
@@ -140,7 +146,35 @@ class CTScheme:
         return by_class
 
 
-Scheme = Union[GPTQScheme, AWQScheme, FP8Scheme, CTScheme]
+@dataclass(frozen=True)
+class OnlineScheme:
+    """`--quantization w8a8_int8 / fp8` on a float checkpoint: its decoder linear weights quantized at load into a
+    compressed-tensors int8 channel weight / an FP8 per-tensor weight (model_loader/online_quant.py), served as a
+    checkpoint of that kind is (`served_as`)."""
+
+    method: str  # w8a8_int8 | fp8
+
+    @property
+    def served_as(self) -> Union[CTScheme, FP8Scheme]:
+        if self.method == "fp8":
+            return FP8Scheme(block=None, static_activations=False)
+        return CTScheme((CTWeights(("Linear",), "int-quantized", 8, "int", True, "channel", None, None),), False)
+
+    @property
+    def weights(self) -> str:
+        return ("float8 e4m3 weights, one scale per tensor" if self.method == "fp8"
+                else "int8 weights per output channel (fp16 scales)")
+
+    def describe(self) -> str:
+        return f"{self.method} ({self.weights}, quantized at load)"
+
+    def settings(self) -> dict[str, Any]:
+        """The quantization_config the served model's config carries: every process that loads the model (and a
+        weight update) then quantizes it at load (`online_scheme_of`)."""
+        return {"quant_method": self.method, ONLINE_KEY: True}
+
+
+Scheme = Union[GPTQScheme, AWQScheme, FP8Scheme, CTScheme, OnlineScheme]
 
 
 def read_quantization_config(model_dir: str) -> Optional[tuple[dict[str, Any], str]]:
@@ -174,22 +208,51 @@ def method_of(settings: dict[str, Any]) -> str:
 
 
 def resolve_quantization(model_dir: str, requested: Optional[str], from_gguf: bool = False) -> Optional[Scheme]:
-    """The checkpoint's scheme (None for a float or GGUF checkpoint), checked against `--quantization`. Raises
-    QuantizedCheckpointError for a mismatch, an unsupported method or setting."""
+    """The checkpoint's scheme (None for a float or GGUF checkpoint; an OnlineScheme for a float checkpoint with an
+    on-the-fly `--quantization`), checked against `--quantization`. Raises QuantizedCheckpointError for a mismatch,
+    an unsupported method or setting."""
     check_quantization_flag(requested)
     wanted = FLAG_METHODS.get(requested) if requested else None
     found = None if from_gguf else read_quantization_config(model_dir)
     method = "gguf" if from_gguf else (method_of(found[0]) if found else None)
+    if requested in ONLINE_METHODS and method is None:
+        return OnlineScheme(requested)
     if wanted is not None and method != wanted:
         where = f"its quantization_config ({found[1]}) says {method!r}" if found else (
             "it is a GGUF file" if from_gguf else f"it has no quantization_config ({model_dir}), and float "
-            "checkpoints are not quantized online by --quantization (--small-batch-quantization makes blocks at load)")
+            "checkpoints are quantized at load only by --quantization " + " or ".join(ONLINE_METHODS))
+        online = (f" (--quantization {requested} quantizes a float checkpoint at load)"
+                  if requested in ONLINE_METHODS else "")
         raise QuantizedCheckpointError(
-            f"--quantization {requested} does not match the checkpoint: {where}; drop --quantization or pass the "
-            "checkpoint's method")
+            f"--quantization {requested} does not match the checkpoint: {where}{online}; drop --quantization or pass "
+            "the checkpoint's method")
     if found is None or method in MODEL_READ_METHODS:
         return None
     return parse_scheme(found[0], found[1])
+
+
+def _config_settings(config: Any) -> Any:
+    """The quantization_config of a transformers config (or of its text config), as it is held."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(config, "quantization_config", None) or getattr(text, "quantization_config", None)
+
+
+def online_scheme_of(config: Any) -> Optional[OnlineScheme]:
+    """The on-the-fly mode a served model's config carries (`OnlineScheme.settings`), or None."""
+    settings = _config_settings(config)
+    if isinstance(settings, dict) and settings.get(ONLINE_KEY) and method_of(settings) in ONLINE_METHODS:
+        return OnlineScheme(method_of(settings))
+    return None
+
+
+def quantization_settings(model_dir: str, scheme: Scheme) -> dict[str, Any]:
+    """The quantization_config that says how `scheme`'s weights are read: the checkpoint's own (config.json or an
+    older export's side file), or the on-the-fly mode's."""
+    if isinstance(scheme, OnlineScheme):
+        return scheme.settings()
+    found = read_quantization_config(model_dir)
+    assert found is not None, model_dir
+    return found[0]
 
 
 def parse_scheme(settings: dict[str, Any], source: str) -> Scheme:
@@ -315,15 +378,18 @@ def dequantized_dtype(config: Any, scheme: Scheme) -> torch.dtype:
     stored = checkpoint_dtype(config)
     if stored in (torch.float16, torch.bfloat16, torch.float32):
         return stored
+    if isinstance(scheme, OnlineScheme):
+        return torch.float32  # a float checkpoint that does not say its dtype: nothing rounded beyond the format
     return torch.float16 if scheme.method in ("gptq", "awq") else torch.bfloat16
 
 
 def describe_checkpoint_quantization(config: Any) -> Optional[str]:
     """`GPTQ 4-bit, group 128, ..., dequantized to float16 at load` for a config with a quantization_config, else
     None (the start of the `Weights:` log line)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    settings = getattr(config, "quantization_config", None) or getattr(text, "quantization_config", None)
-    if not isinstance(settings, dict) or method_of(settings) not in READ_METHODS:
-        return None
-    scheme = parse_scheme(settings, "the model config")
+    settings = _config_settings(config)
+    scheme: Optional[Scheme] = online_scheme_of(config)
+    if scheme is None:
+        if not isinstance(settings, dict) or method_of(settings) not in READ_METHODS:
+            return None
+        scheme = parse_scheme(settings, "the model config")
     return f"{scheme.describe()}, dequantized to {dtype_name(dequantized_dtype(config, scheme))} at load"

@@ -7,7 +7,9 @@ several shard files. All names are listed first (safetensors headers only) and c
 the tensors it needs, no scale is left without its weight. Then, in file order, each quantized weight is read with
 its companions, dequantized (model_loader/dequantize.py), rounded to the checkpoint's dtype and yielded as `P.weight`;
 every other tensor passes through as it is stored. Only one weight is ever held dequantized. `iterate_quantized`
-reads the same weights unpacked, for the blocks made from their integers (model_loader/int_blocks.py).
+reads the same weights unpacked, for the blocks made from their integers (model_loader/int_blocks.py). A float
+checkpoint served with an on-the-fly `--quantization` (OnlineScheme) goes the same way: its decoder linear weights
+are quantized as they are read (model_loader/online_quant.py) instead of unpacked.
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ from sglang.srt.model_loader.dequantize import (
     unpack_compressed_zero_point,
 )
 from sglang.srt.model_loader.dtype import dtype_name
+from sglang.srt.model_loader.online_quant import plan_online, quantize_at_load
 from sglang.srt.model_loader.quant_config import (
     ACTIVATION_SCALE_SUFFIXES,
     AWQScheme,
     CTScheme,
     FP8Scheme,
     GPTQScheme,
+    OnlineScheme,
     QuantizedCheckpointError,
     Scheme,
 )
@@ -73,6 +77,8 @@ class TensorStore:
 
 
 def _companions(scheme: Scheme) -> tuple[str, ...]:
+    if isinstance(scheme, OnlineScheme):
+        return ()
     if isinstance(scheme, GPTQScheme):
         return ("qzeros", "scales", "g_idx")
     if isinstance(scheme, AWQScheme):
@@ -98,6 +104,7 @@ def _required(scheme: Scheme, primary: str, module: str) -> tuple[str, ...]:
         return ("qzeros", "scales")
     if isinstance(scheme, FP8Scheme):
         return ("weight_scale_inv",) if scheme.block else ("weight_scale",)
+    assert isinstance(scheme, CTScheme)  # an on-the-fly mode has no stored companions (plan_online)
     weights = scheme.weights_for(module)
     if weights is None:
         raise QuantizedCheckpointError(f"Checkpoint tensor {module}.{primary} is quantized but no config group of "
@@ -108,6 +115,8 @@ def _required(scheme: Scheme, primary: str, module: str) -> tuple[str, ...]:
 
 def plan_quantized_modules(names: list[str], scheme: Scheme) -> dict[str, str]:
     """module -> the leaf name of its quantized weight; raises naming the first tensor missing or left over."""
+    if isinstance(scheme, OnlineScheme):
+        return plan_online(names, scheme)
     leaves_of: dict[str, set[str]] = {}
     for name in names:
         module, _, leaf = name.rpartition(".")
@@ -162,6 +171,11 @@ def iterate_dequantized(files: list[Path], scheme: Scheme, dtype: torch.dtype) -
                 raise QuantizedCheckpointError(f"Checkpoint tensor {name} is float8 but has no scale beside it "
                                                f"({module}.weight_scale or {module}.weight_scale_inv)")
             yield name, tensor
+    if isinstance(scheme, OnlineScheme):
+        logger.info("Quantized at load: %s, %s, %d linears of the decoder (embeddings, norms and the LM head as "
+                    "stored), served as the checkpoint kind %s; their values loaded in %s", scheme.method,
+                    scheme.weights, len(plan), scheme.served_as.describe(), dtype_name(dtype))
+        return
     if skipped:
         logger.info("Read past %s: activation and KV-cache quantization scales are not used here (activations are "
                     "quantized per token at run time where they are quantized; the KV cache has its own "
@@ -182,6 +196,8 @@ def iterate_quantized(files: list[Path], scheme: Scheme) -> Iterator[tuple[str, 
 def read_weight(scheme: Scheme, module: str, primary: str, fetch: Fetch) -> AffineWeight:
     """The quantized weight of `module` (its tensor `primary` and companions, read with `fetch`), unpacked."""
     names = {leaf: f"{module}.{leaf}" for leaf in ("qweight", "qzeros", "scales", "g_idx", "weight")}
+    if isinstance(scheme, OnlineScheme):
+        return quantize_at_load(scheme, fetch(names["weight"]), names["weight"])
     if isinstance(scheme, GPTQScheme):
         g_idx = _optional(fetch, f"{module}.g_idx")
         layout = ScaleLayout("group", scheme.group_size, g_idx, names["g_idx"])
