@@ -1,5 +1,5 @@
-"""Separate a model's thinking section from its answer: `<think>...</think>` (DeepSeek-R1, Qwen3) and
-`◁think▷...◁/think▷` (Kimi).
+"""Separate a model's thinking section from its answer: `<think>...</think>` (DeepSeek-R1, Qwen3),
+`◁think▷...◁/think▷` (Kimi), and gpt-oss's harmony channels (`gpt-oss`: the analysis channel is the reasoning).
 
 One detector reads one output, whole or chunk by chunk, with a per-character state machine: a partial tag is
 held back until it is decided, so the streamed pieces always concatenate to the non-streamed split.
@@ -8,6 +8,9 @@ held back until it is decided, so the streamed pieces always concatenate to the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
+
+from sglang.srt.harmony import HarmonyEvent, HarmonyStream, render_tool_call
 
 
 @dataclass(frozen=True)
@@ -27,9 +30,56 @@ REASONING_PARSERS: dict[str, ThinkFormat] = {
 }
 
 
+# Parsers of the harmony format (harmony.py) rather than a pair of tags.
+HARMONY_PARSERS = ("gpt-oss",)
+
+
 def check_reasoning_parser(name: str) -> None:
-    if name not in REASONING_PARSERS:
-        raise ValueError(f"Unknown reasoning parser {name!r}; choose one of {', '.join(sorted(REASONING_PARSERS))}")
+    if name not in REASONING_PARSERS and name not in HARMONY_PARSERS:
+        names = sorted([*REASONING_PARSERS, *HARMONY_PARSERS])
+        raise ValueError(f"Unknown reasoning parser {name!r}; choose one of {', '.join(names)}")
+
+
+def make_reasoning_parser(name: str, stream_reasoning: bool = True) -> Union[ReasoningParser, HarmonyReasoningParser]:
+    """The parser `--reasoning-parser name` means, for one output."""
+    check_reasoning_parser(name)
+    if name in HARMONY_PARSERS:
+        return HarmonyReasoningParser(stream_reasoning)
+    return ReasoningParser(name, stream_reasoning)
+
+
+class HarmonyReasoningParser:
+    """gpt-oss: the analysis channel's text is the reasoning; final and commentary messages are the content, and
+    tool calls stay in their harmony text there, for the tool-call parser (`--tool-call-parser gpt-oss`). The same
+    interface as ReasoningParser."""
+
+    def __init__(self, stream_reasoning: bool = True) -> None:
+        self.stream = HarmonyStream()
+        self.stream_reasoning = stream_reasoning
+        self.unsent = ""  # reasoning kept back while stream_reasoning is off, until the content begins
+
+    def parse_non_stream(self, text: str) -> tuple[str, str]:
+        reasoning, normal = self.parse_stream_chunk(text)
+        r2, n2 = self.finish()
+        return reasoning + r2, normal + n2
+
+    def parse_stream_chunk(self, chunk: str) -> tuple[str, str]:
+        return self._split(self.stream.feed(chunk), final=False)
+
+    def finish(self) -> tuple[str, str]:
+        return self._split(self.stream.finish(), final=True)
+
+    def _split(self, events: list[HarmonyEvent], final: bool) -> tuple[str, str]:
+        reasoning = "".join(e.text for e in events if e.kind == "reasoning")
+        normal = "".join(render_tool_call(e.recipient, e.text) if e.kind == "tool" else e.text
+                         for e in events if e.kind != "reasoning")
+        if self.stream_reasoning:
+            return reasoning, normal
+        self.unsent += reasoning
+        if final or normal:
+            reasoning, self.unsent = self.unsent, ""
+            return reasoning, normal
+        return "", normal
 
 
 class ReasoningParser:

@@ -16,7 +16,7 @@ from sglang.srt.entrypoints.openai.tool_requests import validate_tools
 from sglang.srt.entrypoints.responses import ORJSONResponse
 from sglang.srt.entrypoints.server_state import native_error, read_json, server_state
 from sglang.srt.function_call import FunctionCallParser
-from sglang.srt.reasoning_parser import ReasoningParser
+from sglang.srt.reasoning_parser import make_reasoning_parser
 
 router = APIRouter()
 
@@ -50,7 +50,7 @@ def separate_reasoning(body: Any, default_parser: Optional[str]) -> dict[str, st
     name = body.get("reasoning_parser") or default_parser
     if not name:
         raise ValueError("'reasoning_parser' is required (the server was started without --reasoning-parser)")
-    reasoning, text = ReasoningParser(name).parse_non_stream(body["text"])
+    reasoning, text = make_reasoning_parser(name).parse_non_stream(body["text"])
     return {"reasoning_text": reasoning, "text": text}
 
 

@@ -7,6 +7,7 @@ from typing import Any, Optional, Union
 
 from sglang.srt.function_call.base_format_detector import BaseFormatDetector
 from sglang.srt.function_call.core_types import StreamingParseResult, ToolCallItem, tool_specs
+from sglang.srt.function_call.gpt_oss_detector import GptOssDetector
 from sglang.srt.function_call.llama32_detector import Llama32Detector
 from sglang.srt.function_call.mistral_detector import MistralDetector
 from sglang.srt.function_call.pythonic_detector import PythonicDetector
@@ -19,6 +20,7 @@ TOOL_CALL_PARSERS: dict[str, type[BaseFormatDetector]] = {
     "llama3": Llama32Detector,
     "mistral": MistralDetector,
     "pythonic": PythonicDetector,
+    "gpt-oss": GptOssDetector,
 }
 
 

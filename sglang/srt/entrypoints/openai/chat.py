@@ -26,6 +26,7 @@ from sglang.srt.entrypoints.openai.tool_requests import (
 from sglang.srt.function_call import FunctionCallParser
 from sglang.srt.lora.request import openai_lora_path
 from sglang.srt.managers.generate_input import GenerateReqInput
+from sglang.srt.reasoning_parser import HARMONY_PARSERS
 
 
 class ChatHandler(OpenAIHandler):
@@ -98,6 +99,8 @@ class ChatHandler(OpenAIHandler):
         add_tool_constraint(sp, req.tools, req.tool_choice, self._tool_parser(req))
         if self.tool_call_parser and tools_active(req.tools, req.tool_choice):
             sp["skip_special_tokens"] = False  # call markers may be special tokens
+        if self.reasoning_parser in HARMONY_PARSERS and req.separate_reasoning:
+            sp["skip_special_tokens"] = False  # the harmony channel markers are special tokens
         want_logprobs = req.logprobs
         return GenerateReqInput(
             input_ids=ids, sampling_params=sp, stream=req.stream, rid=req.rid,

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from sglang.srt.entrypoints.openai.tool_requests import tools_active
 from sglang.srt.function_call import FunctionCallParser, ToolCallItem
-from sglang.srt.reasoning_parser import ReasoningParser
+from sglang.srt.reasoning_parser import make_reasoning_parser
 
 
 def new_call_id() -> str:
@@ -20,7 +20,7 @@ class ChoiceOutputParser:
 
     def __init__(self, req, tool_call_parser: Optional[str], reasoning_parser: Optional[str]) -> None:
         thinking = (req.chat_template_kwargs or {}).get("enable_thinking") is not False
-        self.reasoning = (ReasoningParser(reasoning_parser, req.stream_reasoning)
+        self.reasoning = (make_reasoning_parser(reasoning_parser, req.stream_reasoning)
                           if reasoning_parser and req.separate_reasoning and thinking else None)
         self.tools = (FunctionCallParser(req.tools, tool_call_parser)
                       if tool_call_parser and tools_active(req.tools, req.tool_choice) else None)
