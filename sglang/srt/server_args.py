@@ -40,8 +40,9 @@ class ServerArgs:
     # else the model dtype), float32, bfloat16/bf16, fp8_e4m3, fp8_e5m2 (mem_cache/kv_dtype.py).
     kv_cache_dtype: str = "auto"
     # The checkpoint's quantization method, read from its quantization_config (gptq, awq, fp8, compressed-tensors;
-    # gguf for a GGUF file); a value given checks it (model_loader/quant_config.py). Quantized weights are
-    # dequantized at load and served as the arithmetic plan serves float weights.
+    # gguf for a GGUF file); a value given checks it (model_loader/quant_config.py), and on a float checkpoint
+    # w8a8_int8 / fp8 quantize it at load (model_loader/online_quant.py). Integer weights are served from blocks of
+    # their exact values where the plan makes blocks (model_loader/checkpoint_blocks.py), dequantized otherwise.
     quantization: Optional[str] = None
     context_length: Optional[int] = None
     device: Optional[str] = None
