@@ -1,6 +1,7 @@
 """Tensor parallelism for the sliding-window families: Gemma 3 (text), Phi-3 (fused qkv_proj / gate_up_proj in the
 checkpoint, each rank loading its heads' q/k/v rows and its slice of gate and up), Gemma 2 (soft-capping) and
-Mistral, and for the mixture-of-experts families, DeepSeek-V2 (multi-head latent attention split by heads, the
+Mistral, OLMo 2 (q/k norms over all heads, their sums of squares added up over the ranks), and for the
+mixture-of-experts families, DeepSeek-V2 (multi-head latent attention split by heads, the
 latent cached whole on each rank; routed experts split over their intermediate size, shared experts and the dense
 layer as MLPs), Qwen2-MoE (gated shared expert) and Mixtral, at TP=2 give the
 TP=1 greedy tokens and logprobs on tiny random checkpoints, with prompts several windows long split into chunks.
@@ -32,7 +33,7 @@ TOP_LOGPROBS = 5
 LOGPROB_TOL = 1e-4
 ENGINE_ARGS = dict(dtype="float32", cpu_gemm="float32", max_total_tokens=1024, random_seed=0,
                    chunked_prefill_size=8, max_prefill_tokens=8)
-FAMILIES = ["gemma3", "phi3", "gemma2", "mistral", "deepseek_v2", "qwen2_moe", "mixtral"]
+FAMILIES = ["gemma3", "phi3", "gemma2", "mistral", "olmo2", "deepseek_v2", "qwen2_moe", "mixtral"]
 
 
 def _config(family: str, vocab_size: int) -> Any:
@@ -41,6 +42,9 @@ def _config(family: str, vocab_size: int) -> Any:
 
         # q_proj without the low-rank query, as DeepSeek-V2-Lite has; an odd expert width (17 + 16 columns)
         return tiny_deepseek_config(None, vocab_size=vocab_size, moe_intermediate_size=33)
+    if family == "olmo2":
+        # q/k norms over all heads: each rank normalises its heads with the sum of squares over both ranks
+        return tiny_variant_config("olmo2", vocab_size=vocab_size)
     if family in ("qwen2_moe", "mixtral"):
         from tests.test_moe_models import tiny_moe_config
 
@@ -127,6 +131,10 @@ def test_tp_support_check_accepts_them_and_refuses_ranks_without_heads():
         check_model_supports_tp(_config(family, 512), 2)
     with pytest.raises(ValueError, match="--tp-size 8 leaves ranks without attention heads"):
         check_model_supports_tp(_config("gemma3", 512), 8)
-    # a family whose layers are not split yet is refused before any process starts
-    with pytest.raises(ValueError, match="Olmo2ForCausalLM does not support tensor parallelism"):
-        check_model_supports_tp(tiny_variant_config("olmo2"), 2)
+    # OLMo 2's k norm spans every K/V head: no replicated K/V heads; a family whose layers are not split yet
+    with pytest.raises(ValueError, match="OLMo 2 splits its 2 key/value heads"):
+        check_model_supports_tp(tiny_variant_config("olmo2"), 4)
+    from tests.test_models_gpt_oss import tiny_gpt_oss_config
+
+    with pytest.raises(ValueError, match="GptOssForCausalLM does not support tensor parallelism"):
+        check_model_supports_tp(tiny_gpt_oss_config(), 2)

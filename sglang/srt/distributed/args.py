@@ -58,6 +58,9 @@ def check_model_supports_tp(hf_config: Any, tp_size: int) -> None:
         raise ValueError(f"--tp-size {tp_size}: {model_class.__name__} does not support tensor parallelism "
                          "(--tp-size 1)")
     config = hf_config.get_text_config()
+    model_check = getattr(model_class, "check_tensor_parallel", None)
+    if model_check is not None:  # what a model's own layers need of the split
+        model_check(config, tp_size)
     # Every rank's heads, so the first error is raised here rather than in a rank while it builds the model.
     for rank in range(tp_size):
         head_partition(config.num_attention_heads, getattr(config, "num_key_value_heads", None)

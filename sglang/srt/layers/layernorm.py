@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglang.srt.distributed.parallel_state import TPGroup, get_tp_group
 from sglang.srt.layers import cpu_ops
 
 
@@ -75,3 +77,42 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
     return weight * normed
+
+
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over a vector whose channels are split over tensor-parallel ranks (OLMo 2's q/k norms over all heads):
+    this rank holds channels [start, start + size) of `full_size` and their weights; the sum of squares is added up
+    over the ranks before each rank normalises its own channels."""
+
+    def __init__(self, full_size: int, start: int, size: int, eps: float, tp: TPGroup,
+                 dtype: Optional[torch.dtype] = None, device: Optional[torch.device | str] = None) -> None:
+        super().__init__()
+        self.full_size, self.start, self.size = full_size, start, size
+        self.variance_epsilon = eps
+        self.tp = tp
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
+
+    def checkpoint_slicers(self) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+        def weight(t: torch.Tensor) -> torch.Tensor:
+            return t.narrow(0, self.start, self.size) if t.dim() == 1 and t.shape[0] == self.full_size else t
+
+        return {"weight": weight}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        squares = self.tp.all_reduce(xf.square().sum(dim=-1, keepdim=True))
+        normed = (xf * torch.rsqrt(squares / self.full_size + self.variance_epsilon)).to(x.dtype)
+        return self.weight * normed
+
+    def extra_repr(self) -> str:
+        return f"{self.size} of {self.full_size} from {self.start}, eps={self.variance_epsilon}"
+
+
+def rms_norm_over_heads(full_size: int, start: int, size: int, eps: float, dtype: Optional[torch.dtype],
+                        device: Optional[torch.device | str]) -> nn.Module:
+    """An RMSNorm over `full_size` channels of which this tensor-parallel rank holds [start, start + size): a plain
+    RMSNorm without tensor parallelism."""
+    tp = get_tp_group()
+    if tp.size == 1:
+        return RMSNorm(full_size, eps, dtype=dtype, device=device)
+    return ShardedRMSNorm(full_size, start, size, eps, tp, dtype, device)

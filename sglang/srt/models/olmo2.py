@@ -1,7 +1,8 @@
 """OLMo 2: a Llama-like decoder with post-norms and QK-norm over the whole projections.
 
 - q and k are RMS-normalised over all their heads at once (norms of size heads * head_dim and kv_heads * head_dim)
-  before the rotary embedding, not per head as in Qwen3;
+  before the rotary embedding, not per head as in Qwen3 (under tensor parallelism each rank normalises its heads
+  with the sum of squares added up over the ranks);
 - a layer has no input norm: the attention reads the residual stream itself, and its output is normalised
   (`post_attention_layernorm`) before it is added back; the MLP likewise (`post_feedforward_layernorm`).
 """
@@ -13,8 +14,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from sglang.srt.distributed.parallel_state import get_tp_group
+from sglang.srt.distributed.partition import head_partition
 from sglang.srt.forward_batch import ForwardBatch
-from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.layernorm import RMSNorm, rms_norm_over_heads
 from sglang.srt.layers.linear import merged_linear, row_parallel_linear
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import apply_rotary_emb
@@ -26,21 +29,30 @@ class Olmo2Attention(nn.Module):
     def __init__(self, config: Any, layer_id: int, rotary_dim: int, dtype: Optional[torch.dtype],
                  device: Optional[torch.device | str]) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        tp = get_tp_group()
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        Olmo2ForCausalLM.check_tensor_parallel(config, tp.size)
+        heads = head_partition(total_heads, total_kv_heads, tp.size, tp.rank)
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
         self.head_dim = head_dim_of(config)
         self.rotary_dim = rotary_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = merged_linear(
-            config.hidden_size, [("q_proj", self.q_size), ("k_proj", self.kv_size), ("v_proj", self.kv_size)],
-            bias, dtype, device,
+            config.hidden_size, [("q_proj", total_heads * self.head_dim), ("k_proj", total_kv_heads * self.head_dim),
+                                 ("v_proj", total_kv_heads * self.head_dim)],
+            bias, dtype, device, slices=heads.row_slices(self.head_dim),
         )
-        self.o_proj = row_parallel_linear(self.q_size, config.hidden_size, bias, dtype, device)
+        self.o_proj = row_parallel_linear(total_heads * self.head_dim, config.hidden_size, bias, dtype, device,
+                                          cols=(heads.q_start * self.head_dim, self.q_size))
         eps = config.rms_norm_eps
-        self.q_norm = RMSNorm(self.q_size, eps, dtype=dtype, device=device)
-        self.k_norm = RMSNorm(self.kv_size, eps, dtype=dtype, device=device)
+        # over all heads: summed over the ranks under tensor parallelism (layers/layernorm.ShardedRMSNorm)
+        self.q_norm = rms_norm_over_heads(total_heads * self.head_dim, heads.q_start * self.head_dim, self.q_size,
+                                          eps, dtype, device)
+        self.k_norm = rms_norm_over_heads(total_kv_heads * self.head_dim, heads.kv_start * self.head_dim,
+                                          self.kv_size, eps, dtype, device)
         self.attn = RadixAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(self, cos_sin: CosSin, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
@@ -85,8 +97,14 @@ class Olmo2ForCausalLM(VariantForCausalLM):
     # The fused CPU decode step (model_executor/fused_cpu_decode.py) runs pre-norm Llama layers.
     fused_decode_exclusion = ("OLMo 2 normalises whole q/k projections and the attention and MLP outputs "
                               "(the fused step runs pre-norm Llama layers)")
-    # The q/k norms reduce over every head, which tensor parallelism would split over the ranks.
-    tensor_parallel = False
+
+    @staticmethod
+    def check_tensor_parallel(config: Any, tp_size: int) -> None:
+        """A replicated K/V head would count twice in k_norm's sum over the ranks: at most one rank per K/V head."""
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        if tp_size > kv_heads:
+            raise ValueError(f"--tp-size {tp_size}: OLMo 2 splits its {kv_heads} key/value heads over the ranks (its "
+                             f"k norm spans them all); choose a tensor-parallel size of at most {kv_heads}")
 
     def build_model(self, config: Any, dtype: Optional[torch.dtype],
                     device: Optional[torch.device | str]) -> VariantModel:
