@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import tempfile
 import time
 from collections.abc import Callable
@@ -105,14 +104,9 @@ def cpu_flags() -> str:
 
 
 def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    from sglang.srt.model_loader.dtype import cpu_model_name
+
+    return cpu_model_name()
 
 
 def main() -> None:

@@ -190,6 +190,16 @@ class DecodingReq:
         return self.origin_input_ids + self.output_ids
 
 
+
+def check_draft_slots(draft, req, base: int, kept: int) -> None:
+    """A chain of STEPS drafted after a catch-up of `base` tokens holds base + STEPS - 1 draft KV slots; settling
+    `kept` tokens leaves the catch-up's, releasing the request none."""
+    assert draft.used_tokens() == base + STEPS - 1
+    draft.settle(req, kept)
+    assert draft.used_tokens() == base
+    draft.release(req)
+    assert draft.used_tokens() == 0 and draft.idle_error() is None and req.spec_state is None
+
 def reference_chain(models, ids: list[int], target_hidden: torch.Tensor, start: int, steps: int) -> list[int]:
     """The head's greedy chain computed with transformers' decoder layer (input norm the identity), recomputing the
     whole causal sequence of pairs (token i+1, hidden i) at positions i >= start for every draft token."""
@@ -258,12 +268,7 @@ def test_head_proposals_match_reference(models, tmp_path):
         draft.hidden.write(1, start, hidden[start : len(ids) - 1])
         [proposal] = draft.propose([req], [STEPS])
         assert proposal == reference_chain(models, ids, hidden, start, STEPS), start
-        base = len(ids) - 1 - start
-        assert draft.used_tokens() == base + STEPS - 1
-        draft.settle(req, 2)
-        assert draft.used_tokens() == base
-        draft.release(req)
-        assert draft.used_tokens() == 0 and draft.idle_error() is None and req.spec_state is None
+        check_draft_slots(draft, req, len(ids) - 1 - start, 2)
     # a head with its own embedding and LM head (here the served model's tied embedding) drafts the same chain
     weights = load_file(str(Path(models.random) / "model.safetensors"))
     layer = {name[len("layers.0."):]: t for name, t in weights.items() if name.startswith("layers.0.")}

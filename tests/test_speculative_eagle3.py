@@ -20,6 +20,7 @@ from sglang import Engine
 from sglang.srt.server_args import ServerArgs
 from tests.conftest import save_tiny_llama
 from tests.server_fixtures import running_server
+from tests.test_speculative_eagle import check_draft_slots
 from tests.test_speculative_ngram import assert_clean, assert_refused, generate
 from tests.test_speculative_standalone import (
     COMMON,
@@ -244,12 +245,7 @@ def test_head_and_capture_match_reference(models):
         [proposal] = draft.propose([req], [STEPS])
         assert proposal == reference_chain(weights, models.config, embed, models.hot, ids, want, start, STEPS)
         assert all(t in set(models.hot.tolist()) for t in proposal)
-        base = len(ids) - 1 - start
-        assert draft.used_tokens() == base + STEPS - 1
-        draft.settle(req, 1)
-        assert draft.used_tokens() == base
-        draft.release(req)
-        assert draft.used_tokens() == 0 and draft.idle_error() is None and req.spec_state is None
+        check_draft_slots(draft, req, len(ids) - 1 - start, 1)
 
 
 # ---- through the server and the engine ---------------------------------------------------------------------------

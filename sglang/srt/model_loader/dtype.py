@@ -47,6 +47,18 @@ def read_cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
+def cpu_model_name() -> str:
+    """This machine's CPU model as /proc/cpuinfo names it (the platform's processor string where it cannot)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def _supports_bf16(flags: frozenset[str], machine: str) -> bool:
     machine = machine.lower()
     if machine in ("x86_64", "amd64", "i386", "i686"):

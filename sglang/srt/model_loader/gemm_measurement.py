@@ -35,7 +35,7 @@ import torch
 from sglang.srt.layers.arithmetic import ArithmeticPlan, choose_arithmetic, embedding_gemm, gemms_to_measure
 from sglang.srt.layers.linear import LinearMethod
 from sglang.srt.model_loader.disk_cache import build_cached_dir, cache_root
-from sglang.srt.model_loader.dtype import read_cpu_flags
+from sglang.srt.model_loader.dtype import cpu_model_name, read_cpu_flags
 from sglang.srt.model_loader.gemm_methods import method_factory
 
 logger = logging.getLogger(__name__)
@@ -102,19 +102,8 @@ def measurement_dir() -> Optional[Path]:
     return Path(configured).expanduser() if configured else cache_root() / "gemm-measurements"
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def _measurement_key(gemms: Sequence[str], mlp: tuple[int, int], threads: int) -> str:
-    parts = [MEASUREMENT_VERSION, _cpu_model(), platform.machine(), " ".join(sorted(read_cpu_flags())),
+    parts = [MEASUREMENT_VERSION, cpu_model_name(), platform.machine(), " ".join(sorted(read_cpu_flags())),
              torch.__version__, str(threads), ",".join(gemms), f"{mlp[0]}x{mlp[1]}",
              ",".join(map(str, MEASURE_ROWS)), str(ROUNDS)]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
