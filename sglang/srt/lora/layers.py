@@ -16,7 +16,9 @@ from typing import Any, Optional
 
 import torch
 
-# One LoRA part of a layer: (A [rank, in], B [rows, rank], scaling, first output row of its slice).
+from sglang.srt.lora.packed import PackedAdapter
+
+# One LoRA part of a layer: (A [rank, in], B [rows, rank], scaling of B, first output row of its slice).
 LoraPart = tuple[torch.Tensor, torch.Tensor, float, int]
 
 # Stacks kept per layer: the adapter sets of the prefill and the decode batches alternate.
@@ -26,13 +28,24 @@ _MAX_STACKS = 2
 class LoraBatchState:
     """The adapters of the forward that is running, shared by every LoRA layer of the model: `active` (the distinct
     adapter names, sorted) and `row_slot` (each row's index into `active`, -1 for the base model).
-    Empty outside a forward with adapter rows."""
+    Empty outside a forward with adapter rows. Also the weights of the adapters in memory in the fused CPU decode
+    step's layout (`packed`, lora/packed.py), with a count of its changes (`generation`)."""
 
     def __init__(self) -> None:
         self.active: tuple[str, ...] = ()
         self.row_slot: Optional[torch.Tensor] = None
         self.uniform = False  # every row runs the one adapter of `active`: no mask needed
         self._masks: dict[tuple[int, ...], torch.Tensor] = {}
+        self.packed: dict[str, PackedAdapter] = {}
+        self.generation = 0
+
+    def add_packed(self, name: str, packed: PackedAdapter) -> None:
+        self.packed[name] = packed
+        self.generation += 1
+
+    def drop_packed(self, name: str) -> None:
+        if self.packed.pop(name, None) is not None:
+            self.generation += 1
 
     def set_rows(self, lora_names: list[Optional[str]], rows_per_seq: list[int]) -> None:
         # sorted: the same adapters give the same set, so the layers' stacks serve again whatever the row order

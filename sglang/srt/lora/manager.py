@@ -22,6 +22,7 @@ from sglang.srt.lora.adapter import (
     parse_lora_specs,
 )
 from sglang.srt.lora.layers import LoraBatchState, LoraLinear, LoraPart
+from sglang.srt.lora.packed import pack_adapter
 from sglang.srt.lora.pool import AdapterPool
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,8 @@ class LoraManager:
                 self.sites[(i, module)] = (linear.lora, row, rows)
                 in_features[module] = linear.in_features
         self.layers = list({id(lora): lora for lora, _, _ in self.sites.values()}.values())
+        # (layer, module) -> (output features of the linear holding it, its first output row, its rows)
+        self.out_rows = {key: (lora.out_features, row, rows) for key, (lora, row, rows) in self.sites.items()}
         self.module_shapes = {module: (in_features[module], self.sites[(0, module)][2])
                               for module in self.target_modules}
         self.registered: dict[str, _Registered] = {}
@@ -102,8 +105,9 @@ class LoraManager:
         self.draining: set[str] = set()
         self._next_uid = itertools.count(1)
         logger.info("LoRA enabled (max rank %d, target modules %s, %d adapters per batch, %s adapters in memory, "
-                    "%s eviction); batches with adapter rows run layer by layer, never through the fused CPU "
-                    "decode step", max_lora_rank, list(self.target_modules), max_loras_per_batch,
+                    "%s eviction); the fused CPU decode step adds the deltas of the decode batches it serves, "
+                    "prefills and larger batches add them layer by layer",
+                    max_lora_rank, list(self.target_modules), max_loras_per_batch,
                     max_loaded_loras or "all", eviction_policy)
 
     @classmethod
@@ -190,19 +194,25 @@ class LoraManager:
         return True
 
     def _attach(self, adapter: LoraAdapter, pinned: bool) -> None:
+        # One copy of the weights, in the fused decode step's layout; the layers' parts are views of it (B scaled).
+        packed, views = pack_adapter(adapter.weights, adapter.rank, adapter.scaling, self.num_layers, self.out_rows,
+                                     self.device)
+        adapter.weights = {}
         parts: dict[int, list[LoraPart]] = {}
-        for (layer, module), (a, b) in adapter.weights.items():
+        for (layer, module), (a, b) in views.items():
             lora, row, _ = self.sites[(layer, module)]
-            parts.setdefault(id(lora), []).append((a.to(self.device), b.to(self.device), adapter.scaling, row))
+            parts.setdefault(id(lora), []).append((a, b, 1.0, row))
         for lora in self.layers:
             if id(lora) in parts:
                 lora.set_parts(adapter.name, parts[id(lora)])
+        self.state.add_packed(adapter.name, packed)
         self.adapters[adapter.name] = adapter
         self.pool.add(adapter.name, pinned)
 
     def _detach(self, name: str) -> None:
         for lora in self.layers:
             lora.drop(name)
+        self.state.drop_packed(name)
         del self.adapters[name]
         self.pool.remove(name)
 

@@ -12,6 +12,11 @@ Python (`model.model.embed`, `model.compute_logits`).
 A batch whose rows are consecutive positions of one sequence (a speculative verify step,
 ForwardBatch.rows_share_sequences) tells the step so: it then stores every row's K/V before any row attends.
 
+Rows of LoRA adapters (lora/) get their low-rank deltas inside the step (csrc/lora_deltas.h): each adapter in memory
+is registered with the stack once, in a slot, from the tensors lora/packed.py keeps (no copy), and a step passes each
+row's slot (-1 for the base model). Rows of different adapters, of different ranks, and of the base model share
+the step.
+
 The result equals the layer-by-layer path up to float32 summation order. SGLANG_DISABLE_FUSED_DECODE=1 turns it
 off.
 """
@@ -30,6 +35,8 @@ from sglang.srt.layers.cpu_ops import CSRC
 from sglang.srt.layers.quantization.gguf_blocks import KERNEL_HEADERS
 from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
+from sglang.srt.lora.layers import LoraBatchState
+from sglang.srt.lora.packed import PackedAdapter
 from sglang.srt.mem_cache.kv_dtype import KERNEL_KV_DTYPES
 from sglang.srt.models.llama import LlamaModel
 
@@ -37,7 +44,7 @@ DISABLE_ENV = "SGLANG_DISABLE_FUSED_DECODE"
 _EXTENSION = CpuExtension("sglang_decode_stack", CSRC / "decode_stack.cpp", "fused CPU decode step", DISABLE_ENV,
                           headers=[CSRC / "cpu_kernels.h", CSRC / "kv_types.h", CSRC / "kv_layout.h",
                                    CSRC / "decode_attention.h", CSRC / "decode_attention_avx512.h",
-                                   CSRC / "attention_split.h", *KERNEL_HEADERS])
+                                   CSRC / "attention_split.h", CSRC / "lora_deltas.h", *KERNEL_HEADERS])
 
 
 def available() -> bool:
@@ -62,6 +69,44 @@ def set_dequant_min_rows(rows: int) -> int:
     return int(_EXTENSION.module().set_dequant_min_rows(int(rows)))
 
 
+class LoraSlots:
+    """Which stack slot holds which adapter: an adapter is registered on the first step that uses it, again when its
+    weights were read anew (evicted and loaded back), and released once it left memory."""
+
+    def __init__(self, stack: Any) -> None:
+        self.stack = stack
+        self.slots: dict[str, tuple[PackedAdapter, int]] = {}  # adapter name -> (its weights, slot)
+        self.generation = -1
+
+    def sync(self, state: LoraBatchState) -> None:
+        """Release the slots of adapters that left memory since the last step (or were read anew)."""
+        if state.generation != self.generation:
+            for name, (packed, slot) in list(self.slots.items()):
+                if state.packed.get(name) is not packed:
+                    self.stack.clear_lora_adapter(slot)
+                    del self.slots[name]
+            self.generation = state.generation
+
+    def row_slots(self, state: LoraBatchState, names: list[Optional[str]]) -> torch.Tensor:
+        """The slot of each row's adapter (-1: the base model), registering the adapters not yet in the stack."""
+        self.sync(state)
+        by_name: dict[Optional[str], int] = {None: -1}
+        for name in names:
+            if name not in by_name:
+                by_name[name] = self._slot(name, state.packed[name])
+        return torch.tensor([by_name[name] for name in names], dtype=torch.long)
+
+    def _slot(self, name: str, packed: PackedAdapter) -> int:
+        held = self.slots.get(name)
+        if held is not None and held[0] is packed:
+            return held[1]
+        used = {slot for _, slot in self.slots.values()}
+        slot = next(i for i in range(len(used) + 1) if i not in used)
+        self.stack.set_lora_adapter(slot, packed.rank, packed.a, packed.b, packed.masks)
+        self.slots[name] = (packed, slot)
+        return slot
+
+
 class FusedCpuDecode:
     """Runs decode batches of up to `max_rows` sequences: embeddings, the fused layer stack, then the LM head."""
 
@@ -78,33 +123,47 @@ class FusedCpuDecode:
         if from_tokens:
             reach = " (token ids to logits)" if self.with_head else " (token ids to final hidden states)"
         self.name = f"{FusedCpuDecode.name}{reach}{' with int8 activations' if int8_activations else ''}"
+        self.lora_slots = LoraSlots(stack)
 
-    def accepts(self, forward_batch: ForwardBatch) -> bool:
-        return forward_batch.forward_mode.is_decode() and 0 < forward_batch.batch_size <= self.max_rows
+    def accepts(self, forward_batch: ForwardBatch, lora: Optional[LoraBatchState] = None) -> bool:
+        """Whether the step runs this batch: a decode batch of 1-max_rows sequences, whose rows' adapters (if any)
+        are in memory with one row per sequence (`lora`: the server's LoRA state)."""
+        if not (forward_batch.forward_mode.is_decode() and 0 < forward_batch.batch_size <= self.max_rows):
+            return False
+        names = forward_batch.lora_ids
+        return names is None or (lora is not None and len(names) == forward_batch.input_ids.shape[0]
+                                 and all(name is None or name in lora.packed for name in names))
 
-    def forward(self, model: Any, forward_batch: ForwardBatch) -> torch.Tensor:
-        out = self._run(model, forward_batch)
+    def forward(self, model: Any, forward_batch: ForwardBatch, lora: Optional[LoraBatchState] = None) -> torch.Tensor:
+        out = self._run(model, forward_batch, lora)
         # A decode batch wants the logits of every row.
         return out if self.with_head else model.compute_logits(out, forward_batch)
 
-    def forward_hidden(self, model: Any, forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward_hidden(self, model: Any, forward_batch: ForwardBatch,
+                       lora: Optional[LoraBatchState] = None) -> torch.Tensor:
         """The final (normed) hidden states of every row; only for a step without the LM head (`with_head` False)."""
         assert not self.with_head
-        return self._run(model, forward_batch)
+        return self._run(model, forward_batch, lora)
 
-    def _run(self, model: Any, forward_batch: ForwardBatch) -> torch.Tensor:
+    def _run(self, model: Any, forward_batch: ForwardBatch, lora: Optional[LoraBatchState]) -> torch.Tensor:
+        slots = None
+        if forward_batch.lora_ids is not None:
+            assert lora is not None, "a batch with adapter rows needs the LoRA state"
+            slots = self.lora_slots.row_slots(lora, forward_batch.lora_ids)
+        elif lora is not None:
+            self.lora_slots.sync(lora)
         if self.from_tokens:
             return self.stack.forward_tokens(
                 forward_batch.input_ids, forward_batch.positions, forward_batch.out_cache_loc,
                 forward_batch.req_to_token_pool.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
-                forward_batch.rows_share_sequences,
+                forward_batch.rows_share_sequences, slots,
             )
         hidden_states, (cos, sin) = model.model.embed(forward_batch.input_ids, forward_batch.positions)
         batch = hidden_states.shape[0]  # cos/sin: [B, 1, rotary_dim]
         return self.stack.forward(
             hidden_states, cos.view(batch, -1), sin.view(batch, -1), forward_batch.out_cache_loc,
             forward_batch.req_to_token_pool.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
-            forward_batch.rows_share_sequences,
+            forward_batch.rows_share_sequences, slots,
         )
 
 

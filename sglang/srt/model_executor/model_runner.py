@@ -201,13 +201,14 @@ class ModelRunner:
     def _forward_logits(self, forward_batch: ForwardBatch) -> Optional[torch.Tensor]:
         fused = self.decode_plan.fused if self.decode_plan is not None else None
         sink = self.hidden_sink
-        # The fused decode step cannot add LoRA: a batch with adapter rows runs layer by layer (lora/manager.py).
+        # The fused decode step adds the LoRA deltas of adapter rows itself; prefills and batches it does not accept
+        # (more rows than its max, several rows per sequence) add them layer by layer (lora_rows below).
         # A step that ends with the LM head gives no hidden states: with a sink, such a model decodes layer by layer.
-        if (fused is not None and forward_batch.lora_ids is None and fused.accepts(forward_batch)
+        if (fused is not None and fused.accepts(forward_batch, self.lora_state)
                 and (sink is None or not fused.with_head)):
             if sink is None:
-                return fused.forward(self.model, forward_batch)
-            hidden = fused.forward_hidden(self.model, forward_batch)
+                return fused.forward(self.model, forward_batch, self.lora_state)
+            hidden = fused.forward_hidden(self.model, forward_batch, self.lora_state)
             sink(forward_batch, hidden)
             return self.model.compute_logits(hidden, forward_batch)
         forward_batch.attn_backend = self.attn_backend

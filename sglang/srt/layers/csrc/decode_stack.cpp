@@ -22,6 +22,8 @@
 // SiLU, the int8 quantization) is built once by the team, one work item per tile. Otherwise each thread builds it
 // itself, after claiming its first item of that phase (so the input cannot change underneath it). The residual
 // stream is double-buffered.
+// Rows of LoRA adapters (set_lora_adapter, the `lora_slots` of a step) get their low-rank deltas in the matmul
+// phases of the layers' linears: work items of their own ahead of the matmul items (lora_deltas.h).
 //
 // `forward_tokens` also builds the first layer's input (embedding rows, RoPE rows) from the token ids and
 // positions, and, when the stack holds the LM head as GGUF blocks (set_head), ends with the head's matmul as one
@@ -47,6 +49,7 @@
 #include "cpu_kernels.h"
 #include "decode_attention.h"
 #include "kv_layout.h"
+#include "lora_deltas.h"
 
 namespace {
 
@@ -144,6 +147,31 @@ class DecodeStack {
     TORCH_CHECK(rotary_dim >= 0 && rotary_dim <= head_dim && rotary_dim % 2 == 0, "bad rotary_dim");
     check_vector(final_norm, hidden, "final_norm");
     final_norm_ = final_norm;
+    const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    lora_bounds_[0] = {0, q_size, q_size + kv_size, q_size + 2 * kv_size};
+    lora_bounds_[1] = {0, hidden};
+    lora_bounds_[2] = {0, intermediate, 2 * intermediate};
+    lora_bounds_[3] = {0, hidden};
+    const int64_t in[lora_deltas::kSites] = {hidden, q_size, hidden, intermediate};
+    std::copy(in, in + lora_deltas::kSites, lora_in_);
+  }
+
+  // A LoRA adapter in `slot` (lora_deltas.h): a, b and masks for the 4 linears of every layer, None where the
+  // adapter has no part. The stack keeps the tensors (no copy); a step's rows name slots through lora_slots.
+  void set_lora_adapter(int64_t slot, int64_t rank, const std::vector<c10::optional<torch::Tensor>>& a,
+                        const std::vector<c10::optional<torch::Tensor>>& b, const std::vector<int64_t>& masks) {
+    TORCH_CHECK(slot >= 0 && slot < 4096, "LoRA slot out of range");
+    auto adapter = lora_deltas::make_adapter(rank, a, b, masks, num_layers(), lora_in_, lora_bounds_);
+    if (static_cast<int64_t>(lora_.size()) <= slot) lora_.resize(static_cast<size_t>(slot + 1));
+    lora_[slot] = std::move(adapter);
+  }
+  void clear_lora_adapter(int64_t slot) {
+    if (slot >= 0 && slot < static_cast<int64_t>(lora_.size())) lora_[slot].reset();
+  }
+  int64_t lora_adapters() const {
+    int64_t n = 0;
+    for (const auto& a : lora_) n += a != nullptr;
+    return n;
   }
 
   void add_layer(const torch::Tensor& qkv, const std::string& qkv_type, const c10::optional<torch::Tensor>& qkv_bias,
@@ -261,7 +289,7 @@ class DecodeStack {
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const torch::Tensor& out_loc, const torch::Tensor& req_to_token,
                         const torch::Tensor& req_pool_indices, const torch::Tensor& seq_lens,
-                        bool rows_share_sequences) {
+                        bool rows_share_sequences, const c10::optional<torch::Tensor>& lora_slots) {
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() == 2 &&
                     x.size(1) == hidden_, "x must be contiguous float32 [B, hidden]");
     const int64_t B = x.size(0);
@@ -269,7 +297,8 @@ class DecodeStack {
       TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == B &&
                       t->size(1) == rotary_dim_, "cos/sin must be contiguous float32 [B, rotary_dim]");
     }
-    return step(x, cos, sin, out_loc, req_to_token, req_pool_indices, seq_lens, false, rows_share_sequences);
+    return step(x, cos, sin, out_loc, req_to_token, req_pool_indices, seq_lens, false, rows_share_sequences,
+                lora_slots);
   }
 
   // As forward, from input_ids [B] and positions [B] (int64) through the tables of set_token_tables: the embedding
@@ -278,7 +307,7 @@ class DecodeStack {
   torch::Tensor forward_tokens(const torch::Tensor& input_ids, const torch::Tensor& positions,
                                const torch::Tensor& out_loc, const torch::Tensor& req_to_token,
                                const torch::Tensor& req_pool_indices, const torch::Tensor& seq_lens,
-                               bool rows_share_sequences) {
+                               bool rows_share_sequences, const c10::optional<torch::Tensor>& lora_slots) {
     TORCH_CHECK(has_token_tables(), "the decode stack has no token tables (set_token_tables)");
     for (const auto* t : {&input_ids, &positions}) {
       TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kLong && t->is_contiguous() && t->dim() == 1,
@@ -311,14 +340,15 @@ class DecodeStack {
         sp[b * rotary_dim_ + half + j] = sn[j];
       }
     }
-    return step(x, cos, sin, out_loc, req_to_token, req_pool_indices, seq_lens, has_head(), rows_share_sequences);
+    return step(x, cos, sin, out_loc, req_to_token, req_pool_indices, seq_lens, has_head(), rows_share_sequences,
+                lora_slots);
   }
 
  private:
   torch::Tensor step(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                      const torch::Tensor& out_loc, const torch::Tensor& req_to_token,
                      const torch::Tensor& req_pool_indices, const torch::Tensor& seq_lens, bool with_head,
-                     bool rows_share_sequences) {
+                     bool rows_share_sequences, const c10::optional<torch::Tensor>& lora_slots) {
     TORCH_CHECK(!layers_.empty() && layers_[0].k_cache.defined(), "the decode stack has no layers or KV buffers");
     const int64_t B = x.size(0);
     for (const auto* t : {&out_loc, &req_pool_indices, &seq_lens}) {
@@ -371,6 +401,14 @@ class DecodeStack {
     s.phases = std::make_unique<Phase[]>(kPhasesPerLayer * layers_.size() + 2);
     s.split = std::make_unique<attention_split::Plan>(lens, B, kv_heads_, heads_ / kv_heads_, head_dim_, num_layers());
     if (rows_share_sequences) s.store_phases = std::make_unique<Phase[]>(layers_.size());
+    std::unique_ptr<lora_deltas::StepLora> lora;
+    if (lora_slots.has_value() && lora_slots->defined()) {
+      TORCH_CHECK(lora_slots->device().is_cpu() && lora_slots->scalar_type() == torch::kLong &&
+                      lora_slots->is_contiguous() && lora_slots->dim() == 1 && lora_slots->size(0) == B,
+                  "lora_slots must be a contiguous int64 CPU vector [B]");
+      lora = std::make_unique<lora_deltas::StepLora>(lora_slots->data_ptr<int64_t>(), B, lora_);
+      if (!lora->empty()) s.lora = lora.get();
+    }
 
 #ifdef _OPENMP
     if (!omp_in_parallel()) s.threads = std::max(1, at::get_num_threads());
@@ -415,6 +453,7 @@ class DecodeStack {
     std::unique_ptr<Phase[]> store_phases;
     // The input of the current matmul phase and its prepared form, when the team builds it once (shared_input).
     std::vector<float> xin, panels, sums;
+    lora_deltas::StepLora* lora = nullptr;  // the rows' LoRA adapters; null when no row has one
   };
 
   // Row groups per matmul item: items_per_thread_ items per thread (head_items_per_thread_ for the LM head).
@@ -428,13 +467,22 @@ class DecodeStack {
     return (gguf_kernels::row_groups(lin.n) + chunk - 1) / chunk;
   }
 
+  // How many LoRA h items (lora_deltas.h) the matmul phase of linear `site` has: 0 without adapter rows.
+  static int64_t lora_items(const Step& s, int64_t site) {
+    return s.lora != nullptr && site >= 0 ? s.lora->h_items(site) : 0;
+  }
+
   // y = input @ W.T (+ bias) for the chunks of row groups this thread claims, starting with `item` (-1: none).
-  // Matmul items are numbered from `first` (the caller handles the items below it before calling this);
-  // `prepare` gives the input as the kernels read it, called once, after the first successful claim.
+  // Items from `first` are first the `site`'s LoRA h items (lora_items), then the matmul items (the caller handles
+  // the items below `first` before calling this); `prepare` gives the input as the kernels read it, called once,
+  // after the first successful claim. With LoRA h items, a matmul item adds the deltas of its output rows once they
+  // are all done: no matmul item finishes before that, so `done` reaching first + h items says so.
   template <typename Prepare>
   void matmul_items_loop(const Step& s, Phase& ph, int64_t n_items, int64_t first, const QuantLinear& lin,
-                         Prepare&& prepare, float* y, int64_t item) const {
+                         Prepare&& prepare, float* y, int64_t item, int64_t site) const {
     const int64_t M = s.B;
+    const int64_t lora_h = lora_items(s, site);
+    first += lora_h;
     const int64_t groups = gguf_kernels::row_groups(lin.n);
     const int64_t chunk = matmul_chunk(s, lin);
     const uint8_t* w = lin.packed.data_ptr<uint8_t>();
@@ -443,12 +491,21 @@ class DecodeStack {
     const float* input = nullptr;  // never null once prepared
     for (; item >= 0; item = ph.claim(n_items)) {
       if (input == nullptr) input = prepare(in);
+      if (item < first) {
+        s.lora->h_item(site, item - (first - lora_h), input, lin.k);
+        ph.finish();
+        continue;
+      }
       const int64_t g0 = (item - first) * chunk, g1 = std::min(groups, g0 + chunk);
+      const int64_t n0 = g0 * kRows, n1 = std::min(lin.n, g1 * kRows);
       gguf_kernels::matmul_groups(lin.q4, w, lin.n, lin.k, M, input, in, y, lin.n, g0, g1);
       if (bias != nullptr) {
-        const int64_t n0 = g0 * kRows, n1 = std::min(lin.n, g1 * kRows);
         for (int64_t m = 0; m < M; ++m)
           for (int64_t j = n0; j < n1; ++j) y[m * lin.n + j] += bias[j];
+      }
+      if (lora_h > 0) {
+        ph.wait(first);
+        s.lora->add_deltas(site, lora_bounds_[site % lora_deltas::kSites], n0, n1, y, lin.n);
       }
       ph.finish();
     }
@@ -468,12 +525,13 @@ class DecodeStack {
   //    of the step.
   //  - otherwise every thread builds the whole input into its own scratch once it has claimed a matmul item, and
   //    `item0` (when given) is one more item, first, that the phase runs (the residual update).
+  // `site` (layer * 4 + linear, -1 for the LM head) names the linear's LoRA parts.
   template <typename BuildRows, typename Item0>
   void input_matmul_phase(Step& s, Phase& ph, const QuantLinear& lin, BuildRows&& build_rows, Item0&& item0,
-                          bool has_item0, Scratch& sc, float* y) const {
+                          bool has_item0, Scratch& sc, float* y, int64_t site) const {
     const int64_t B = s.B, K = lin.k;
     if (shared_input(s)) {
-      const int64_t T = tiles(B), n = T + matmul_items(s, lin);
+      const int64_t T = tiles(B), n = T + lora_items(s, site) + matmul_items(s, lin);
       float* xin = s.xin.data();
       float* panels = s.panels.data();
       float* sums = s.sums.data();
@@ -491,12 +549,12 @@ class DecodeStack {
         in = gguf_kernels::prepared_view(lin.q4, input, B, K, panels, sums, int8_);
         return input;
       };
-      matmul_items_loop(s, ph, n, T, lin, prepare, y, item);
+      matmul_items_loop(s, ph, n, T, lin, prepare, y, item, site);
       ph.wait(n);
       return;
     }
     const int64_t first = has_item0 ? 1 : 0;
-    const int64_t n = first + matmul_items(s, lin);
+    const int64_t n = first + lora_items(s, site) + matmul_items(s, lin);
     int64_t item = ph.claim(n);
     if (item == 0 && has_item0) {
       item0();
@@ -514,22 +572,23 @@ class DecodeStack {
       in = gguf_kernels::prepare_input(lin.q4, input, B, K, sc.panels.data(), sc.sums.data(), int8_, convert);
       return input;
     };
-    matmul_items_loop(s, ph, n, first, lin, prepare, y, item);
+    matmul_items_loop(s, ph, n, first, lin, prepare, y, item, site);
     ph.wait(n);
   }
 
   // A matmul phase on an input that is there already (or built per row by `build_rows`, see input_matmul_phase).
   template <typename BuildRows>
-  void matmul_phase(Step& s, Phase& ph, const QuantLinear& lin, BuildRows&& build_rows, Scratch& sc,
-                    float* y) const {
-    input_matmul_phase(s, ph, lin, build_rows, [] {}, false, sc, y);
+  void matmul_phase(Step& s, Phase& ph, const QuantLinear& lin, BuildRows&& build_rows, Scratch& sc, float* y,
+                    int64_t site) const {
+    input_matmul_phase(s, ph, lin, build_rows, [] {}, false, sc, y, site);
   }
 
   // A phase on RMSNorm(res + add) with the residual updated on the way (res_out = res + add); with add == nullptr
   // there is no update and the input is RMSNorm(res). The shared form updates the residual tile by tile, the
   // per-thread form as one item of its own.
   void norm_matmul_phase(Step& s, Phase& ph, const float* res, const float* add, float* res_out,
-                         const torch::Tensor& norm, const QuantLinear& lin, Scratch& sc, float* y) const {
+                         const torch::Tensor& norm, const QuantLinear& lin, Scratch& sc, float* y,
+                         int64_t site) const {
     const bool shared = shared_input(s);
     auto build_rows = [&](int64_t m0, int64_t mt, float* xin) -> const float* {
       const int64_t i0 = m0 * hidden_, i1 = (m0 + mt) * hidden_;
@@ -547,7 +606,7 @@ class DecodeStack {
       const int64_t rows = s.B * hidden_;
       for (int64_t i = 0; i < rows; ++i) res_out[i] = res[i] + add[i];
     };
-    input_matmul_phase(s, ph, lin, build_rows, update, add != nullptr, sc, y);
+    input_matmul_phase(s, ph, lin, build_rows, update, add != nullptr, sc, y, site);
   }
 
   void attention_phase(const Step& s, Phase& ph, const Layer& layer, Scratch& sc) const {
@@ -653,9 +712,10 @@ class DecodeStack {
     float* gate_up = s.gate_up.data_ptr<float>();
     float* down = s.down.data_ptr<float>();
     for (const Layer& layer : layers_) {
+      const int64_t site = (&layer - layers_.data()) * lora_deltas::kSites;  // its qkv_proj's LoRA site
       // A: residual update, norm, QKV projection
       float* res_out = s.res[next].data_ptr<float>();
-      norm_matmul_phase(s, s.phases[phase++], res, mlp_out, res_out, layer.input_norm, layer.qkv, sc, qkv);
+      norm_matmul_phase(s, s.phases[phase++], res, mlp_out, res_out, layer.input_norm, layer.qkv, sc, qkv, site);
       if (mlp_out != nullptr) {
         res = res_out;
         next ^= 1;
@@ -664,10 +724,11 @@ class DecodeStack {
       attention_phase(s, s.phases[phase++], layer, sc);
       // C: output projection
       matmul_phase(s, s.phases[phase++], layer.o, [&](int64_t, int64_t, float*) -> const float* { return attn; },
-                   sc, o);
+                   sc, o, site + 1);
       // D: residual update, norm, gate/up projection
       res_out = s.res[next].data_ptr<float>();
-      norm_matmul_phase(s, s.phases[phase++], res, o, res_out, layer.post_norm, layer.gate_up, sc, gate_up);
+      norm_matmul_phase(s, s.phases[phase++], res, o, res_out, layer.post_norm, layer.gate_up, sc, gate_up,
+                        site + 2);
       res = res_out;
       next ^= 1;
       // E: SwiGLU, down projection
@@ -678,7 +739,7 @@ class DecodeStack {
         }
         return act;
       };
-      matmul_phase(s, s.phases[phase++], layer.down, activation, sc, down);
+      matmul_phase(s, s.phases[phase++], layer.down, activation, sc, down, site + 3);
       mlp_out = down;
     }
     // Final residual add and norm, one row per item.
@@ -693,7 +754,7 @@ class DecodeStack {
     ph.wait(B);
     if (s.logits != nullptr) {
       matmul_phase(s, s.phases[phase + 1], head_, [&](int64_t, int64_t, float*) -> const float* { return s.out; },
-                   sc, s.logits);
+                   sc, s.logits, -1);
     }
   }
 
@@ -707,6 +768,10 @@ class DecodeStack {
   std::vector<Layer> layers_;
   torch::Tensor embed_, cos_half_, sin_half_;  // forward_tokens' tables (undefined until set_token_tables)
   QuantLinear head_;                           // the LM head (packed undefined until set_head)
+  // LoRA: the adapters by slot (null: free), and each site kind's input width and shard output bounds.
+  std::vector<std::shared_ptr<const lora_deltas::Adapter>> lora_;
+  int64_t lora_in_[lora_deltas::kSites] = {};
+  lora_deltas::ShardBounds lora_bounds_[lora_deltas::kSites];
 };
 
 }  // namespace
@@ -735,7 +800,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "whether a step of `batch` sequences on `threads` threads builds each (int8) matmul input once for the team")
       .def("forward", &DecodeStack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("out_loc"),
            py::arg("req_to_token"), py::arg("req_pool_indices"), py::arg("seq_lens"),
-           py::arg("rows_share_sequences") = false, py::call_guard<py::gil_scoped_release>())
+           py::arg("rows_share_sequences") = false, py::arg("lora_slots") = py::none(),
+           py::call_guard<py::gil_scoped_release>())
+      .def("set_lora_adapter", &DecodeStack::set_lora_adapter, py::arg("slot"), py::arg("rank"), py::arg("a"),
+           py::arg("b"), py::arg("masks"))
+      .def("clear_lora_adapter", &DecodeStack::clear_lora_adapter, py::arg("slot"))
+      .def("lora_adapters", &DecodeStack::lora_adapters)
       .def("set_token_tables", &DecodeStack::set_token_tables, py::arg("embed"), py::arg("cos_half"),
            py::arg("sin_half"))
       .def("has_token_tables", &DecodeStack::has_token_tables)
@@ -743,7 +813,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("has_head", &DecodeStack::has_head)
       .def("forward_tokens", &DecodeStack::forward_tokens, py::arg("input_ids"), py::arg("positions"),
            py::arg("out_loc"), py::arg("req_to_token"), py::arg("req_pool_indices"), py::arg("seq_lens"),
-           py::arg("rows_share_sequences") = false, py::call_guard<py::gil_scoped_release>());
+           py::arg("rows_share_sequences") = false, py::arg("lora_slots") = py::none(),
+           py::call_guard<py::gil_scoped_release>());
   m.def("set_dequant_min_rows", &gguf_kernels::set_dequant_min_rows,
         "from how many rows the step's float32 matmuls convert each row group once (AVX2; 0: never); returns the "
         "previous value",
