@@ -7,13 +7,19 @@ GPTQ `(q - (stored_zero + 1)) * scale[g_idx]` (v1; v2 without the + 1), AWQ `(q 
 input rows, FP8 `weight * scale` (per tensor, row or 128 x 128 block, in float32 as DeepSeek's reference does),
 compressed-tensors `(q - zero_point) * scale`. Integer formats' products are exact in float64, then rounded once to
 the checkpoint's dtype, as the formats' own fp16 / bf16 arithmetic rounds them.
+
+Mixture-of-experts models are written as published MoE checkpoints store them: transformers keeps a layer's experts
+fused (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]), published checkpoints store each
+expert's projections quantized under its own names (`mlp.experts.E.gate_proj`, Mixtral's
+`block_sparse_moe.experts.E.w1` / `w3` / `w2`), with the router (`gate`) and Qwen2-MoE's `shared_expert_gate` left
+unquantized.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -21,7 +27,11 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+# model_type -> (the per-expert names of the gate, up and down projections, the MoE block's name) in published
+# checkpoints, where they are not transformers' own
+EXPERT_LAYOUTS = {"mixtral": (("w1", "w3", "w2"), "block_sparse_moe")}
+HF_EXPERT_LAYOUT = (("gate_proj", "up_proj", "down_proj"), "mlp")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble i of a word holds column word * 8 + AWQ_ORDER[i]
 # A layer: (tensors stored under the module's name, reference weight [out, in] in float64 / float32)
 Layer = tuple[dict[str, torch.Tensor], torch.Tensor]
@@ -172,17 +182,39 @@ def ct_int4_format(strategy: str, group: int, symmetric: bool) -> Format:
     return ct_config("pack-quantized", weights), ct_packed_layer(4, strategy, group, symmetric), torch.bfloat16
 
 
+def published_tensors(hf_model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of `hf_model`'s state dict under its name in a published checkpoint, as a view of the model's own
+    storage (writing into it sets the model's weight): a fused expert tensor is split into each expert's gate, up and
+    down projection [out, in], and Mixtral's MoE block is renamed as its hub checkpoints name it."""
+    (gate, up, down), block = EXPERT_LAYOUTS.get(hf_model.config.model_type, HF_EXPERT_LAYOUT)
+    for name, param in hf_model.state_dict().items():
+        layer, sep, rest = name.partition(".mlp.")
+        if sep and (rest.startswith("experts.") or rest == "gate.weight"):  # the MoE block's tensors
+            name = f"{layer}.{block}.{rest}"
+        prefix, _, leaf = name.rpartition(".")
+        if prefix.endswith(".experts") and param.dim() == 3 and leaf in ("gate_up_proj", "down_proj"):
+            for e in range(param.shape[0]):
+                if leaf == "down_proj":
+                    yield f"{prefix}.{e}.{down}.weight", param[e]
+                else:
+                    gate_rows, up_rows = param[e].chunk(2)
+                    yield f"{prefix}.{e}.{gate}.weight", gate_rows
+                    yield f"{prefix}.{e}.{up}.weight", up_rows
+        else:
+            yield name, param
+
+
 def write_quantized_checkpoint(directory: Path, hf_model: Any, quantization_config: dict, make_layer: LayerMaker,
                                dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
     """Save `hf_model` as a quantized checkpoint in `directory` (two shards: each quantized weight's scales and zero
     points in the other file than its packed values) and set `hf_model`'s weights to the values the checkpoint
     holds (reference dequantized linears, everything else rounded to `dtype`). Returns each linear's reference
-    weight rounded to `dtype`, by its float checkpoint name."""
+    weight rounded to `dtype`, by its float checkpoint name (an MoE expert's by its published per-expert name)."""
     gen = torch.Generator().manual_seed(seed)
     shards: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] = ({}, {})
     references: dict[str, torch.Tensor] = {}
     with torch.no_grad():
-        for name, param in hf_model.state_dict().items():
+        for name, param in published_tensors(hf_model):
             module, _, leaf = name.rpartition(".")
             if module.rsplit(".", 1)[-1] in LINEAR_NAMES and leaf == "weight":
                 tensors, reference = make_layer(param.shape[0], param.shape[1], gen)

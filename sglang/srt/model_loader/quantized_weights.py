@@ -10,11 +10,21 @@ every other tensor passes through as it is stored. Only one weight is ever held 
 reads the same weights unpacked, for the blocks made from their integers (model_loader/int_blocks.py). A float
 checkpoint served with an on-the-fly `--quantization` (OnlineScheme) goes the same way: its decoder linear weights
 are quantized as they are read (model_loader/online_quant.py) instead of unpacked.
+
+Mixture-of-experts checkpoints store each expert's projections as quantized linears of their own
+(`mlp.experts.E.gate_proj.qweight`, Mixtral's `block_sparse_moe.experts.E.w1.qweight`): they are dequantized the
+same way, and the model's MoE layer stacks the `P.weight` of every expert into its expert parameters
+(layers/moe/fused_moe.py), where they stay dense in the checkpoint's dtype; routers and gates stored unquantized pass
+through. Experts stored quantized fused in one tensor over all experts are refused naming the tensor. Under tensor
+parallelism every rank dequantizes each weight whole (one at a time) and the model's loaders keep its slice: a
+row-parallel layer's input columns are cut after dequantization, so any group size and act-order group indices give
+each rank exactly its part of the format's values.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional
@@ -48,6 +58,11 @@ from sglang.srt.model_loader.quant_config import (
 logger = logging.getLogger(__name__)
 
 Fetch = Callable[[str], torch.Tensor]
+
+# A module of one MoE expert (`...experts.3.gate_proj`), and one holding every expert of a layer fused
+# (`...experts.gate_up_proj`).
+_EXPERT_MODULE = re.compile(r"\.experts\.\d+\.[^.]+$")
+_FUSED_EXPERTS_MODULE = re.compile(r"\.experts\.[^.\d][^.]*$")
 
 
 class TensorStore:
@@ -132,6 +147,11 @@ def plan_quantized_modules(names: list[str], scheme: Scheme) -> dict[str, str]:
                 raise QuantizedCheckpointError(f"Checkpoint tensor {module}.{sorted(present)[0]} has no "
                                                f"{module}.{expected} beside it")
             continue
+        if _FUSED_EXPERTS_MODULE.search(module):
+            raise QuantizedCheckpointError(
+                f"Checkpoint tensor {module}.{primary} holds the quantized experts of an MoE layer fused in one "
+                f"tensor; quantized experts are read one expert per name ({module.rpartition('.')[0]}.0.gate_proj."
+                f"{primary}, ...), as published {scheme.method} MoE checkpoints store them")
         missing = [leaf for leaf in _required(scheme, primary, module) if leaf not in leaves]
         if missing:
             raise QuantizedCheckpointError(f"Checkpoint tensor {module}.{missing[0]} is missing: {module}.{primary} "
@@ -181,6 +201,11 @@ def iterate_dequantized(files: list[Path], scheme: Scheme, dtype: torch.dtype) -
                     "quantized per token at run time where they are quantized; the KV cache has its own "
                     "--kv-cache-dtype)", ", ".join(f"{count} {leaf}" for leaf, count in skipped.items()))
     logger.info("Dequantized %d %s weights to %s as they were read", len(plan), scheme.method, dtype_name(dtype))
+    experts = sum(1 for module in plan if _EXPERT_MODULE.search(module))
+    if experts:
+        logger.info("Of these, %d are MoE expert projections: their %s values fill the stacked expert parameters "
+                    "of the MoE layers, where they stay dense (the expert computation has no block kernel)",
+                    experts, dtype_name(dtype))
 
 
 def iterate_quantized(files: list[Path], scheme: Scheme) -> Iterator[tuple[str, AffineWeight]]:

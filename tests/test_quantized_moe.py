@@ -1,0 +1,146 @@
+"""Quantized mixture-of-experts checkpoints in the published layouts load and serve.
+
+Tiny random Qwen2-MoE (with its gated shared expert), Mixtral and Qwen3-MoE models are written by
+tests/quant_packers.py with each expert's projections quantized under its own name (`mlp.experts.E.gate_proj.qweight`,
+Mixtral's `block_sparse_moe.experts.E.w1.qweight`, FP8's `weight` / `weight_scale_inv`), routers and the
+shared-expert gate unquantized. The stacked expert parameters must equal the reference dequantized values exactly,
+the routers and the shared expert transformers' parameters, the logits transformers' on those weights, and `Engine`
+must generate transformers' greedy tokens (or a near tie). Experts quantized fused in one tensor are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from sglang.srt.model_loader.loader import load_model
+from sglang.srt.model_loader.quant_config import QuantizedCheckpointError
+from tests.quant_packers import (
+    EXPERT_LAYOUTS,
+    HF_EXPERT_LAYOUT,
+    Format,
+    awq_format,
+    ct_int4_format,
+    fp8_layer,
+    gptq_format,
+    write_quantized_checkpoint,
+)
+from tests.test_models import FLOAT32_TOL, PagedCache, assert_logits_close, prompt_of, reference_logits
+from tests.test_moe_models import tiny_moe_config
+from tests.test_quantized_blocks import GREEDY, PROMPTS, _hf_greedy, assert_same_greedy
+
+# name -> (model family, checkpoint format). Expert widths: Qwen2-MoE and Qwen3-MoE 32 (64 for Qwen2-MoE's shared
+# expert), Mixtral 96.
+MOE_FORMATS: dict[str, tuple[str, Format]] = {
+    "qwen2_moe-gptq-4bit-g32-sym": ("qwen2_moe-mlp-only", gptq_format(4, 32, True)),
+    "qwen2_moe-awq-4bit-g32": ("qwen2_moe-mlp-only", awq_format(32)),
+    "qwen2_moe-ct-int4-group32-asym": ("qwen2_moe-mlp-only", ct_int4_format("group", 32, False)),
+    "mixtral-gptq-4bit-g32-asym-desc_act": ("mixtral", gptq_format(4, 32, False, True)),
+    "mixtral-awq-4bit-g32": ("mixtral", awq_format(32)),
+    "qwen3_moe-fp8-block128": ("qwen3_moe", ({"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                              "weight_block_size": [128, 128]}, fp8_layer("block"), torch.bfloat16)),
+}
+
+
+def moe_config(family: str, **overrides: Any) -> Any:
+    config = tiny_moe_config(family, **overrides)
+    if family.startswith("qwen2_moe"):
+        config.shared_expert_intermediate_size = 64  # AWQ and compressed-tensors groups of 32 input columns
+    return config
+
+
+def build_quantized_moe(tmp_path: Path, name: str, vocab_size: int = 512, seed: int = 0):
+    """(transformers model on the dequantized weights, quantized checkpoint dir, references by published name)"""
+    from transformers import AutoModelForCausalLM
+
+    family, (quant_config, make_layer, dtype) = MOE_FORMATS[name]
+    torch.manual_seed(seed)
+    hf_model = AutoModelForCausalLM.from_config(moe_config(family, vocab_size=vocab_size)).float().eval()
+    quant_dir = tmp_path / "quantized"
+    quant_dir.mkdir()
+    references = write_quantized_checkpoint(quant_dir, hf_model, quant_config, make_layer, dtype, seed)
+    return hf_model, quant_dir, references
+
+
+def _expert_layout(hf_model: Any) -> tuple[tuple[str, str, str], str]:
+    return EXPERT_LAYOUTS.get(hf_model.config.model_type, HF_EXPERT_LAYOUT)
+
+
+@pytest.mark.parametrize("name", list(MOE_FORMATS))
+def test_experts_dequantize_exactly_and_logits_match_transformers(tmp_path, name, caplog):
+    hf_model, quant_dir, references = build_quantized_moe(tmp_path, name)
+    (gate, up, down), block = _expert_layout(hf_model)
+    with caplog.at_level(logging.INFO, logger="sglang.srt.model_loader.quantized_weights"):
+        ours = load_model(str(quant_dir), torch.float32, "cpu")
+    # the routers and the shared-expert gate are stored unquantized, as published checkpoints keep them
+    stored = json.loads((quant_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    assert f"model.layers.0.{block}.gate.weight" in stored and f"model.layers.0.{block}.gate.qweight" not in stored
+    sparse = [i for i, layer in enumerate(ours.model.layers) if hasattr(layer.mlp, "experts")]
+    num_experts = ours.model.layers[sparse[0]].mlp.experts.num_experts
+    assert len(sparse) >= 3
+    for i in sparse:
+        experts = ours.model.layers[i].mlp.experts
+        size = experts.intermediate_size
+        for e in range(num_experts):
+            prefix = f"model.layers.{i}.{block}.experts.{e}"
+            assert torch.equal(experts.gate_up_proj[e, :size], references[f"{prefix}.{gate}.weight"].float())
+            assert torch.equal(experts.gate_up_proj[e, size:], references[f"{prefix}.{up}.weight"].float())
+            assert torch.equal(experts.down_proj[e], references[f"{prefix}.{down}.weight"].float())
+    # every parameter (attention, shared expert, routers, norms) equals transformers' on the reference weights
+    theirs = hf_model.state_dict()
+    for i in sparse:
+        mine, ref = ours.model.layers[i].mlp, f"model.layers.{i}.mlp"
+        assert torch.equal(mine.gate.weight, theirs[f"{ref}.gate.weight"])
+        if mine.shared_expert is not None:
+            assert torch.equal(mine.shared_expert_gate.weight, theirs[f"{ref}.shared_expert_gate.weight"])
+            shared = mine.shared_expert.gate_up_proj.weight
+            assert torch.equal(shared, torch.cat([theirs[f"{ref}.shared_expert.gate_proj.weight"],
+                                                  theirs[f"{ref}.shared_expert.up_proj.weight"]]))
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(f"Of these, {len(sparse) * num_experts * 3} are MoE expert projections" in m for m in messages), messages
+    prompt = prompt_of(11, 4)
+    logits = PagedCache(hf_model.config, torch.float32).forward(ours, [(0, prompt)], all_logits=True)
+    assert_logits_close(logits, reference_logits(hf_model, prompt), FLOAT32_TOL, name)
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe-gptq-4bit-g32-sym", "mixtral-awq-4bit-g32"])
+def test_engine_greedy_equals_transformers(tmp_path, smollm2_tokenizer, name):
+    from sglang import Engine
+
+    hf_model, quant_dir, _ = build_quantized_moe(tmp_path, name, vocab_size=len(smollm2_tokenizer), seed=3)
+    smollm2_tokenizer.save_pretrained(quant_dir)
+    expected = _hf_greedy(hf_model, smollm2_tokenizer)
+    assert all(len(set(ids)) > 2 for ids in expected)
+    with Engine(model_path=str(quant_dir), dtype="float32", cpu_gemm="float32", max_total_tokens=1024) as engine:
+        outputs = engine.generate(prompt=PROMPTS, sampling_params=GREEDY)
+        info = engine.get_server_info()
+    assert_same_greedy([o["output_ids"] for o in outputs], expected, hf_model, smollm2_tokenizer, name)
+    assert info["quantization"] == MOE_FORMATS[name][1][0]["quant_method"]
+
+
+def test_experts_quantized_fused_in_one_tensor_are_refused_naming_it(tmp_path):
+    _, quant_dir, _ = build_quantized_moe(tmp_path, "qwen2_moe-gptq-4bit-g32-sym")
+    index_path = quant_dir / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    for file_name in sorted(set(index["weight_map"].values())):
+        path = quant_dir / file_name
+        tensors = load_file(str(path))
+        for leaf in ("qweight", "qzeros", "scales", "g_idx"):
+            per_expert = sorted(k for k in tensors if k.startswith("model.layers.0.mlp.experts.")
+                                and k.endswith(f".down_proj.{leaf}"))
+            if per_expert:
+                tensors["model.layers.0.mlp.experts.down_proj." + leaf] = torch.stack([tensors.pop(k)
+                                                                                       for k in per_expert])
+        save_file(tensors, str(path))
+        index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != file_name}
+        index["weight_map"].update(dict.fromkeys(tensors, file_name))
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(QuantizedCheckpointError, match=r"model\.layers\.0\.mlp\.experts\.down_proj\.qweight holds "
+                                                       r"the quantized experts of an MoE layer fused in one tensor"):
+        load_model(str(quant_dir), torch.float32, "cpu")
