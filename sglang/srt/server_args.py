@@ -86,6 +86,10 @@ class ServerArgs:
     cpu_offload_gb: int = 0
     page_size: int = 1
     disable_radix_cache: bool = False
+    # Sliding-window layers keep their K/V in a second, smaller pool of this many slots per full-pool slot
+    # (mem_cache/swa_pool.py); --disable-hybrid-swa-memory keeps one pool for every layer.
+    swa_full_tokens_ratio: float = 0.8
+    disable_hybrid_swa_memory: bool = False
     allow_auto_truncate: bool = False
     stream_interval: int = 1
     stream_output: bool = False
@@ -226,6 +230,8 @@ class ServerArgs:
         check_quantization_flag(self.quantization)
         if self.page_size != 1:
             raise ValueError("--page-size: only 1 is supported")
+        if not 0 < self.swa_full_tokens_ratio <= 1:
+            raise ValueError(f"--swa-full-tokens-ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError(f"--max-total-tokens must be at least 16, got {self.max_total_tokens}")
         from sglang.srt.managers.data_parallel.balancer import canonical_method

@@ -254,6 +254,7 @@ def engine_server_info(server_args: ServerArgs, states: list[SchedulerState]) ->
         max_req_input_len=state["max_req_input_len"],
         arithmetic=state["arithmetic"],
         weights={"bytes": state["weight_bytes"], "by_format": state["weights"]},
+        kv_pools=state["kv_pools"],
         internal_states=[s.to_dict() for s in states],
         version=_version(),
     )

@@ -79,6 +79,9 @@ class SchedulerInfo:
     dp_rank: int = 0
     # The weights held, bytes by format (model_loader/weight_report.py); they add up to weight_bytes.
     weights: dict[str, int] = field(default_factory=dict)
+    # The KV pools' token counts and bytes (MemoryPools.pool_report): a window pool beside the full one where the
+    # sliding-window layers keep only their window's K/V.
+    kv_pools: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,8 @@ class SchedulerState:
     spec_accept_length: float = 0.0
     # KV slots the draft model's requests hold (STANDALONE speculative decoding; 0 otherwise).
     spec_draft_used_kv_tokens: int = 0
+    # Free slots of the window pool (hybrid sliding-window memory; 0 with one pool).
+    free_window_kv_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """The flat dict of Engine.get_internal_state() and the server's internal_states."""

@@ -94,6 +94,8 @@ class Req:
         self.fill_ids: list[int] = []
         self.extend_input_len = 0
         self.kv_committed_len = 0  # tokens of the row whose K/V are computed
+        # Positions of the row before this gave their window slots back (MemoryPools.release_out_of_window).
+        self.window_released_len = 0
         self.is_chunked = False
         self.penalty_state: Optional[RequestPenaltyState] = None
         self.grammar: Optional[BaseGrammarObject] = None
@@ -213,6 +215,7 @@ class ScheduleBatch:
                     table[row, :prefix_len] = req.prefix_indices
                 req.kv_allocated_len = prefix_len
                 req.kv_committed_len = prefix_len
+                req.window_released_len = 0
             prefix_len = req.kv_committed_len
             ext = len(req.fill_ids) - prefix_len
             req.extend_input_len = ext

@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from typing import Optional
 
 import torch
+from torch import nn
 
 from sglang.srt.forward_batch import ForwardBatch
 
@@ -66,3 +67,13 @@ class AttentionLayerSpec:
     def window(self) -> int:
         """The sliding window as the compiled kernels take it (0: none)."""
         return self.sliding_window or 0
+
+
+def sliding_window_layers(model: nn.Module) -> dict[int, int]:
+    """Layer id -> window of every attention layer of `model` that attends within a sliding window."""
+    windows = {}
+    for module in model.modules():
+        spec = getattr(module, "spec", None)
+        if isinstance(spec, AttentionLayerSpec) and spec.sliding_window:
+            windows[spec.layer_id] = spec.sliding_window
+    return windows

@@ -7,14 +7,18 @@ sglang/srt/layers/cpu_ops.py); otherwise the KV slots of all sequences are gathe
 cached prefix on; otherwise one SDPA call per sequence with a causal mask shifted by the cached prefix.
 
 A layer with a sliding window passes it to the compiled kernels; on the torch path its masks also hide the keys
-before the window (attention/masked.py). A layer with logit soft-capping or attention sinks always takes the torch
-path, which computes them as transformers' eager attention does.
+before the window (attention/masked.py). With hybrid sliding-window memory (mem_cache/swa_pool.py) such a layer's
+K/V live in the window pool: its metadata is a second copy whose slot indices (rows and the new tokens' slots) are
+translated to window slots once per forward, and every path reads and writes through them.
+
+A layer with logit soft-capping or attention sinks always takes the torch path, which computes
+them as transformers' eager attention does.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +29,7 @@ from sglang.srt.layers.attention.base import AttentionBackend, AttentionLayerSpe
 from sglang.srt.layers.attention.masked import attend, decode_key_mask, extend_mask
 from sglang.srt.mem_cache.kv_dtype import KERNEL_KV_DTYPES
 from sglang.srt.mem_cache.kv_pool import KVPool
+from sglang.srt.mem_cache.swa_pool import SWAKVPool
 
 
 @dataclass
@@ -35,6 +40,10 @@ class DecodeMetadata:
     key_mask: Optional[torch.Tensor]
     # Run the compiled CPU kernel (which needs no mask and no gather) instead of SDPA.
     use_kernel: bool = False
+    # The new tokens' slots in this metadata's buffers when they are not forward_batch.out_cache_loc (window slots)
+    out_cache_loc: Optional[torch.Tensor] = None
+    # The same metadata in window slots, for the sliding-window layers of a hybrid pool
+    window: Optional[DecodeMetadata] = None
 
 
 @dataclass
@@ -64,6 +73,8 @@ class ExtendMetadata:
     sequences: Optional[list[ExtendSequence]]
     # Set on CPU when the compiled kernels are built: one kernel call per layer instead of one SDPA per sequence.
     kernel: Optional[ExtendKernelArgs]
+    out_cache_loc: Optional[torch.Tensor] = None  # as DecodeMetadata's
+    window: Optional[ExtendMetadata] = None
 
 
 def store_kv(pool: KVPool, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -83,10 +94,30 @@ def store_kv(pool: KVPool, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v:
 
 class TorchSDPABackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        pool = forward_batch.token_to_kv_pool
+        window_slots = pool.window_slots if isinstance(pool, SWAKVPool) else None
+        meta: DecodeMetadata | ExtendMetadata
         if forward_batch.forward_mode.is_decode():
-            forward_batch.attn_metadata = self._decode_metadata(forward_batch)
+            meta = self._decode_metadata(forward_batch)
+            if window_slots is not None:
+                meta.window = DecodeMetadata(window_slots(meta.kv_indices), meta.key_mask, meta.use_kernel,
+                                             window_slots(forward_batch.out_cache_loc))
         else:
-            forward_batch.attn_metadata = self._extend_metadata(forward_batch)
+            kv_rows = self._kv_index_rows(forward_batch, max(forward_batch.seq_lens_cpu))
+            meta = self._extend_metadata(forward_batch, kv_rows)
+            if window_slots is not None:
+                meta.window = self._extend_metadata(forward_batch, window_slots(kv_rows))
+                meta.window.out_cache_loc = window_slots(forward_batch.out_cache_loc)
+        forward_batch.attn_metadata = meta
+
+    @staticmethod
+    def _layer_metadata(forward_batch: ForwardBatch, layer: AttentionLayerSpec) -> tuple[Any, torch.Tensor]:
+        """The metadata addressing this layer's buffers, and the new tokens' slots in them."""
+        meta = forward_batch.attn_metadata
+        pool = forward_batch.token_to_kv_pool
+        if meta.window is not None and isinstance(pool, SWAKVPool) and pool.is_windowed(layer.layer_id):
+            meta = meta.window
+        return meta, forward_batch.out_cache_loc if meta.out_cache_loc is None else meta.out_cache_loc
 
     # ---- metadata --------------------------------------------------------------------------------------
     @staticmethod
@@ -110,8 +141,7 @@ class TorchSDPABackend(AttentionBackend):
         kv_indices = torch.where(valid, kv_indices, torch.zeros_like(kv_indices))
         return DecodeMetadata(kv_indices, valid[:, None, None, :])
 
-    def _extend_metadata(self, forward_batch: ForwardBatch) -> ExtendMetadata:
-        kv_rows = self._kv_index_rows(forward_batch, max(forward_batch.seq_lens_cpu))
+    def _extend_metadata(self, forward_batch: ForwardBatch, kv_rows: torch.Tensor) -> ExtendMetadata:
         if kv_rows.device.type == "cpu" and cpu_ops.available():
             prefix_lens = torch.tensor(forward_batch.extend_prefix_lens_cpu, dtype=torch.int64)
             extend_lens = torch.tensor(forward_batch.extend_seq_lens_cpu, dtype=torch.int64)
@@ -147,9 +177,9 @@ class TorchSDPABackend(AttentionBackend):
         sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         pool = forward_batch.token_to_kv_pool
-        store_kv(pool, layer.layer_id, forward_batch.out_cache_loc, k, v)
+        meta, loc = self._layer_metadata(forward_batch, layer)
+        store_kv(pool, layer.layer_id, loc, k, v)
         k_cache, v_cache = pool.get_kv_buffer(layer.layer_id)
-        meta: DecodeMetadata = forward_batch.attn_metadata
         if (meta.use_kernel and layer.logit_softcap is None and sinks is None and q.dtype == torch.float32
                 and k_cache.dtype in KERNEL_KV_DTYPES):
             out = cpu_ops.paged_decode_attention(
@@ -181,9 +211,9 @@ class TorchSDPABackend(AttentionBackend):
         sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         pool = forward_batch.token_to_kv_pool
-        store_kv(pool, layer.layer_id, forward_batch.out_cache_loc, k, v)
+        meta, loc = self._layer_metadata(forward_batch, layer)
+        store_kv(pool, layer.layer_id, loc, k, v)
         k_cache, v_cache = pool.get_kv_buffer(layer.layer_id)
-        meta: ExtendMetadata = forward_batch.attn_metadata
         num_tokens = q.shape[0]
         if (meta.kernel is not None and layer.logit_softcap is None and sinks is None and q.dtype == torch.float32
                 and k_cache.dtype in KERNEL_KV_DTYPES):

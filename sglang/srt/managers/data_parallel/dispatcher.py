@@ -116,6 +116,7 @@ def merge_states(states: Sequence[SchedulerState]) -> SchedulerState:
         cache_hit_rate=sum(s.cache_hit_rate for s in states) / len(states),
         evictable_size=sum(s.evictable_size for s in states),
         free_kv_tokens=sum(s.free_kv_tokens for s in states),
+        free_window_kv_tokens=sum(s.free_window_kv_tokens for s in states),
         invariant_error="; ".join(errors) if errors else None,
         load=sum(s.load for s in states),
     )

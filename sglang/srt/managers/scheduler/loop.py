@@ -43,6 +43,7 @@ from sglang.srt.managers.scheduler.speculative import create_speculator
 from sglang.srt.managers.scheduler.stats import check_memory, internal_state, log_prefill
 from sglang.srt.managers.scheduler.watchdog import ForwardWatchdog
 from sglang.srt.managers.scheduler.weight_update import WEIGHT_MESSAGES, WeightControl
+from sglang.srt.managers.scheduler.window_memory import hybrid_window_spec
 from sglang.srt.mem_cache.memory_pools import build_memory_pools
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.model_loader.model_info import ModelInfo
@@ -96,12 +97,13 @@ class Scheduler:
             self.runner.kv_cache_spec(), self.runner.device, model_info.context_len, server_args.max_total_tokens,
             server_args.mem_fraction_static, server_args.max_running_requests,
             server_args.disable_radix_cache or self.is_embedding,
+            hybrid_window_spec(server_args, self.runner.model, model_info.hf_config, self.is_embedding),
         )
         self.runner.bind_kv_pool(self.mem.kv_pool)
         self.context_len = model_info.context_len
         self.max_total_num_tokens = self.mem.max_total_num_tokens
         self.max_running_requests = self.mem.max_running_requests
-        self.max_req_len = min(self.context_len - 1, self.max_total_num_tokens - 1)
+        self.max_req_len = min(self.context_len - 1, self.mem.max_request_tokens - 1)
         self.max_req_input_len = self.max_req_len - 5
         self.eos_token_ids = set(model_info.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -145,6 +147,7 @@ class Scheduler:
             context_len=self.context_len,
             weight_bytes=self.runner.weight_bytes,
             kv_bytes=self.mem.kv_bytes,
+            kv_pools=self.mem.pool_report(),
             # the effective row limit: --gguf-kernel-max-rows where given, else the plan's
             arithmetic=({**self.runner.arithmetic.to_dict(), "small_batch_max_rows": self.runner.gguf_kernel_max_rows}
                         if self.runner.arithmetic is not None else {}),
@@ -315,6 +318,7 @@ class Scheduler:
 
     # ---- batch selection ------------------------------------------------------------------------------
     def get_next_batch(self) -> Optional[ScheduleBatch]:
+        self.mem.release_out_of_window(self.running + ([self.chunked_req] if self.chunked_req is not None else []))
         if self.waiting or self.chunked_req is not None:
             batch = self.get_prefill_batch()
             if batch is not None:

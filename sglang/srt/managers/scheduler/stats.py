@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 
 def check_memory(self: Scheduler) -> None:
     """When idle, every slot is either free or held by the prefix cache, and nothing is locked."""
-    free = self.mem.allocator.available_size()
+    free = self.mem.full_available()
     cached = self.mem.tree_cache.total_size()
     protected = self.mem.tree_cache.protected_size()
     rows_free = self.mem.req_to_token_pool.available_size()
@@ -29,6 +29,10 @@ def check_memory(self: Scheduler) -> None:
             f"total={self.max_total_num_tokens} free_rows={rows_free}/{rows_total}"
         )
         logger.error(self.invariant_error)
+    window_error = self.mem.idle_window_error()
+    if window_error is not None:
+        self.invariant_error = window_error
+        logger.error(window_error)
     draft_error = self.speculator.idle_error() if self.speculator is not None else None
     if draft_error is not None:
         self.invariant_error = draft_error
@@ -54,6 +58,7 @@ def internal_state(self: Scheduler) -> SchedulerState:
         cache_hit_rate=self.total_cached_tokens / max(1, self.total_prompt_tokens),
         evictable_size=self.mem.tree_cache.evictable_size(),
         free_kv_tokens=self.mem.allocator.available_size(),
+        free_window_kv_tokens=self.mem.window_available(),
         invariant_error=self.invariant_error,
         load=used + sum(len(r.origin_input_ids) for r in self.waiting),
         spec_accept_length=self.speculator.accept_length if self.speculator is not None else 0.0,

@@ -25,7 +25,9 @@ import zmq
 from sglang.srt.distributed.parallel_state import TPGroup, init_tp_group
 from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.managers.io_struct import SchedulerStartupError, UpdateWeightFromDiskReqOutput
+from sglang.srt.managers.scheduler.window_memory import hybrid_window_spec
 from sglang.srt.mem_cache.memory_pools import MemoryPools, build_memory_pools
+from sglang.srt.mem_cache.swa_pool import SWAKVPool
 from sglang.srt.model_executor.model_runner import ModelRunner, StepOutput
 from sglang.srt.model_executor.weight_update import WeightUpdateError, replace_weights
 from sglang.srt.model_loader.model_info import ModelInfo
@@ -58,8 +60,11 @@ def step_payload(forward_batch: ForwardBatch) -> dict[str, Any]:
               if f.name not in _LOCAL_FIELDS}
     fields = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
     table = forward_batch.req_to_token_pool.req_to_token
-    rows = table[forward_batch.req_pool_indices, : max(forward_batch.seq_lens_cpu)].cpu()
-    return {"fields": fields, "rows": rows}
+    rows = table[forward_batch.req_pool_indices, : max(forward_batch.seq_lens_cpu)]
+    pool = forward_batch.token_to_kv_pool
+    # with a window pool, the window slots of those rows' full slots too (the other ranks allocate nothing)
+    window_rows = pool.window_slots(rows).cpu() if isinstance(pool, SWAKVPool) else None
+    return {"fields": fields, "rows": rows.cpu(), "window_rows": window_rows}
 
 
 class TPLeaderRunner:
@@ -146,6 +151,7 @@ class TPFollower:
         self.mem: MemoryPools = build_memory_pools(
             self.runner.kv_cache_spec(), self.runner.device, model_info.context_len, total,
             server_args.mem_fraction_static, max_running, disable_radix_cache=True,
+            swa=hybrid_window_spec(server_args, self.runner.model, model_info.hf_config, server_args.is_embedding),
         )
         self.runner.bind_kv_pool(self.mem.kv_pool)
 
@@ -165,6 +171,8 @@ class TPFollower:
                              token_to_kv_pool=self.mem.kv_pool)
         rows = payload["rows"].to(device)
         self.mem.req_to_token_pool.req_to_token[batch.req_pool_indices, : rows.shape[1]] = rows
+        if isinstance(self.mem.kv_pool, SWAKVPool) and payload["window_rows"] is not None:
+            self.mem.kv_pool.full_to_window[rows] = payload["window_rows"].to(device)
         try:
             self.runner.forward(batch, None)
         except Exception as e:
