@@ -208,6 +208,22 @@ def columns_apart_in_int8(layer: torch.nn.Linear) -> Callable[[torch.Tensor], to
     return forward
 
 
+def columns_apart_int8_weights(layer: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The columns kept apart as Int8LinearMethod picks them, their float activations multiplied by the int8 copy's
+    weights of those columns (rows of its [K, N] layout: no gather from the float weight or the blocks)."""
+    w = layer.weight.float()
+    wq, ws = quantize_rows(w)
+    k = outlier_columns(w.shape[1])
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+        xq, xs, cols, xo = split_quantize(x2, k)
+        out = (xq.float() @ wq.t()) * xs * ws.view(1, -1) + xo @ (wq[:, cols] * ws).t()
+        return out.reshape(*x.shape[:-1], -1).to(x.dtype)
+
+    return forward
+
+
 def alternatives(model: torch.nn.Module, sequences: list[tuple[int, torch.Tensor]], base: list[torch.Tensor],
                  layers: dict[str, torch.nn.Linear]) -> None:
     original = {n: m.forward for n, m in layers.items()}
@@ -221,6 +237,7 @@ def alternatives(model: torch.nn.Module, sequences: list[tuple[int, torch.Tensor
         "64 calibrated columns apart": lambda n: calibrated_columns_apart(amax[n]),
         "same, down_proj per batch": lambda n: dynamic if "down" in n else calibrated_columns_apart(amax[n]),
         "64 columns apart per batch, in int8": lambda n: columns_apart_in_int8,
+        "64 columns apart per batch, int8 weights": lambda n: columns_apart_int8_weights,
     }
     mask: dict = {}
     print("alternatives, prompt positions only", flush=True)
