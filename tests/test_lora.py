@@ -389,7 +389,9 @@ def test_server_args_lora_flags():
                                 "--lora-target-modules", "q_proj", "v_proj", "--max-loras-per-batch", "3"])
     assert args.lora_paths == ["x=/p", "/q"] and args.max_lora_rank == 16
     assert args.lora_target_modules == ["q_proj", "v_proj"] and "lora_paths" not in args.not_applicable_settings()
-    for bad, flag in [(dict(enable_lora=True, tp_size=2), "--tp-size"), (dict(max_lora_rank=0), "--max-lora-rank"),
+    ServerArgs(model_path="m", enable_lora=True, tp_size=2).validate()  # LoRA under tensor parallelism
+    for bad, flag in [(dict(enable_lora=True, speculative_algorithm="EAGLE"), "--speculative-algorithm"),
+                      (dict(max_lora_rank=0), "--max-lora-rank"),
                       (dict(max_loras_per_batch=0), "--max-loras-per-batch")]:
         with pytest.raises(ValueError, match=flag):
             ServerArgs(model_path="m", **bad).validate()

@@ -281,8 +281,6 @@ class ServerArgs:
         if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
             raise ValueError(f"--max-loaded-loras ({self.max_loaded_loras}) must be at least --max-loras-per-batch "
                              f"({self.max_loras_per_batch})")
-        if (self.enable_lora or self.lora_paths) and self.tp_size > 1:
-            raise ValueError("--enable-lora / --lora-paths: LoRA serving runs with --tp-size 1 only")
         if (self.enable_lora or self.lora_paths) and self.speculative_algorithm:
             raise ValueError("--enable-lora / --lora-paths cannot be combined with --speculative-algorithm")
         from sglang.srt.speculative.args import check_speculative_args

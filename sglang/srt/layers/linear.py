@@ -198,7 +198,10 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp.rank == 0 else None
-        return self.tp.all_reduce(self.linear_method.apply(self.weight, x, bias))
+        out = self.linear_method.apply(self.weight, x, bias)
+        if self.lora is not None:  # this rank's partial LoRA delta joins the sum (lora/tp_slice.py)
+            out = self.lora.apply(x, out)
+        return self.tp.all_reduce(out)
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         """The partial products are summed in the model's dtype, whatever the method computes in."""

@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from sglang.srt.layers.linear import Linear, MergedLinear
+from sglang.srt.layers.linear import ColumnParallelLinear, Linear, MergedLinear, RowParallelLinear
 from sglang.srt.lora.adapter import (
     SUPPORTED_MODULES,
     LoraAdapter,
@@ -24,6 +24,7 @@ from sglang.srt.lora.adapter import (
 from sglang.srt.lora.layers import LoraBatchState, LoraLinear, LoraPart
 from sglang.srt.lora.packed import pack_adapter
 from sglang.srt.lora.pool import AdapterPool
+from sglang.srt.lora.tp_slice import RankSlice, rank_slice
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +40,13 @@ _MODULE_SITES = {
 }
 
 
-def _site(layer: nn.Module, path: str) -> Linear:
+def _site(layer: nn.Module, path: str, fused: bool) -> Linear:
     module: Any = layer
     for part in path.split("."):
         module = getattr(module, part, None)
-    if type(module) not in (Linear, MergedLinear):
+    # under tensor parallelism the fused projections are column-parallel and the others row-parallel
+    kinds = (Linear, MergedLinear, ColumnParallelLinear if fused else RowParallelLinear)
+    if type(module) not in kinds:
         raise LoraAdapterError(f"LoRA serving needs a Llama-family decoder with plain linear layers; "
                                f"{path} of this model is {type(module).__name__}")
     return module
@@ -78,11 +81,12 @@ class LoraManager:
         # (layer, module) -> (the LoRA of the Linear holding it, first output row, rows) of its slice of the
         # layer's output. The LoraLinear objects, not the Linears: a weight update moves them to the new model.
         self.sites: dict[tuple[int, str], tuple[LoraLinear, int, int]] = {}
-        in_features: dict[str, int] = {}
+        # (layer, module) -> this rank's part of its adapter weights (all of them without tensor parallelism)
+        self.slices: dict[tuple[int, str], RankSlice] = {}
         for i, layer in enumerate(layers):
             for module in self.target_modules:
                 path, shard = _MODULE_SITES[module]
-                linear = _site(layer, path)
+                linear = _site(layer, path, shard is not None)
                 if shard is not None:
                     if not isinstance(linear, MergedLinear):
                         raise LoraAdapterError(f"{path} of this model does not hold {module}")
@@ -92,11 +96,12 @@ class LoraManager:
                 if linear.lora is None or linear.lora.state is not self.state:  # one manager per model
                     linear.lora = LoraLinear(self.state, linear.out_features)
                 self.sites[(i, module)] = (linear.lora, row, rows)
-                in_features[module] = linear.in_features
+                self.slices[(i, module)] = rank_slice(linear, shard, rows)
         self.layers = list({id(lora): lora for lora, _, _ in self.sites.values()}.values())
         # (layer, module) -> (output features of the linear holding it, its first output row, its rows)
         self.out_rows = {key: (lora.out_features, row, rows) for key, (lora, row, rows) in self.sites.items()}
-        self.module_shapes = {module: (in_features[module], self.sites[(0, module)][2])
+        # module -> (in_features, out_features) of the full projection, which the adapter's weights must match
+        self.module_shapes = {module: (self.slices[(0, module)].full_in, self.slices[(0, module)].full_out)
                               for module in self.target_modules}
         self.registered: dict[str, _Registered] = {}
         self.adapters: dict[str, LoraAdapter] = {}  # those whose weights are in memory (the pool's)
@@ -181,8 +186,11 @@ class LoraManager:
         return True
 
     def _read(self, name: str, path: str) -> LoraAdapter:
-        return load_adapter(name, path, self.max_lora_rank, self.target_modules, self.module_shapes,
-                            self.num_layers, self.dtype)
+        """The adapter at `path`, checked whole, keeping this rank's part of it (lora/tp_slice.py)."""
+        adapter = load_adapter(name, path, self.max_lora_rank, self.target_modules, self.module_shapes,
+                               self.num_layers, self.dtype)
+        adapter.weights = {key: self.slices[key].take(a, b) for key, (a, b) in adapter.weights.items()}
+        return adapter
 
     def _make_room(self, protected: Collection[str]) -> bool:
         while self.pool.full():

@@ -1,11 +1,12 @@
 """The scheduler's side of LoRA serving: checking requests' adapters, admitting them within
 --max-loras-per-batch with their weights in memory, and /load_lora_adapter and /unload_lora_adapter (an unload
-waits for the requests using the adapter to finish, as SGLang does)."""
+waits for the requests using the adapter to finish, as SGLang does). Under tensor parallelism the other ranks
+load and unload each adapter too (`LoraReplicas`, managers/scheduler/tp_worker.py), each keeping its slice."""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Optional, Protocol, Union
 
 from sglang.srt.lora.adapter import LoraAdapterError
 from sglang.srt.lora.manager import LoraManager
@@ -22,10 +23,21 @@ logger = logging.getLogger(__name__)
 LORA_MESSAGES = (LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput)
 
 
+class LoraReplicas(Protocol):
+    """The other tensor-parallel ranks' adapters, which follow this scheduler's loads and unloads."""
+
+    def load(self, name: str, path: str, pinned: bool) -> Optional[str]:
+        """Load the adapter on every other rank; the first rank's error, None when all loaded it."""
+
+    def unload(self, name: str) -> None:
+        """Unload the adapter on every other rank that holds it."""
+
+
 class LoraControl:
     def __init__(self, scheduler: Scheduler, manager: Optional[LoraManager]) -> None:
         self.scheduler = scheduler
         self.manager = manager
+        self.replicas: Optional[LoraReplicas] = None  # set under tensor parallelism
         self.pending_unloads: list[str] = []  # unloads waiting for the requests that use their adapter
         if manager is not None:
             scheduler.runner.lora_state = manager.state
@@ -74,6 +86,7 @@ class LoraControl:
             if isinstance(msg, LoadLoRAAdapterReqInput):
                 in_use = {n for n in self._in_use([]) if n is not None}
                 self.manager.load(msg.lora_name, msg.lora_path, msg.pinned, in_use)
+                self._load_on_replicas(msg)
             else:
                 if msg.lora_name not in self.manager.registered or msg.lora_name in self.manager.draining:
                     raise LoraAdapterError(f"The LoRA adapter {msg.lora_name!r} is not loaded")
@@ -83,6 +96,16 @@ class LoraControl:
         except LoraAdapterError as e:
             return LoRAUpdateResult(False, str(e), self.manager.loaded())
         return LoRAUpdateResult(True, None, self.manager.loaded())
+
+    def _load_on_replicas(self, msg: LoadLoRAAdapterReqInput) -> None:
+        """The other ranks load the adapter this rank just loaded; if one cannot, no rank keeps it."""
+        if self.replicas is None or self.manager is None:
+            return
+        error = self.replicas.load(msg.lora_name, msg.lora_path, msg.pinned)
+        if error is not None:
+            self.manager.unload(msg.lora_name)
+            self.replicas.unload(msg.lora_name)
+            raise LoraAdapterError(error)
 
     def run_pending(self) -> None:
         """Finish, and answer, the unloads whose adapter no queued or running request uses any more (new requests
@@ -96,4 +119,6 @@ class LoraControl:
         for name in [n for n in self.pending_unloads if n not in in_use]:
             self.pending_unloads.remove(name)
             self.manager.unload(name)
+            if self.replicas is not None:
+                self.replicas.unload(name)
             sched.send_to_detokenizer.send_pyobj(LoRAUpdateResult(True, None, self.manager.loaded()))

@@ -7,6 +7,11 @@ and only rank 0 samples. While idle, rank 0 broadcasts a heartbeat every `heartb
 rank waiting for the next step notices within --dist-timeout that rank 0 is gone (and rank 0 notices a dead
 rank at its next broadcast). A failed collective ends the process with status 1; the launcher (node 0's server,
 or the node's own launcher) exits when one of its ranks does.
+
+With LoRA, every rank loads each adapter and keeps its slice (lora/tp_slice.py): the --lora-paths at start, and
+each live load and unload as rank 0 broadcasts it, in the same order. A step's per-row adapter names travel in its
+ForwardBatch (`lora_ids`), so every rank applies the same adapter to the same rows; a rank brings the step's
+adapters into memory before running it (its pool may have evicted them, as rank 0's did).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import zmq
 
 from sglang.srt.distributed.parallel_state import TPGroup, init_tp_group
 from sglang.srt.forward_batch import ForwardBatch
+from sglang.srt.lora.adapter import LoraAdapterError
+from sglang.srt.lora.manager import LoraManager
 from sglang.srt.managers.io_struct import SchedulerStartupError, UpdateWeightFromDiskReqOutput
 from sglang.srt.managers.scheduler.window_memory import hybrid_window_spec
 from sglang.srt.mem_cache.memory_pools import MemoryPools, build_memory_pools
@@ -41,6 +48,8 @@ _LOCAL_FIELDS = ("req_to_token_pool", "token_to_kv_pool", "attn_backend", "attn_
 HEARTBEAT = "heartbeat"
 FORWARD = "forward"
 UPDATE_WEIGHTS = "update_weights"
+LOAD_LORA = "load_lora"
+UNLOAD_LORA = "unload_lora"
 
 
 def fatal_collective_error(where: str, e: BaseException) -> None:
@@ -100,6 +109,20 @@ def broadcast(tp: TPGroup, command: Any) -> Any:
         fatal_collective_error("broadcast", e)
 
 
+class TPLoraReplicas:
+    """Rank 0's loads and unloads of LoRA adapters, run on the other ranks too (scheduler/lora.py LoraReplicas)."""
+
+    def __init__(self, tp: TPGroup) -> None:
+        self.tp = tp
+
+    def load(self, name: str, path: str, pinned: bool) -> Optional[str]:
+        broadcast(self.tp, (LOAD_LORA, (name, path, pinned)))
+        return next((e for e in self.tp.gather_objects(None) if e is not None), None)
+
+    def unload(self, name: str) -> None:
+        broadcast(self.tp, (UNLOAD_LORA, name))
+
+
 class TPLeader:
     """Joins a Scheduler (rank 0) to its tensor-parallel group."""
 
@@ -115,6 +138,8 @@ class TPLeader:
         control = scheduler.weight_control
         self._update_weights = control.update
         control.update = self.update_weights
+        if scheduler.lora.manager is not None:
+            scheduler.lora.replicas = TPLoraReplicas(tp)
 
     def idle_wait(self, socket: zmq.Socket, block: bool) -> None:
         """Before a receive: heartbeat the other ranks if no step went out for a while (a scheduler that loops
@@ -154,6 +179,9 @@ class TPFollower:
             swa=hybrid_window_spec(server_args, self.runner.model, model_info.hf_config, server_args.is_embedding),
         )
         self.runner.bind_kv_pool(self.mem.kv_pool)
+        self.lora = LoraManager.for_server(server_args, self.runner.model, self.runner.dtype)
+        if self.lora is not None:
+            self.runner.lora_state = self.lora.state
 
     def event_loop(self) -> None:
         while True:
@@ -162,6 +190,10 @@ class TPFollower:
                 self.run_step(payload)
             elif kind == UPDATE_WEIGHTS:
                 self.update_weights(*payload)
+            elif kind == LOAD_LORA:
+                self.load_lora(*payload)
+            elif kind == UNLOAD_LORA:
+                self.unload_lora(payload)
 
     def run_step(self, payload: dict[str, Any]) -> None:
         device = self.runner.device
@@ -169,6 +201,7 @@ class TPFollower:
                                   for k, v in payload["fields"].items()}
         batch = ForwardBatch(**fields, req_to_token_pool=self.mem.req_to_token_pool,
                              token_to_kv_pool=self.mem.kv_pool)
+        self.bring_loras(batch.lora_ids)
         rows = payload["rows"].to(device)
         self.mem.req_to_token_pool.req_to_token[batch.req_pool_indices, : rows.shape[1]] = rows
         if isinstance(self.mem.kv_pool, SWAKVPool) and payload["window_rows"] is not None:
@@ -180,6 +213,37 @@ class TPFollower:
                 fatal_collective_error("forward", e)
             # the same input fails on rank 0 too, which fails the batch's requests and goes on
             logger.exception("Forward failed on tensor-parallel rank %d", self.tp.rank)
+
+    def bring_loras(self, lora_ids: Optional[list[Optional[str]]]) -> None:
+        """The step's adapters in memory. Rank 0 holds them all now, in a pool of the same size with the same
+        pinned adapters, so this rank can too; if it cannot (the files went away since rank 0 read them), its
+        shard would compute other outputs than rank 0's: the group stops."""
+        names = {name for name in lora_ids or () if name is not None}
+        if not names:
+            return
+        assert self.lora is not None, "rank 0 serves LoRA with the same server arguments"
+        try:
+            if self.lora.ensure_resident(names, names):
+                return
+            error = "no room in --max-loaded-loras"
+        except (LoraAdapterError, KeyError) as e:
+            error = str(e)
+        logger.error("Tensor-parallel rank %d cannot load the LoRA adapters %s of a step: %s", self.tp.rank,
+                     sorted(names), error)
+        os._exit(1)
+
+    def load_lora(self, name: str, path: str, pinned: bool) -> None:
+        error = None
+        try:
+            assert self.lora is not None, "rank 0 serves LoRA with the same server arguments"
+            self.lora.load(name, path, pinned)
+        except LoraAdapterError as e:
+            error = f"rank {self.tp.rank}: {e}"
+        self.tp.gather_objects(error)
+
+    def unload_lora(self, name: str) -> None:
+        if self.lora is not None and name in self.lora.registered:
+            self.lora.unload(name)
 
     def update_weights(self, model_path: str, load_format: Optional[str]) -> None:
         error = None
