@@ -3,6 +3,11 @@
 Each shape becomes `OUT/<shape>/`: config.json (LlamaConfig, dtype bfloat16), the SmolLM2 tokenizer files, and bf16
 safetensors shards `model-0000K-of-0000N.safetensors` (about --shard-gb each) with `model.safetensors.index.json`.
 `--gguf q8_0,q4_0,q4_1` (or `all`) also writes `OUT/<shape>/<shape>.<TYPE>.gguf` from the shards just written.
+`--gptq-int4` also writes `OUT/<shape>-gptq-int4/`: a GPTQ checkpoint (4 bits, group 128, asymmetric, the published
+`qweight` / `qzeros` / `scales` / `g_idx` layout, float16 elsewhere) of the same shape, its linear layers random
+integers and scales packed by the rules of tests/quant_packers.py (a speed and memory benchmark needs the format, not
+these weights' values). An int8 (W8A8) model of the shape is the bf16 checkpoint served with `--quantization
+w8a8_int8`.
 
 Shapes (`--shape` is required; repeat it or give a comma-separated list):
   smollm2-360m  SmolLM2-360M's published config (tied embeddings)
@@ -162,6 +167,62 @@ def write_safetensors(shape: str, d: str, tok_dir: str, tok: dict, seed: int, sh
     os.replace(os.path.join(d, INDEX + ".tmp"), os.path.join(d, INDEX))
 
 
+GPTQ_GROUP = 128
+
+
+def write_gptq_int4(d: str, out_dir: str, seed: int, shard_gb: float) -> None:
+    """The GPTQ 4-bit checkpoint of the shape in `d` (module docstring), streamed shard by shard."""
+    import sys
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.quant_packers import LINEAR_NAMES, gptq_format
+
+    quant_config, make_layer, dtype = gptq_format(4, GPTQ_GROUP, sym=False)
+    os.makedirs(out_dir, exist_ok=True)
+    for name in (*TOKENIZER_FILES, "config.json"):
+        if os.path.isfile(os.path.join(d, name)):
+            shutil.copyfile(os.path.join(d, name), os.path.join(out_dir, name))
+    config = json.load(open(os.path.join(out_dir, "config.json")))
+    config.update(dtype="float16", torch_dtype="float16", quantization_config=quant_config)
+    json.dump(config, open(os.path.join(out_dir, "config.json"), "w"), indent=2)
+    gen = torch.Generator().manual_seed(seed)
+    weight_map = json.load(open(os.path.join(d, INDEX)))["weight_map"]
+    pending: dict[str, torch.Tensor] = {}
+    files: list[tuple[str, list[str]]] = []
+
+    def flush() -> None:
+        if pending:
+            fname = f"part-{len(files) + 1}.safetensors"
+            save_file(pending, os.path.join(out_dir, fname), metadata={"format": "pt"})
+            os.chmod(os.path.join(out_dir, fname), 0o644)  # safetensors creates the file 0600
+            files.append((fname, list(pending)))
+            pending.clear()
+
+    for shard in sorted(set(weight_map.values())):
+        with safe_open(os.path.join(d, shard), framework="pt") as f:
+            for name in f.keys():
+                module, _, leaf = name.rpartition(".")
+                if module.rsplit(".", 1)[-1] in LINEAR_NAMES and leaf == "weight":
+                    out_f, in_f = f.get_slice(name).get_shape()
+                    tensors, _ = make_layer(out_f, in_f, gen)
+                    pending.update({f"{module}.{key}": t.contiguous() for key, t in tensors.items()})
+                else:
+                    pending[name] = f.get_tensor(name).to(dtype).contiguous()
+                if sum(t.numel() * t.element_size() for t in pending.values()) > shard_gb * (1 << 30):
+                    flush()
+    flush()
+    index = {}
+    for k, (fname, names) in enumerate(files, 1):
+        final = shard_name(k, len(files))
+        os.replace(os.path.join(out_dir, fname), os.path.join(out_dir, final))
+        index.update(dict.fromkeys(names, final))
+    with open(os.path.join(out_dir, INDEX), "w") as f:
+        json.dump({"metadata": {}, "weight_map": index}, f, indent=2)
+
+
 def gguf_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     # llama.cpp convert_hf_to_gguf.py LlamaModel.permute
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape).contiguous()
@@ -275,6 +336,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shard-gb", type=float, default=2.0, help="maximum safetensors shard size in GiB")
     ap.add_argument("--force", action="store_true", help="rewrite outputs that already exist")
+    ap.add_argument("--gptq-int4", action="store_true", help="also write OUT/<shape>-gptq-int4 (module docstring)")
     ap.add_argument("--tokenizer-dir", default=None,
                     help="a folder with SmolLM2's tokenizer files (default: those of the installed SmolLM2 package)")
     args = ap.parse_args()
@@ -303,6 +365,9 @@ def main() -> None:
                 timed(f"{shape} {t.upper()} gguf", path, lambda: write_gguf(shape, d, path, tok, t))
             else:
                 print(f"skip {path}: exists (--force to rewrite)")
+        gptq = os.path.join(out, f"{shape}-gptq-int4")
+        if args.gptq_int4 and (args.force or not safetensors_complete(gptq)):
+            timed(f"{shape} GPTQ int4", gptq, lambda: write_gptq_int4(d, gptq, args.seed, args.shard_gb))
 
 
 if __name__ == "__main__":
