@@ -191,37 +191,28 @@ def calibrated_columns_apart(amax: torch.Tensor, k: int = 64) -> Callable[[torch
     return make
 
 
-def columns_apart_in_int8(layer: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The columns kept apart as Int8LinearMethod picks them, but multiplied in int8 with their own per-token scale
-    against the same int8 weights."""
-    w = layer.weight.float()
-    wq, ws = quantize_rows(w)
-    k = outlier_columns(w.shape[1])
+def columns_apart_on_int8_weights(int8_columns: bool) -> Callable[[torch.nn.Linear], Callable]:
+    """The columns kept apart as Int8LinearMethod picks them, multiplied by the int8 copy's weights of those columns
+    (rows of its [K, N] layout: no gather from the float weight or the blocks): in int8 with their own per-token
+    scale (`int8_columns`), or with their float activations."""
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
-        xq, xs, cols, xo = split_quantize(x2, k)
-        oq, os_ = quantize_rows(xo)
-        out = ((xq.float() @ wq.t()) * xs + (oq @ wq[:, cols].t()) * os_) * ws.view(1, -1)
-        return out.reshape(*x.shape[:-1], -1).to(x.dtype)
+    def make(layer: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+        w = layer.weight.float()
+        wq, ws = quantize_rows(w)
+        k = outlier_columns(w.shape[1])
 
-    return forward
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
+            xq, xs, cols, xo = split_quantize(x2, k)
+            if int8_columns:
+                oq, os_ = quantize_rows(xo)
+                xo = oq * os_
+            out = ((xq.float() @ wq.t()) * xs + xo @ wq[:, cols].t()) * ws.view(1, -1)
+            return out.reshape(*x.shape[:-1], -1).to(x.dtype)
 
+        return forward
 
-def columns_apart_int8_weights(layer: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The columns kept apart as Int8LinearMethod picks them, their float activations multiplied by the int8 copy's
-    weights of those columns (rows of its [K, N] layout: no gather from the float weight or the blocks)."""
-    w = layer.weight.float()
-    wq, ws = quantize_rows(w)
-    k = outlier_columns(w.shape[1])
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1]).float().contiguous()
-        xq, xs, cols, xo = split_quantize(x2, k)
-        out = (xq.float() @ wq.t()) * xs * ws.view(1, -1) + xo @ (wq[:, cols] * ws).t()
-        return out.reshape(*x.shape[:-1], -1).to(x.dtype)
-
-    return forward
+    return make
 
 
 def alternatives(model: torch.nn.Module, sequences: list[tuple[int, torch.Tensor]], base: list[torch.Tensor],
@@ -236,8 +227,8 @@ def alternatives(model: torch.nn.Module, sequences: list[tuple[int, torch.Tensor
         "SmoothQuant a=0.5, down_proj per batch": lambda n: dynamic if "down" in n else smoothquant(amax[n], 0.5),
         "64 calibrated columns apart": lambda n: calibrated_columns_apart(amax[n]),
         "same, down_proj per batch": lambda n: dynamic if "down" in n else calibrated_columns_apart(amax[n]),
-        "64 columns apart per batch, in int8": lambda n: columns_apart_in_int8,
-        "64 columns apart per batch, int8 weights": lambda n: columns_apart_int8_weights,
+        "64 columns apart per batch, in int8": lambda n: columns_apart_on_int8_weights(True),
+        "64 columns apart per batch, int8 weights": lambda n: columns_apart_on_int8_weights(False),
     }
     mask: dict = {}
     print("alternatives, prompt positions only", flush=True)
