@@ -117,14 +117,19 @@ def test_quantized_checkpoints_are_served_from_their_blocks_on_avx2(monkeypatch,
     from tests.test_model_loader import _tiny_llama_tensors, _write_tiny_gguf
 
     big = 6_800_000_000  # a 1.7B model's float32 linears
-    plan = choose_arithmetic("cpu", cpu_flags=AVX2_FLAGS, linear_float_bytes=big, quantized_checkpoint=True)
+    plan = choose_arithmetic("cpu", cpu_flags=AVX2_FLAGS, linear_float_bytes=big, gguf_checkpoint=True)
     assert (plan.cpu_class, plan.large_batch_gemm, plan.block_gemm) == ("avx2", "float32", "float32")
-    assert (plan.small_batch_quantization, plan.large_batch_weights) == ("q8_0", "blocks")
+    # the file's own blocks serve; blocks made at load stay off for a float checkpoint a weight update may bring
+    assert (plan.small_batch_quantization, plan.large_batch_weights) == ("none", "blocks")
     assert plan.large_batch_weights_reason == "one copy of the quantized checkpoint's weights"
     float_plan = choose_arithmetic("cpu", cpu_flags=AVX2_FLAGS, linear_float_bytes=big)
     assert (float_plan.small_batch_quantization, float_plan.large_batch_weights) == ("none", "dense")
-    small = choose_arithmetic("cpu", cpu_flags=AVX2_FLAGS, linear_float_bytes=500_000_000, quantized_checkpoint=True)
+    small = choose_arithmetic("cpu", cpu_flags=AVX2_FLAGS, linear_float_bytes=500_000_000, gguf_checkpoint=True)
     assert small.large_batch_weights == "dense" and "is small" in small.large_batch_weights_reason
+    # --cpu-gemm float32 on a CPU with native bf16 keeps a small GGUF model's plan as it was (dense, no blocks made)
+    explicit = choose_arithmetic("cpu", cpu_gemm="float32", cpu_flags=BF16_VNNI_FLAGS, linear_float_bytes=500_000_000,
+                                 gguf_checkpoint=True)
+    assert (explicit.small_batch_quantization, explicit.large_batch_weights) == ("none", "dense")
 
     monkeypatch.setenv("SGLANG_CACHE_DIR", str(tmp_path / "cache"))
     tensors = {name: (np.ones_like(v) if v.ndim == 1 else v * 0.05)

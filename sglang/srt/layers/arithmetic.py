@@ -191,6 +191,7 @@ def choose_arithmetic(
     large_batch_weights: str = "auto",
     linear_float_bytes: Optional[int] = None,
     quantized_checkpoint: bool = False,
+    gguf_checkpoint: bool = False,
 ) -> ArithmeticPlan:
     """The arithmetic for a server: model dtype, the large-batch GEMM, the GGUF kernels' activations, the blocks
     made for a checkpoint without GGUF blocks and the KV cache dtype.
@@ -200,9 +201,11 @@ def choose_arithmetic(
     pick where the CPU has integer dot products (`gemms_to_measure`; int8 only at `INT8_MIN_GAIN` times that GEMM's
     rate or more).
 
-    `quantized_checkpoint`: the checkpoint's linear weights are quantized (a GGUF file, GPTQ / AWQ /
-    compressed-tensors integers, FP8). Its blocks then serve small batches on every CPU class (AVX2 included, whose
-    float32 plan otherwise keeps a float checkpoint dense), and large batches read them too where the model is not
+    `quantized_checkpoint`: the checkpoint's linear weights are quantized (GPTQ / AWQ / compressed-tensors integers,
+    FP8, or quantized at load by --quantization). Blocks made from them then serve small batches on every CPU class
+    (AVX2 included, whose float32 plan otherwise keeps a float checkpoint dense). `gguf_checkpoint`: a GGUF file,
+    whose own blocks serve small batches whatever `small_batch_quantization` says (that setting then only concerns a
+    float checkpoint a weight update may bring). For either, large batches read the blocks too where the model is not
     small: the user chose the quantized format for its size, and a dense float32 copy would hold 4 bytes per weight.
     """
     if gguf_activations not in GGUF_ACTIVATIONS:
@@ -244,7 +247,8 @@ def choose_arithmetic(
         plan = dataclasses.replace(plan, block_gemm="float32")
     kv, kv_why = choose_kv_cache_dtype(kv_cache_dtype, plan, dtype, cpu_gemm)
     weights, weights_why = choose_large_batch_weights(large_batch_weights, plan, small_batch_quantization,
-                                                      linear_float_bytes, quantized_checkpoint)
+                                                      linear_float_bytes, quantized_checkpoint or gguf_checkpoint,
+                                                      gguf_checkpoint)
     plan = dataclasses.replace(plan, gguf_activations=act, gguf_activations_reason=why,
                                small_batch_quantization=small_batch_quantization, large_batch_weights=weights,
                                large_batch_weights_reason=weights_why,
@@ -261,7 +265,8 @@ DENSE_BELOW_FLOAT_BYTES = 1 << 30
 
 def choose_large_batch_weights(requested: str, plan: ArithmeticPlan, small_batch_quantization: str,
                                linear_float_bytes: Optional[int] = None,
-                               quantized_checkpoint: bool = False) -> tuple[str, str]:
+                               quantized_checkpoint: bool = False,
+                               gguf_checkpoint: bool = False) -> tuple[str, str]:
     """Whether the large batches of a checkpoint without GGUF blocks multiply its Q8_0 blocks (converted a slab at a
     time for the `block_gemm` GEMM, float32 or bf16: layers/quantization/block_gemm.py) instead of a float32 copy of
     the weights and the large-batch GEMM's own copy. `auto`: blocks wherever the plan makes the blocks and the CPU
@@ -273,7 +278,7 @@ def choose_large_batch_weights(requested: str, plan: ArithmeticPlan, small_batch
     for all the rows of a batch of 10 rows or more)."""
     if requested == "dense":
         return "dense", "--large-batch-weights dense"
-    if small_batch_quantization == "none":
+    if small_batch_quantization == "none" and not gguf_checkpoint:  # a GGUF file brings its own blocks
         if requested == "blocks":
             raise ValueError("--large-batch-weights blocks needs blocks for small batches "
                              "(--small-batch-quantization q8_0 or q4_1, or auto on a CPU with native bf16)")

@@ -64,7 +64,8 @@ def load_model_info(server_args: ServerArgs) -> ModelInfo:
                                        server_args.num_threads, measure=server_args.nnodes == 1,
                                        large_batch_weights=server_args.large_batch_weights,
                                        embedding=bool(server_args.is_embedding),
-                                       quantized_checkpoint=scheme is not None or gguf_path is not None)
+                                       quantized_checkpoint=scheme is not None,
+                                       gguf_checkpoint=gguf_path is not None)
     dtype = arithmetic.weight_dtype
     text_config = hf_config.get_text_config()
     eos = _as_list(getattr(hf_config, "eos_token_id", None) or getattr(text_config, "eos_token_id", None))
