@@ -134,7 +134,7 @@ def test_concurrent_requests_equal_plain_decoding(servers):
 
 
 def test_speculation_happens_on_copy_prompts(servers):
-    _, spec = servers
+    plain, spec = servers
     accepted = 0
     for prompt in copy_prompts()[:6]:
         out = generate(spec, prompt, {"temperature": 0, "max_new_tokens": 48})
@@ -150,6 +150,11 @@ def test_speculation_happens_on_copy_prompts(servers):
     # decoding gains more than one token per forward
     values = spec_accept_lengths(spec)
     assert values and values[0] > 1.0
+    # and /get_server_info reports it as SGLang does (the plain server has no such field)
+    info = requests.get(f"{spec}/get_server_info", timeout=30).json()["internal_states"][0]
+    assert abs(info["avg_spec_accept_length"] - values[0]) < 1e-6
+    assert "avg_spec_accept_length" not in requests.get(f"{plain}/get_server_info", timeout=30).json()[
+        "internal_states"][0]
     assert_clean(spec)
 
 

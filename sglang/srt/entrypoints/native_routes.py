@@ -156,6 +156,8 @@ async def server_info(request: Request):
             "num_grammar_queue_reqs": s.num_grammar_queue_reqs,
             "num_jump_forward_tokens": s.num_jump_forward_tokens,
             "evictable_size": s.evictable_size,
+            # as SGLang reports it where speculative decoding is on
+            **({"avg_spec_accept_length": s.spec_accept_length} if state.args.speculative_algorithm else {}),
         } for s in states],
         version=__version__,
     )
