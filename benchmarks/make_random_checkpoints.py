@@ -3,8 +3,9 @@
 Each shape becomes `OUT/<shape>/`: config.json (LlamaConfig, dtype bfloat16), the SmolLM2 tokenizer files, and bf16
 safetensors shards `model-0000K-of-0000N.safetensors` (about --shard-gb each) with `model.safetensors.index.json`.
 `--gguf q8_0,q4_0,q4_1` (or `all`) also writes `OUT/<shape>/<shape>.<TYPE>.gguf` from the shards just written.
-`--gptq-int4` also writes `OUT/<shape>-gptq-int4/`: a GPTQ checkpoint (4 bits, group 128, asymmetric, the published
-`qweight` / `qzeros` / `scales` / `g_idx` layout, float16 elsewhere) of the same shape, its linear layers random
+`--int4 gptq,awq` also writes `OUT/<shape>-gptq-int4/` and `OUT/<shape>-awq-int4/`: a GPTQ (4 bits, group 128,
+asymmetric, `qweight` / `qzeros` / `scales` / `g_idx`) and an AWQ (GEMM layout, group 128) checkpoint in the
+published layouts, float16 elsewhere, of the same shape, its linear layers random
 integers and scales packed by the rules of tests/quant_packers.py (a speed and memory benchmark needs the format, not
 these weights' values). An int8 (W8A8) model of the shape is the bf16 checkpoint served with `--quantization
 w8a8_int8`.
@@ -167,20 +168,22 @@ def write_safetensors(shape: str, d: str, tok_dir: str, tok: dict, seed: int, sh
     os.replace(os.path.join(d, INDEX + ".tmp"), os.path.join(d, INDEX))
 
 
-GPTQ_GROUP = 128
+INT4_GROUP = 128
+INT4_FORMATS = ("gptq", "awq")
 
 
-def write_gptq_int4(d: str, out_dir: str, seed: int, shard_gb: float) -> None:
-    """The GPTQ 4-bit checkpoint of the shape in `d` (module docstring), streamed shard by shard."""
+def write_int4(fmt: str, d: str, out_dir: str, seed: int, shard_gb: float) -> None:
+    """The GPTQ or AWQ 4-bit checkpoint of the shape in `d` (module docstring), streamed shard by shard."""
     import sys
 
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from tests.quant_packers import LINEAR_NAMES, gptq_format
+    from tests.quant_packers import LINEAR_NAMES, awq_format, gptq_format
 
-    quant_config, make_layer, dtype = gptq_format(4, GPTQ_GROUP, sym=False)
+    quant_config, make_layer, dtype = (gptq_format(4, INT4_GROUP, sym=False) if fmt == "gptq"
+                                       else awq_format(INT4_GROUP))
     os.makedirs(out_dir, exist_ok=True)
     for name in (*TOKENIZER_FILES, "config.json"):
         if os.path.isfile(os.path.join(d, name)):
@@ -336,7 +339,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shard-gb", type=float, default=2.0, help="maximum safetensors shard size in GiB")
     ap.add_argument("--force", action="store_true", help="rewrite outputs that already exist")
-    ap.add_argument("--gptq-int4", action="store_true", help="also write OUT/<shape>-gptq-int4 (module docstring)")
+    ap.add_argument("--int4", default="", help=f"comma-separated subset of {','.join(INT4_FORMATS)}: also write "
+                    "OUT/<shape>-<format>-int4 (module docstring)")
     ap.add_argument("--tokenizer-dir", default=None,
                     help="a folder with SmolLM2's tokenizer files (default: those of the installed SmolLM2 package)")
     args = ap.parse_args()
@@ -365,9 +369,13 @@ def main() -> None:
                 timed(f"{shape} {t.upper()} gguf", path, lambda: write_gguf(shape, d, path, tok, t))
             else:
                 print(f"skip {path}: exists (--force to rewrite)")
-        gptq = os.path.join(out, f"{shape}-gptq-int4")
-        if args.gptq_int4 and (args.force or not safetensors_complete(gptq)):
-            timed(f"{shape} GPTQ int4", gptq, lambda: write_gptq_int4(d, gptq, args.seed, args.shard_gb))
+        for fmt in [f for f in args.int4.split(",") if f]:
+            if fmt not in INT4_FORMATS:
+                ap.error(f"unknown int4 format {fmt!r}: {', '.join(INT4_FORMATS)}")
+            target = os.path.join(out, f"{shape}-{fmt}-int4")
+            if args.force or not safetensors_complete(target):
+                timed(f"{shape} {fmt.upper()} int4", target,
+                      lambda: write_int4(fmt, d, target, args.seed, args.shard_gb))  # noqa: B023 - called at once
 
 
 if __name__ == "__main__":
