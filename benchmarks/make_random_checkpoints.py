@@ -175,9 +175,11 @@ INT4_FORMATS = ("gptq", "awq")
 def write_int4(fmt: str, d: str, out_dir: str, seed: int, shard_gb: float) -> None:
     """The GPTQ or AWQ 4-bit checkpoint of the shape in `d` (module docstring), streamed shard by shard."""
     import sys
+    from pathlib import Path
 
     from safetensors import safe_open
-    from safetensors.torch import save_file
+
+    from sglang.srt.model_loader.gguf_convert import ShardWriter
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from tests.quant_packers import LINEAR_NAMES, awq_format, gptq_format
@@ -193,17 +195,7 @@ def write_int4(fmt: str, d: str, out_dir: str, seed: int, shard_gb: float) -> No
     json.dump(config, open(os.path.join(out_dir, "config.json"), "w"), indent=2)
     gen = torch.Generator().manual_seed(seed)
     weight_map = json.load(open(os.path.join(d, INDEX)))["weight_map"]
-    pending: dict[str, torch.Tensor] = {}
-    files: list[tuple[str, list[str]]] = []
-
-    def flush() -> None:
-        if pending:
-            fname = f"part-{len(files) + 1}.safetensors"
-            save_file(pending, os.path.join(out_dir, fname), metadata={"format": "pt"})
-            os.chmod(os.path.join(out_dir, fname), 0o644)  # safetensors creates the file 0600
-            files.append((fname, list(pending)))
-            pending.clear()
-
+    writer = ShardWriter(Path(out_dir), int(shard_gb * (1 << 30)), dtype=None)
     for shard in sorted(set(weight_map.values())):
         with safe_open(os.path.join(d, shard), framework="pt") as f:
             for name in f.keys():
@@ -211,19 +203,11 @@ def write_int4(fmt: str, d: str, out_dir: str, seed: int, shard_gb: float) -> No
                 if module.rsplit(".", 1)[-1] in LINEAR_NAMES and leaf == "weight":
                     out_f, in_f = f.get_slice(name).get_shape()
                     tensors, _ = make_layer(out_f, in_f, gen)
-                    pending.update({f"{module}.{key}": t.contiguous() for key, t in tensors.items()})
+                    for key, t in tensors.items():
+                        writer.add(f"{module}.{key}", t)
                 else:
-                    pending[name] = f.get_tensor(name).to(dtype).contiguous()
-                if sum(t.numel() * t.element_size() for t in pending.values()) > shard_gb * (1 << 30):
-                    flush()
-    flush()
-    index = {}
-    for k, (fname, names) in enumerate(files, 1):
-        final = shard_name(k, len(files))
-        os.replace(os.path.join(out_dir, fname), os.path.join(out_dir, final))
-        index.update(dict.fromkeys(names, final))
-    with open(os.path.join(out_dir, INDEX), "w") as f:
-        json.dump({"metadata": {}, "weight_map": index}, f, indent=2)
+                    writer.add(name, f.get_tensor(name).to(dtype))
+    writer.finish()
 
 
 def gguf_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:

@@ -253,14 +253,14 @@ def test_tiny_gguf_converts_to_matching_hf_dir(monkeypatch, tmp_path):
     # shards of at most ~40 KB: the converter writes each one as it fills, never holding the whole model
     monkeypatch.setattr(gguf_convert, "SHARD_BYTES", 40_000)
     written: list[int] = []
-    real_save = gguf_convert._ShardWriter.flush
+    real_save = gguf_convert.ShardWriter.flush
 
     def recording_flush(self):
         if self.pending:
             written.append(self.pending_bytes)
         real_save(self)
 
-    monkeypatch.setattr(gguf_convert._ShardWriter, "flush", recording_flush)
+    monkeypatch.setattr(gguf_convert.ShardWriter, "flush", recording_flush)
     source = _tiny_llama_tensors(seed=0)
     gguf_path = tmp_path / "models" / "tiny-llama.gguf"
     gguf_path.parent.mkdir()

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Optional
 
 from sglang.srt.model_loader.disk_cache import build_cached_dir, cache_root
 
@@ -54,11 +55,12 @@ def convert_gguf_to_hf_dir(gguf_path: str | os.PathLike) -> str:
 SHARD_BYTES = 2 << 30
 
 
-class _ShardWriter:
-    """Writes float32 tensors to numbered safetensors shards and the index that names them."""
+class ShardWriter:
+    """Writes tensors to numbered safetensors shards, each as soon as it fills, and the index that names them; each
+    tensor cast to `dtype` first (None: stored as given)."""
 
-    def __init__(self, out_dir: Path, shard_bytes: int) -> None:
-        self.out_dir, self.shard_bytes = out_dir, shard_bytes
+    def __init__(self, out_dir: Path, shard_bytes: int, dtype: Optional[str] = "float32") -> None:
+        self.out_dir, self.shard_bytes, self.dtype = out_dir, shard_bytes, dtype
         self.pending: dict = {}
         self.pending_bytes = 0
         self.files: list[tuple[str, list[str]]] = []  # (file name, tensor names), in writing order
@@ -67,7 +69,9 @@ class _ShardWriter:
     def add(self, name: str, tensor) -> None:
         import torch
 
-        tensor = tensor.to(torch.float32).contiguous()  # float32 keeps the dequantized values exact
+        if self.dtype is not None:
+            tensor = tensor.to(getattr(torch, self.dtype))
+        tensor = tensor.contiguous()
         if self.pending and self.pending_bytes + tensor.nbytes > self.shard_bytes:
             self.flush()
         self.pending[name] = tensor
@@ -99,7 +103,7 @@ class _ShardWriter:
         (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def _stream_tensors(gguf_path: str, skeleton, writer: _ShardWriter) -> None:
+def _stream_tensors(gguf_path: str, skeleton, writer: ShardWriter) -> None:
     """Dequantize the file's tensors one at a time, rename them as transformers' GGUF loader does (its per-
     architecture tensor processors: Q/K row order, MoE experts gathered), and hand each to `writer`."""
     import numpy as np
@@ -139,7 +143,7 @@ def _write_hf_dir(gguf_path: str, out_dir: Path) -> None:
         skeleton = AutoModelForCausalLM.from_config(config)
     # GGUF metadata has no architecture class name; record the one transformers picked.
     config.architectures = [type(skeleton).__name__]
-    writer = _ShardWriter(out_dir, SHARD_BYTES)
+    writer = ShardWriter(out_dir, SHARD_BYTES, "float32")  # float32 keeps the dequantized values exact
     try:
         _stream_tensors(gguf_path, skeleton, writer)
         writer.finish()
