@@ -119,9 +119,9 @@ def test_plan_serves_plain_checkpoints_from_blocks_on_native_bf16_cpus():
 @pytest.mark.parametrize("tied, block_gemm", [(False, "bfloat16"), (True, "float32"), (False, "int8")])
 def test_bf16_checkpoint_is_held_as_blocks_alone(tmp_path, tied, block_gemm):
     """A bf16 checkpoint under the blocks plan: linear weights load in bf16 and are released once their blocks are
-    made; what remains is the blocks and the float32 embeddings and norms. Prefill (more rows than the blocks'
-    limit: the bf16 GEMM over the blocks) and fused decode steps give the logits of the float model whose weights
-    are the blocks' values."""
+    made; what remains is the blocks, the embedding table in bf16 (as stored) and the float32 norms. Prefill (more
+    rows than the blocks' limit: the bf16 GEMM over the blocks) and fused decode steps give the logits of the float
+    model whose weights are the blocks' values."""
     from tests.test_fused_decode import decode_run
 
     config = tiny_config("llama", num_hidden_layers=3, hidden_size=128, intermediate_size=256,
@@ -150,13 +150,14 @@ def test_bf16_checkpoint_is_held_as_blocks_alone(tmp_path, tied, block_gemm):
     else:
         assert large_methods == {BlockGEMMLinearMethod}
         assert {str(m.linear_method.large.compute_dtype) for m in linears} == {f"torch.{block_gemm}"}
-    assert set(by_format) == {"Q8_0 blocks", "float32"}
+    assert set(by_format) == {"Q8_0 blocks", "bfloat16", "float32"}
+    assert ours.model.embed_tokens.weight.dtype == torch.bfloat16
     blocks = sum(m.linear_method.quant_weight.nbytes for m in linears)
     head_blocks = ours.logits_processor.head_method.quant_weight.nbytes
     assert by_format["Q8_0 blocks"] == blocks + head_blocks
-    embed = config.vocab_size * config.hidden_size * 4
+    assert by_format["bfloat16"] == config.vocab_size * config.hidden_size * 2
     norms = (2 * config.num_hidden_layers + 1) * config.hidden_size * 4
-    assert by_format["float32"] == embed + norms  # an untied head is released too
+    assert by_format["float32"] == norms  # an untied head is released too
     assert describe_weights(ours).startswith("Weights: ") and "Q8_0 blocks" in describe_weights(ours)
     # The reference: the float model with the blocks' values, layer by layer
     with torch.no_grad():
@@ -197,9 +198,9 @@ def test_smollm2_bf16_served_from_blocks_keeps_greedy_tokens(smollm2_bf16_dir, r
                                                              smollm2_tokenizer):
     """Served end to end from its Q8_0 blocks alone: a batch of 16 prompts (a prefill of hundreds of rows through
     the bf16 GEMM over the blocks, then fused decode steps) and a long single prompt keep transformers' float32 greedy
-    tokens up to near-ties; the server reports the blocks, float32 (embeddings, norms) and, where the int8 GEMM was
-    measured fastest, its copies as all its weights, and a released layer's weights read back as its blocks'
-    values."""
+    tokens up to near-ties; the server reports the blocks, the embedding table kept in the checkpoint's bf16, float32
+    (norms) and, where the int8 GEMM was measured fastest, its copies as all its weights, and a released layer's
+    weights read back as its blocks' values."""
     from sglang import Engine
     from tests.greedy_cases import BF16_MARGIN, GREEDY, PROMPTS, assert_same_or_near_tie, generate_ids, many_prompts
 
@@ -209,7 +210,12 @@ def test_smollm2_bf16_served_from_blocks_keeps_greedy_tokens(smollm2_bf16_dir, r
         weights = info["weights"]
         # an int8 copy beside the blocks only where this machine's startup measurement found the int8 GEMM fastest
         int8 = info["arithmetic"]["large_batch_gemm"] == "int8"
-        assert set(weights["by_format"]) == {"Q8_0 blocks", "float32"} | ({"int8 GEMM copies"} if int8 else set())
+        assert set(weights["by_format"]) == {"Q8_0 blocks", "bfloat16", "float32"} | ({"int8 GEMM copies"} if int8
+                                                                                     else set())
+        # the input embedding table (tied to the LM head, which reads its blocks) stays as the checkpoint stores it
+        embed = smollm2_hf.get_input_embeddings().weight
+        assert weights["by_format"]["bfloat16"] == embed.numel() * 2
+        assert weights["by_format"]["float32"] < embed.numel()  # the norms
         assert weights["bytes"] == sum(weights["by_format"].values())
         assert info["internal_states"][0]["weight_bytes"] == weights["bytes"]
         params = sum(p.numel() for p in smollm2_hf.parameters())

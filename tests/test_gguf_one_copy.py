@@ -47,8 +47,9 @@ def plan_for(large_gemm: str, small: str = "q8_0"):
 
 def assert_served_from_blocks(ours, reference, config, qtype: str, large_gemm: str, made_at_load: bool) -> None:
     """Every linear layer of `ours` holds `qtype` blocks alone (its float weight released, a large-batch method made
-    from the blocks), the weights report counts blocks and the float32 embeddings and norms, and prefill + fused
-    decode steps give the logits of `reference` (a float model with the blocks' values)."""
+    from the blocks), the weights report counts blocks, the embeddings (float32 from a GGUF file, the bf16
+    checkpoint's own table otherwise) and the float32 norms, and prefill + fused decode steps give the logits of
+    `reference` (a float model with the blocks' values)."""
     from tests.test_fused_decode import decode_run
 
     linears = [m for m in ours.modules() if isinstance(m, Linear)]
@@ -57,9 +58,13 @@ def assert_served_from_blocks(ours, reference, config, qtype: str, large_gemm: s
     assert {m.linear_method.quant_weight.qtype for m in linears} == {qtype}
     by_format = weight_bytes_by_format(ours)
     by_format.pop("int8 GEMM copies", None)
-    embed = config.vocab_size * config.hidden_size * 4
+    table = ours.model.embed_tokens.weight
+    assert table.dtype == (torch.bfloat16 if made_at_load else torch.float32)
+    embed = config.vocab_size * config.hidden_size * table.element_size()
     norms = (2 * config.num_hidden_layers + 1) * config.hidden_size * 4
-    assert by_format.pop("float32") == embed + norms  # the untied head is released too
+    if made_at_load:
+        assert by_format.pop("bfloat16") == embed
+    assert by_format.pop("float32") == norms + (0 if made_at_load else embed)  # the untied head is released too
     head = ours.logits_processor.head_method.quant_weight
     assert head.qtype == ("Q8_0" if made_at_load else qtype)  # a head made at load stays Q8_0
     assert sum(by_format.values()) == sum(m.linear_method.quant_weight.nbytes for m in linears) + head.nbytes

@@ -196,7 +196,7 @@ def why_not_fused(model: Any, k_buffers: list[torch.Tensor], v_buffers: list[tor
         return "tensor parallelism splits every layer over the ranks (--tp-size > 1)"
     if max_rows <= 0:
         return "--gguf-kernel-max-rows is 0"
-    dtype = backbone.embed_tokens.weight.dtype
+    dtype = backbone.norm.weight.dtype  # the model's (its embedding table may be bf16: model_loader/q8_blocks.py)
     if dtype != torch.float32:
         return f"the model runs in {dtype} (the step and the GGUF blocks compute in float32; --dtype float32)"
     if any(t.dtype not in KERNEL_KV_DTYPES or t.device.type != "cpu" for t in [*k_buffers, *v_buffers]):

@@ -69,7 +69,7 @@ def load_for_plan(model_dir: str, dtype: torch.dtype, device: torch.device, gguf
         stored = torch.bfloat16 if gguf_path else checkpoint_dtype(config if config is not None else model_dir)
         if stored in (torch.bfloat16, torch.float16):
             def prepare(meta_model: Any) -> None:
-                reason = keep_linears_in(meta_model, stored)
+                reason = keep_linears_in(meta_model, stored, keep_table=not gguf_path)
                 if reason is not None:
                     logger.info("Linear weights load as %s: %s", dtype, reason)
     return load_model(model_dir, dtype, device, config=config, prepare=prepare)

@@ -71,7 +71,7 @@ def _decoder_linears(model: Any) -> list[Linear]:
     return out
 
 
-def _untied_head(model: Any) -> Optional[nn.Module]:
+def untied_head(model: Any) -> Optional[nn.Module]:
     """The LM head module when it holds a weight of its own (not the input embeddings)."""
     head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
@@ -97,10 +97,14 @@ def why_no_q8_0_blocks(model: Any) -> str | None:
     if reason is not None:
         return reason
     linear_weights = {id(m.weight) for m in _decoder_linears(model)}
-    head = _untied_head(model)
+    head = untied_head(model)
     if head is not None:
         linear_weights.add(id(head.weight))
-    # the linear weights may be in the checkpoint's dtype (keep_linears_in); everything else float32
+    table = table_kept_as_stored(model, torch.bfloat16)
+    if table is not None:
+        linear_weights.add(id(table.weight))
+    # the linear weights (and a bf16 embedding table) may be in the checkpoint's dtype (keep_linears_in); everything
+    # else float32
     if any(p.device.type != "cpu" or (p.dtype != torch.float32 and id(p) not in linear_weights)
            for p in model.parameters()):
         return "the model is not float32 on CPU"
@@ -109,19 +113,38 @@ def why_no_q8_0_blocks(model: Any) -> str | None:
     return None
 
 
-def keep_linears_in(model: nn.Module, dtype: torch.dtype) -> Optional[str]:
+def table_kept_as_stored(model: Any, dtype: torch.dtype) -> Optional[nn.Module]:
+    """The input embedding module when its table can stay in the checkpoint's `dtype` under a float32 model: a bf16
+    table (its rows widen to float32 exactly, in LlamaModel.embed and the fused step's token tables) looked up by
+    LlamaModel.embed, whose LM head, where it is the same table, gets blocks (attach_q8_0_blocks) for every batch."""
+    from sglang.srt.models.llama import LlamaModel
+
+    backbone = getattr(model, "model", None)
+    embed = getattr(backbone, "embed_tokens", None)
+    if (dtype != torch.bfloat16 or type(embed) is not nn.Embedding or type(backbone).embed is not LlamaModel.embed
+            or getattr(model, "logits_processor", None) is None or embed.weight.shape[1] % QK):
+        return None
+    return embed
+
+
+def keep_linears_in(model: nn.Module, dtype: torch.dtype, keep_table: bool = True) -> Optional[str]:
     """On a model built on the meta device, give the decoder's linear weights (and an LM head that is not the input
     embeddings) `dtype` instead of the model's, so that loading a checkpoint stored in `dtype` makes no wider copy;
-    `attach_q8_0_blocks(..., blocks_only=True)` then turns them into blocks. Returns why it does not apply (the
-    model is left as it is), or None."""
+    `attach_q8_0_blocks(..., blocks_only=True)` then turns them into blocks. With `keep_table` (a checkpoint that
+    stores the table in `dtype`: not a GGUF file's dequantized values) a bf16 input embedding table stays bf16 too
+    (`table_kept_as_stored`): half the bytes of a float32 one. Returns why it does not apply (the model is left as
+    it is), or None."""
     reason = (f"the GGUF kernels are unavailable ({kernels_unavailable_reason()})" if not kernels_available()
               else _shape_reason(model))
     if reason is not None:
         return reason
     owners: list[nn.Module] = list(_decoder_linears(model))
-    head = _untied_head(model)
+    head = untied_head(model)
     if head is not None:
         owners.append(head)
+    table = table_kept_as_stored(model, dtype) if keep_table else None
+    if table is not None:
+        owners.append(table)
     for module in owners:
         old: torch.Tensor = module.weight  # type: ignore[assignment]
         module.weight = nn.Parameter(torch.empty(old.shape, dtype=dtype, device=old.device), requires_grad=False)
@@ -175,7 +198,7 @@ def attach_q8_0_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlock
     if reason is not None:
         logger.info("No %s blocks for small batches: %s", qtype, reason)
         return 0
-    dtype = model.model.embed_tokens.weight.dtype
+    dtype = model.model.norm.weight.dtype  # the model's (the embedding table may be kept bf16: keep_linears_in)
     head = getattr(model, "lm_head", None)
     processor = getattr(model, "logits_processor", None)
     with_head = head is not None and processor is not None and head.weight.shape[1] % QK == 0
@@ -188,7 +211,7 @@ def attach_q8_0_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlock
         from_file = found if isinstance(found, dict) else {}
 
     def make(module: nn.Module, fallback: str) -> GGUFLinearMethod:
-        own_weight = module is not head or _untied_head(model) is not None  # not the input embeddings
+        own_weight = module is not head or untied_head(model) is not None  # not the input embeddings
         raw = from_file.pop(id(module), None)  # packed below: the raw copy goes
         if raw is None:
             weight = quantize_blocks(module.weight, fallback)  # type: ignore[arg-type]

@@ -241,6 +241,8 @@ class LlamaModel(nn.Module):
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, CosSin]:
         """Token embeddings and the rotary (cos, sin) of each position: the inputs of the first layer."""
         hidden_states = self.embed_tokens(input_ids)
+        if hidden_states.dtype != self.norm.weight.dtype:  # a bf16 table under a float32 model (q8_blocks.py)
+            hidden_states = hidden_states.to(self.norm.weight.dtype)
         # One table lookup per forward, shared by every layer.
         return hidden_states, self.rotary_emb.lookup(positions, hidden_states.dtype)
 

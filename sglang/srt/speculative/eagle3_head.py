@@ -118,7 +118,8 @@ class Eagle3Runner:
         forward_batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(forward_batch)
         embed = self.own_embed if self.own_embed is not None else self.target_runner.model.model.embed_tokens
-        out, normed = self.head(embed(forward_batch.input_ids), hidden_in, forward_batch.positions, forward_batch)
+        tokens = embed(forward_batch.input_ids).to(hidden_in.dtype)  # the table may be bf16 (q8_blocks.py)
+        out, normed = self.head(tokens, hidden_in, forward_batch.positions, forward_batch)
         rows = last.to(out.device)
         logits = self.head.lm_head(normed[rows]).float()
         return out[rows], self.hot_ids[logits.argmax(dim=-1).cpu()].tolist()

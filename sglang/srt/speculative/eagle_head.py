@@ -98,7 +98,8 @@ class EagleRunner:
         forward_batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(forward_batch)
         embed = self.own_embed if self.own_embed is not None else target.model.embed_tokens
-        out = self.head(embed(forward_batch.input_ids), hidden_in, forward_batch.positions, forward_batch)
+        tokens = embed(forward_batch.input_ids).to(hidden_in.dtype)  # the table may be bf16 (q8_blocks.py)
+        out = self.head(tokens, hidden_in, forward_batch.positions, forward_batch)
         selected = out[last.to(out.device)]
         # One row per part: the logits processor takes the rows as they are (decode mode or one row per sequence).
         if self.own_logits is not None:

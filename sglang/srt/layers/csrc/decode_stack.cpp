@@ -33,6 +33,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -228,11 +229,13 @@ class DecodeStack {
   bool int8_activations() const { return int8_; }
 
   // The tables forward_tokens builds the first layer's input from: the embedding table [vocab, hidden] and the
-  // half-width RoPE tables [positions, rotary_dim / 2] (RotaryEmbedding.cos_cache / sin_cache), float32.
+  // half-width RoPE tables [positions, rotary_dim / 2] (RotaryEmbedding.cos_cache / sin_cache), float32. The
+  // embedding table may be bf16 (a bf16 checkpoint's table kept as stored): its rows widen to float32 exactly.
   void set_token_tables(const torch::Tensor& embed, const torch::Tensor& cos_half, const torch::Tensor& sin_half) {
-    TORCH_CHECK(embed.device().is_cpu() && embed.scalar_type() == torch::kFloat && embed.is_contiguous() &&
-                    embed.dim() == 2 && embed.size(0) > 0 && embed.size(1) == hidden_,
-                "embed must be a contiguous float32 CPU table [vocab, hidden]");
+    TORCH_CHECK(embed.device().is_cpu() &&
+                    (embed.scalar_type() == torch::kFloat || embed.scalar_type() == torch::kBFloat16) &&
+                    embed.is_contiguous() && embed.dim() == 2 && embed.size(0) > 0 && embed.size(1) == hidden_,
+                "embed must be a contiguous float32 or bf16 CPU table [vocab, hidden]");
     for (const auto* t : {&cos_half, &sin_half}) {
       TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kFloat && t->is_contiguous() && t->dim() == 2 &&
                       t->size(0) > 0 && t->size(1) == rotary_dim_ / 2,
@@ -318,11 +321,13 @@ class DecodeStack {
     const int64_t vocab = embed_.size(0), table_len = cos_half_.size(0);
     const int64_t* ids = input_ids.data_ptr<int64_t>();
     const int64_t* pos = positions.data_ptr<int64_t>();
-    const auto options = embed_.options();
+    const auto options = cos_half_.options();
     auto x = torch::empty({B, hidden_}, options);
     auto cos = torch::empty({B, rotary_dim_}, options);
     auto sin = torch::empty({B, rotary_dim_}, options);
-    const float* embed = embed_.data_ptr<float>();
+    const bool bf16_table = embed_.scalar_type() == torch::kBFloat16;
+    const float* embed = bf16_table ? nullptr : embed_.data_ptr<float>();
+    const uint16_t* embed_bf16 = bf16_table ? reinterpret_cast<const uint16_t*>(embed_.data_ptr()) : nullptr;
     const float* ch = cos_half_.data_ptr<float>();
     const float* sh = sin_half_.data_ptr<float>();
     float* xp = x.data_ptr<float>();
@@ -331,7 +336,16 @@ class DecodeStack {
     for (int64_t b = 0; b < B; ++b) {
       TORCH_CHECK(ids[b] >= 0 && ids[b] < vocab, "token id out of range");
       TORCH_CHECK(pos[b] >= 0 && pos[b] < table_len, "position out of range of the RoPE table");
-      std::copy(embed + ids[b] * hidden_, embed + (ids[b] + 1) * hidden_, xp + b * hidden_);
+      if (bf16_table) {
+        const uint16_t* row = embed_bf16 + ids[b] * hidden_;
+        float* out = xp + b * hidden_;
+        for (int64_t j = 0; j < hidden_; ++j) {
+          const uint32_t bits = static_cast<uint32_t>(row[j]) << 16;
+          std::memcpy(out + j, &bits, sizeof(float));
+        }
+      } else {
+        std::copy(embed + ids[b] * hidden_, embed + (ids[b] + 1) * hidden_, xp + b * hidden_);
+      }
       const float* c = ch + pos[b] * half;
       const float* sn = sh + pos[b] * half;
       for (int64_t j = 0; j < half; ++j) {
