@@ -12,6 +12,11 @@ Python (`model.model.embed`, `model.compute_logits`).
 A batch whose rows are consecutive positions of one sequence (a speculative verify step,
 ForwardBatch.rows_share_sequences) tells the step so: it then stores every row's K/V before any row attends.
 
+EAGLE drafting reads the served model's states of every forward: `forward_with_hidden` returns the final normed hidden
+states beside the logits (the head's input, which the step computes anyway), and when the backbone names
+`layers_to_capture` (EAGLE3) the step copies those layers' inputs out and leaves them in its `aux_hidden_states`,
+as LlamaModel.forward does. Without a capture the step makes no copies.
+
 Rows of LoRA adapters (lora/) get their low-rank deltas inside the step (csrc/lora_deltas.h): each adapter in memory
 is registered with the stack once, in a slot, from the tensors lora/packed.py keeps (no copy), and a step passes each
 row's slot (-1 for the base model). Rows of different adapters, of different ranks, and of the base model share
@@ -135,36 +140,49 @@ class FusedCpuDecode:
                                  and all(name is None or name in lora.packed for name in names))
 
     def forward(self, model: Any, forward_batch: ForwardBatch, lora: Optional[LoraBatchState] = None) -> torch.Tensor:
-        out = self._run(model, forward_batch, lora)
-        # A decode batch wants the logits of every row.
+        """The logits of every row (a decode batch wants them all)."""
+        out, _ = self._run(model, forward_batch, lora, want_hidden=False)
         return out if self.with_head else model.compute_logits(out, forward_batch)
 
-    def forward_hidden(self, model: Any, forward_batch: ForwardBatch,
-                       lora: Optional[LoraBatchState] = None) -> torch.Tensor:
-        """The final (normed) hidden states of every row; only for a step without the LM head (`with_head` False)."""
-        assert not self.with_head
-        return self._run(model, forward_batch, lora)
+    def forward_with_hidden(self, model: Any, forward_batch: ForwardBatch, lora: Optional[LoraBatchState] = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, final normed hidden states) of every row, from the one call whether or not it ends with the LM
+        head."""
+        out, hidden = self._run(model, forward_batch, lora, want_hidden=True)
+        return (out if self.with_head else model.compute_logits(hidden, forward_batch)), hidden
 
-    def _run(self, model: Any, forward_batch: ForwardBatch, lora: Optional[LoraBatchState]) -> torch.Tensor:
+    def _run(self, model: Any, forward_batch: ForwardBatch, lora: Optional[LoraBatchState], want_hidden: bool
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the stack's output: logits with the head, else the hidden states; the final normed hidden states). With
+        `layers_to_capture` on the backbone its `aux_hidden_states` is set as LlamaModel.forward sets it."""
         slots = None
         if forward_batch.lora_ids is not None:
             assert lora is not None, "a batch with adapter rows needs the LoRA state"
             slots = self.lora_slots.row_slots(lora, forward_batch.lora_ids)
         elif lora is not None:
             self.lora_slots.sync(lora)
+        backbone = model.model
+        capture = list(getattr(backbone, "layers_to_capture", ()))
+        # Without the head the step's output is the hidden states; with it the capturing call returns them too.
+        captures = bool(capture) or (want_hidden and self.with_head)
+        tail = (forward_batch.out_cache_loc, forward_batch.req_to_token_pool.req_to_token,
+                forward_batch.req_pool_indices, forward_batch.seq_lens, forward_batch.rows_share_sequences, slots)
+        inputs: tuple[torch.Tensor, ...]
         if self.from_tokens:
-            return self.stack.forward_tokens(
-                forward_batch.input_ids, forward_batch.positions, forward_batch.out_cache_loc,
-                forward_batch.req_to_token_pool.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
-                forward_batch.rows_share_sequences, slots,
-            )
-        hidden_states, (cos, sin) = model.model.embed(forward_batch.input_ids, forward_batch.positions)
-        batch = hidden_states.shape[0]  # cos/sin: [B, 1, rotary_dim]
-        return self.stack.forward(
-            hidden_states, cos.view(batch, -1), sin.view(batch, -1), forward_batch.out_cache_loc,
-            forward_batch.req_to_token_pool.req_to_token, forward_batch.req_pool_indices, forward_batch.seq_lens,
-            forward_batch.rows_share_sequences, slots,
-        )
+            inputs = (forward_batch.input_ids, forward_batch.positions)
+            method = "forward_tokens"
+        else:
+            hidden_states, (cos, sin) = backbone.embed(forward_batch.input_ids, forward_batch.positions)
+            batch = hidden_states.shape[0]  # cos/sin: [B, 1, rotary_dim]
+            inputs = (hidden_states, cos.view(batch, -1), sin.view(batch, -1))
+            method = "forward"
+        if not captures:
+            out = getattr(self.stack, method)(*inputs, *tail)
+            return out, out
+        out, hidden, aux = getattr(self.stack, f"{method}_capture")(*inputs, *tail, capture)
+        if capture:
+            backbone.aux_hidden_states = aux
+        return out, hidden
 
 
 def _quant_args(module: nn.Module) -> Optional[tuple[torch.Tensor, str, Optional[torch.Tensor]]]:

@@ -203,14 +203,13 @@ class ModelRunner:
         sink = self.hidden_sink
         # The fused decode step adds the LoRA deltas of adapter rows itself; prefills and batches it does not accept
         # (more rows than its max, several rows per sequence) add them layer by layer (lora_rows below).
-        # A step that ends with the LM head gives no hidden states: with a sink, such a model decodes layer by layer.
-        if (fused is not None and fused.accepts(forward_batch, self.lora_state)
-                and (sink is None or not fused.with_head)):
+        # With a sink the step also hands back the hidden states (and the layers the backbone captures).
+        if fused is not None and fused.accepts(forward_batch, self.lora_state):
             if sink is None:
                 return fused.forward(self.model, forward_batch, self.lora_state)
-            hidden = fused.forward_hidden(self.model, forward_batch, self.lora_state)
+            logits, hidden = fused.forward_with_hidden(self.model, forward_batch, self.lora_state)
             sink(forward_batch, hidden)
-            return self.model.compute_logits(hidden, forward_batch)
+            return logits
         forward_batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(forward_batch)
         with lora_rows(self.lora_state, forward_batch.lora_ids, forward_batch.extend_seq_lens_cpu):

@@ -202,7 +202,8 @@ def run_layers(layers: nn.ModuleList, norm: RMSNorm, hidden_states: torch.Tensor
     for i, layer in enumerate(layers):
         if i in capture:
             assert captured is not None
-            captured.append(hidden_states if residual is None else hidden_states + residual)
+            # Layer 0's input becomes the residual, which the norms add into in place: capture a copy.
+            captured.append(hidden_states.clone() if residual is None else hidden_states + residual)
         hidden_states, residual = layer(cos_sin, hidden_states, forward_batch, residual)
     if residual is None:
         return norm(hidden_states)

@@ -33,10 +33,10 @@ from sglang.srt.layers.attention.torch_sdpa_backend import TorchSDPABackend
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import merged_linear
 from sglang.srt.layers.rotary_embedding import get_rope
-from sglang.srt.model_executor.decode_strategy import DecodePlan
 from sglang.srt.model_loader.weights import iterate_weights, load_checkpoint_weights
 from sglang.srt.models.llama import DecoderOptions, LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel, head_dim_of
 from sglang.srt.speculative.eagle_head import checkpoint_name, read_head_config
+from sglang.srt.speculative.hidden_log import describe_decode_path
 
 logger = logging.getLogger(__name__)
 
@@ -127,8 +127,9 @@ class Eagle3Runner:
 
 class TargetCapture:
     """The served model's hidden-state sink with EAGLE3: has its backbone capture the chosen layers' inputs in every
-    forward and hands those (not the final states) to `record`. The fused CPU decode step computes the whole layer
-    stack in one call and gives no intermediate states, so the served model runs every batch layer by layer."""
+    forward and hands those (not the final states) to `record`. The fused CPU decode step captures them too (it reads
+    the backbone's `layers_to_capture` and leaves `aux_hidden_states` as LlamaModel.forward does), so decode and
+    verify batches keep it."""
 
     def __init__(self, target_runner: Any, layers: tuple[int, ...],
                  record: Callable[[ForwardBatch, torch.Tensor], None]) -> None:
@@ -137,15 +138,11 @@ class TargetCapture:
         self.record = record
 
     def arm(self) -> None:
-        """Set the capture on the served model and drop the fused decode step (both again after a weight update,
-        which builds a new model and plans its decode path again)."""
+        """Set the capture on the served model and say in its decode path line how it is served (both again after a
+        weight update, which builds a new model and plans its decode path again)."""
         runner = self.target_runner
         runner.model.model.layers_to_capture = self.layers
-        plan = runner.decode_plan
-        if plan is not None and plan.fused is not None:
-            runner.decode_plan = DecodePlan(None, "Decode path: with EAGLE3 every batch runs layer by layer (the "
-                                                  f"{plan.fused.name} gives no intermediate layers' hidden states)")
-            logger.info(runner.decode_plan.description)
+        describe_decode_path(runner, "EAGLE3", f"the inputs of layers {list(self.layers)}")
 
     def __call__(self, forward_batch: ForwardBatch, hidden: torch.Tensor) -> None:
         backbone = self.target_runner.model.model

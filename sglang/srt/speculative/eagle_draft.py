@@ -31,7 +31,7 @@ from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.draft_model import MAX_DRAFT_KV_TOKENS, DraftModel, DraftSeq
 from sglang.srt.speculative.eagle3_head import Eagle3Runner, TargetCapture, load_eagle3_runner
 from sglang.srt.speculative.eagle_head import EagleRunner, load_eagle_runner
-from sglang.srt.speculative.hidden_log import HiddenLog
+from sglang.srt.speculative.hidden_log import HiddenLog, describe_decode_path
 
 logger = logging.getLogger(__name__)
 
@@ -92,10 +92,7 @@ class EagleDraft(DraftModel):
             target_runner.hidden_sink = sink
             return draft
         target_runner.hidden_sink = draft.hidden.record
-        fused = target_runner.decode_plan.fused if target_runner.decode_plan is not None else None
-        if fused is not None and fused.with_head:
-            logger.info("Decode path: with EAGLE every batch runs layer by layer: the %s ends with the LM head and "
-                        "gives no hidden states", fused.name)
+        describe_decode_path(target_runner, "EAGLE", "the final hidden states")
         return draft
 
     # ---- memory ---------------------------------------------------------------------------------------

@@ -7,16 +7,23 @@ at a position inside or just after the span extends or overwrites it (a verify s
 tokens are overwritten when the accepted token at that position runs); any other write starts a new span there (a
 new request in the row, whose prefix served from the radix cache has no hidden states here). The draft consumes
 positions in order; what it has consumed is dropped.
+
+The fused CPU decode step hands these states over from its one call (FusedCpuDecode.forward_with_hidden), so
+speculation keeps it; `describe_decode_path` says so in the `Decode path:` line.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from sglang.srt.forward_batch import ForwardBatch
+from sglang.srt.model_executor.decode_strategy import DecodePlan
+
+logger = logging.getLogger(__name__)
 
 # Consumed positions are dropped once there are this many (one copy of the rest per drop).
 _COMPACT_ROWS = 256
@@ -87,3 +94,18 @@ class HiddenLog:
 
     def drop(self, row: int) -> None:
         self.spans.pop(row, None)
+
+
+def describe_decode_path(runner: Any, algorithm: str, states: str) -> None:
+    """Add to the served model's `Decode path:` line (and log it) how its decode batches hand `states` to the draft
+    head: from the fused CPU decode step's one call where it runs them, else from the layer-by-layer forward."""
+    plan = runner.decode_plan
+    if plan is None:
+        return
+    if plan.fused is not None:
+        note = f"; with {algorithm} the fused step also returns {states} from its one call"
+    else:
+        note = f"; with {algorithm} the layer-by-layer forward returns {states}"
+    if note not in plan.description:
+        runner.decode_plan = DecodePlan(plan.fused, plan.description + note)
+        logger.info(runner.decode_plan.description)

@@ -29,13 +29,20 @@
 // positions, and, when the stack holds the LM head as GGUF blocks (set_head), ends with the head's matmul as one
 // more phase of the same team: a batch-1 step is then one call from token ids to logits, with no Python and no
 // second thread team between the layers and the head.
+//
+// `forward_capture` / `forward_tokens_capture` also hand back what EAGLE drafting reads of the served model: the
+// final normed hidden states (the head's input, computed anyway) and the inputs of chosen layers (the residual
+// stream entering them), copied into one [B, layers * hidden] tensor where phase A updates the residual. The plain
+// calls make no capture tensor and copy nothing.
 #include "torch_binding.h"
 
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #ifdef _OPENMP
@@ -117,6 +124,12 @@ void check_vector(const torch::Tensor& t, int64_t n, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat && t.is_contiguous() && t.dim() == 1 &&
                   t.size(0) == n, name, " must be a contiguous float32 CPU tensor of ", n, " elements");
 }
+
+// What a step returns: `output` (the logits when it ends with the LM head, else `hidden`), the final normed hidden
+// states, and the captured layer inputs (undefined without a capture).
+struct StepResult {
+  torch::Tensor output, hidden, aux;
+};
 
 struct Layer {
   QuantLinear qkv, o, gate_up, down;
@@ -293,15 +306,23 @@ class DecodeStack {
                         const torch::Tensor& out_loc, const torch::Tensor& req_to_token,
                         const torch::Tensor& req_pool_indices, const torch::Tensor& seq_lens,
                         bool rows_share_sequences, const c10::optional<torch::Tensor>& lora_slots) {
-    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() == 2 &&
-                    x.size(1) == hidden_, "x must be contiguous float32 [B, hidden]");
-    const int64_t B = x.size(0);
-    for (const auto* t : {&cos, &sin}) {
-      TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == B &&
-                      t->size(1) == rotary_dim_, "cos/sin must be contiguous float32 [B, rotary_dim]");
-    }
+    check_inputs(x, cos, sin);
     return step(x, cos, sin, out_loc, req_to_token, req_pool_indices, seq_lens, false, rows_share_sequences,
-                lora_slots);
+                lora_slots, nullptr).output;
+  }
+
+  // As forward, and copies out the input of each layer in `capture_layers` (ascending indices): the residual stream
+  // entering it (layer 0: x), as the layer-by-layer path records it for EAGLE3. Returns (output, hidden, aux): the
+  // final normed hidden states twice (there is no head here) and aux [B, len(capture_layers) * hidden], the
+  // layers' inputs side by side in layer order.
+  StepResult forward_capture(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                             const torch::Tensor& out_loc, const torch::Tensor& req_to_token,
+                             const torch::Tensor& req_pool_indices, const torch::Tensor& seq_lens,
+                             bool rows_share_sequences, const c10::optional<torch::Tensor>& lora_slots,
+                             const std::vector<int64_t>& capture_layers) {
+    check_inputs(x, cos, sin);
+    return step(x, cos, sin, out_loc, req_to_token, req_pool_indices, seq_lens, false, rows_share_sequences,
+                lora_slots, &capture_layers);
   }
 
   // As forward, from input_ids [B] and positions [B] (int64) through the tables of set_token_tables: the embedding
@@ -311,6 +332,36 @@ class DecodeStack {
                                const torch::Tensor& out_loc, const torch::Tensor& req_to_token,
                                const torch::Tensor& req_pool_indices, const torch::Tensor& seq_lens,
                                bool rows_share_sequences, const c10::optional<torch::Tensor>& lora_slots) {
+    const auto in = token_inputs(input_ids, positions);
+    return step(in[0], in[1], in[2], out_loc, req_to_token, req_pool_indices, seq_lens, has_head(),
+                rows_share_sequences, lora_slots, nullptr).output;
+  }
+
+  // As forward_tokens, with the capture of forward_capture: (output, hidden, aux), where output is the logits when
+  // the stack has the LM head (hidden: the head's input, which the step computes anyway), else the hidden states.
+  StepResult forward_tokens_capture(const torch::Tensor& input_ids, const torch::Tensor& positions,
+                                    const torch::Tensor& out_loc, const torch::Tensor& req_to_token,
+                                    const torch::Tensor& req_pool_indices, const torch::Tensor& seq_lens,
+                                    bool rows_share_sequences, const c10::optional<torch::Tensor>& lora_slots,
+                                    const std::vector<int64_t>& capture_layers) {
+    const auto in = token_inputs(input_ids, positions);
+    return step(in[0], in[1], in[2], out_loc, req_to_token, req_pool_indices, seq_lens, has_head(),
+                rows_share_sequences, lora_slots, &capture_layers);
+  }
+
+ private:
+  void check_inputs(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) const {
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.dim() == 2 &&
+                    x.size(1) == hidden_, "x must be contiguous float32 [B, hidden]");
+    const int64_t B = x.size(0);
+    for (const auto* t : {&cos, &sin}) {
+      TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->dim() == 2 && t->size(0) == B &&
+                      t->size(1) == rotary_dim_, "cos/sin must be contiguous float32 [B, rotary_dim]");
+    }
+  }
+
+  // The first layer's input (x, cos, sin) of forward_tokens, from the token ids and positions.
+  std::array<torch::Tensor, 3> token_inputs(const torch::Tensor& input_ids, const torch::Tensor& positions) const {
     TORCH_CHECK(has_token_tables(), "the decode stack has no token tables (set_token_tables)");
     for (const auto* t : {&input_ids, &positions}) {
       TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kLong && t->is_contiguous() && t->dim() == 1,
@@ -354,16 +405,28 @@ class DecodeStack {
         sp[b * rotary_dim_ + half + j] = sn[j];
       }
     }
-    return step(x, cos, sin, out_loc, req_to_token, req_pool_indices, seq_lens, has_head(), rows_share_sequences,
-                lora_slots);
+    return {x, cos, sin};
   }
 
- private:
-  torch::Tensor step(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
-                     const torch::Tensor& out_loc, const torch::Tensor& req_to_token,
-                     const torch::Tensor& req_pool_indices, const torch::Tensor& seq_lens, bool with_head,
-                     bool rows_share_sequences, const c10::optional<torch::Tensor>& lora_slots) {
+  // The capture's column block of each layer (-1: not captured), from ascending layer indices.
+  std::vector<int64_t> capture_blocks(const std::vector<int64_t>& layers) const {
+    std::vector<int64_t> block(layers_.size(), -1);
+    for (size_t j = 0; j < layers.size(); ++j) {
+      TORCH_CHECK(layers[j] >= 0 && layers[j] < num_layers(), "capture layer ", layers[j], " out of range");
+      TORCH_CHECK(j == 0 || layers[j] > layers[j - 1], "capture layers must be ascending and distinct");
+      block[static_cast<size_t>(layers[j])] = static_cast<int64_t>(j);
+    }
+    return block;
+  }
+
+  // `capture`: the layers whose inputs are copied out (null: no capture, and no aux tensor is made).
+  StepResult step(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                  const torch::Tensor& out_loc, const torch::Tensor& req_to_token,
+                  const torch::Tensor& req_pool_indices, const torch::Tensor& seq_lens, bool with_head,
+                  bool rows_share_sequences, const c10::optional<torch::Tensor>& lora_slots,
+                  const std::vector<int64_t>* capture) {
     TORCH_CHECK(!layers_.empty() && layers_[0].k_cache.defined(), "the decode stack has no layers or KV buffers");
+    const std::vector<int64_t> aux_block = capture != nullptr ? capture_blocks(*capture) : std::vector<int64_t>();
     const int64_t B = x.size(0);
     for (const auto* t : {&out_loc, &req_pool_indices, &seq_lens}) {
       TORCH_CHECK(t->scalar_type() == torch::kLong && t->is_contiguous() && t->dim() == 1 && t->size(0) == B,
@@ -373,7 +436,10 @@ class DecodeStack {
                 "req_to_token must be a contiguous int64 table");
     auto out = torch::empty({B, hidden_}, x.options());
     auto logits = with_head ? torch::empty({B, head_.n}, x.options()) : out;
-    if (B == 0) return logits;
+    const int64_t aux_cols = capture != nullptr ? static_cast<int64_t>(capture->size()) * hidden_ : 0;
+    const StepResult result{logits, out,
+                            capture != nullptr ? torch::empty({B, aux_cols}, x.options()) : torch::Tensor()};
+    if (B == 0) return result;
 
     const int64_t num_slots = layers_[0].k_cache.size(0);
     const int64_t table_rows = req_to_token.size(0), table_cols = req_to_token.size(1);
@@ -412,6 +478,11 @@ class DecodeStack {
     s.down = torch::empty({B, hidden_}, x.options());
     s.out = out.data_ptr<float>();
     s.logits = with_head ? logits.data_ptr<float>() : nullptr;
+    if (aux_cols > 0) {
+      s.aux = result.aux.data_ptr<float>();
+      s.aux_cols = aux_cols;
+      s.aux_block = aux_block.data();
+    }
     s.phases = std::make_unique<Phase[]>(kPhasesPerLayer * layers_.size() + 2);
     s.split = std::make_unique<attention_split::Plan>(lens, B, kv_heads_, heads_ / kv_heads_, head_dim_, num_layers());
     if (rows_share_sequences) s.store_phases = std::make_unique<Phase[]>(layers_.size());
@@ -437,11 +508,11 @@ class DecodeStack {
     if (s.threads > 1) {
 #pragma omp parallel num_threads(s.threads)
       run(s);
-      return logits;
+      return result;
     }
 #endif
     run(s);
-    return logits;
+    return result;
   }
 
   static constexpr size_t kPhasesPerLayer = 5;
@@ -460,6 +531,11 @@ class DecodeStack {
     torch::Tensor res[2], qkv, attn, o, gate_up, down;
     float* out = nullptr;
     float* logits = nullptr;  // the LM head's output, when the step ends with it
+    // Captured layer inputs (forward_capture): [B, aux_cols]; layer i's at column block aux_block[i] (-1: none).
+    // Null when nothing is captured.
+    float* aux = nullptr;
+    int64_t aux_cols = 0;
+    const int64_t* aux_block = nullptr;
     int threads = 1;  // the team size asked for: sizes the matmul chunks identically in every thread
     std::unique_ptr<Phase[]> phases;
     std::unique_ptr<attention_split::Plan> split;
@@ -599,11 +675,17 @@ class DecodeStack {
 
   // A phase on RMSNorm(res + add) with the residual updated on the way (res_out = res + add); with add == nullptr
   // there is no update and the input is RMSNorm(res). The shared form updates the residual tile by tile, the
-  // per-thread form as one item of its own.
+  // per-thread form as one item of its own. `cap` (row stride s.aux_cols; null: off) receives the residual stream
+  // before the norm (res + add, or res): the layer's input, as the layer-by-layer path captures it for EAGLE3. It is
+  // written where the residual update is, by the tile's item or by the update item, so each row once.
   void norm_matmul_phase(Step& s, Phase& ph, const float* res, const float* add, float* res_out,
-                         const torch::Tensor& norm, const QuantLinear& lin, Scratch& sc, float* y,
-                         int64_t site) const {
+                         const torch::Tensor& norm, const QuantLinear& lin, Scratch& sc, float* y, int64_t site,
+                         float* cap) const {
     const bool shared = shared_input(s);
+    auto capture_rows = [&](const float* from, int64_t m0, int64_t mt) {
+      for (int64_t m = m0; m < m0 + mt; ++m)
+        std::copy(from + m * hidden_, from + (m + 1) * hidden_, cap + m * s.aux_cols);
+    };
     auto build_rows = [&](int64_t m0, int64_t mt, float* xin) -> const float* {
       const int64_t i0 = m0 * hidden_, i1 = (m0 + mt) * hidden_;
       float* x = xin + i0;
@@ -613,14 +695,24 @@ class DecodeStack {
       } else {
         std::copy(res + i0, res + i1, x);
       }
+      if (shared && cap != nullptr) capture_rows(xin, m0, mt);
       cpu_kernels::rms_norm_rows(x, norm.data_ptr<float>(), x, mt, hidden_, eps_);
       return xin;
     };
     auto update = [&] {
-      const int64_t rows = s.B * hidden_;
-      for (int64_t i = 0; i < rows; ++i) res_out[i] = res[i] + add[i];
+      if (add != nullptr) {
+        const int64_t rows = s.B * hidden_;
+        for (int64_t i = 0; i < rows; ++i) res_out[i] = res[i] + add[i];
+      }
+      if (cap != nullptr) capture_rows(add != nullptr ? res_out : res, 0, s.B);
     };
-    input_matmul_phase(s, ph, lin, build_rows, update, add != nullptr, sc, y, site);
+    input_matmul_phase(s, ph, lin, build_rows, update, add != nullptr || cap != nullptr, sc, y, site);
+  }
+
+  // Where layer `index`'s captured input goes (its column block of s.aux), or null when it is not captured.
+  float* capture_of(const Step& s, int64_t index) const {
+    if (s.aux == nullptr || s.aux_block[index] < 0) return nullptr;
+    return s.aux + s.aux_block[index] * hidden_;
   }
 
   void attention_phase(const Step& s, Phase& ph, const Layer& layer, Scratch& sc) const {
@@ -729,7 +821,8 @@ class DecodeStack {
       const int64_t site = (&layer - layers_.data()) * lora_deltas::kSites;  // its qkv_proj's LoRA site
       // A: residual update, norm, QKV projection
       float* res_out = s.res[next].data_ptr<float>();
-      norm_matmul_phase(s, s.phases[phase++], res, mlp_out, res_out, layer.input_norm, layer.qkv, sc, qkv, site);
+      norm_matmul_phase(s, s.phases[phase++], res, mlp_out, res_out, layer.input_norm, layer.qkv, sc, qkv, site,
+                        capture_of(s, &layer - layers_.data()));
       if (mlp_out != nullptr) {
         res = res_out;
         next ^= 1;
@@ -742,7 +835,7 @@ class DecodeStack {
       // D: residual update, norm, gate/up projection
       res_out = s.res[next].data_ptr<float>();
       norm_matmul_phase(s, s.phases[phase++], res, o, res_out, layer.post_norm, layer.gate_up, sc, gate_up,
-                        site + 2);
+                        site + 2, nullptr);
       res = res_out;
       next ^= 1;
       // E: SwiGLU, down projection
@@ -788,6 +881,10 @@ class DecodeStack {
   lora_deltas::ShardBounds lora_bounds_[lora_deltas::kSites];
 };
 
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> as_tuple(const StepResult& r) {
+  return {r.output, r.hidden, r.aux};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -828,7 +925,33 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward_tokens", &DecodeStack::forward_tokens, py::arg("input_ids"), py::arg("positions"),
            py::arg("out_loc"), py::arg("req_to_token"), py::arg("req_pool_indices"), py::arg("seq_lens"),
            py::arg("rows_share_sequences") = false, py::arg("lora_slots") = py::none(),
-           py::call_guard<py::gil_scoped_release>());
+           py::call_guard<py::gil_scoped_release>())
+      .def("forward_capture",
+           [](DecodeStack& self, const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+              const torch::Tensor& out_loc, const torch::Tensor& req_to_token, const torch::Tensor& req_pool_indices,
+              const torch::Tensor& seq_lens, bool rows_share_sequences,
+              const c10::optional<torch::Tensor>& lora_slots, const std::vector<int64_t>& capture_layers) {
+             return as_tuple(self.forward_capture(x, cos, sin, out_loc, req_to_token, req_pool_indices, seq_lens,
+                                                  rows_share_sequences, lora_slots, capture_layers));
+           },
+           py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("out_loc"), py::arg("req_to_token"),
+           py::arg("req_pool_indices"), py::arg("seq_lens"), py::arg("rows_share_sequences"), py::arg("lora_slots"),
+           py::arg("capture_layers"), py::call_guard<py::gil_scoped_release>(),
+           "forward, also returning (output, final normed hidden states, the inputs of capture_layers side by side)")
+      .def("forward_tokens_capture",
+           [](DecodeStack& self, const torch::Tensor& input_ids, const torch::Tensor& positions,
+              const torch::Tensor& out_loc, const torch::Tensor& req_to_token, const torch::Tensor& req_pool_indices,
+              const torch::Tensor& seq_lens, bool rows_share_sequences,
+              const c10::optional<torch::Tensor>& lora_slots, const std::vector<int64_t>& capture_layers) {
+             return as_tuple(self.forward_tokens_capture(input_ids, positions, out_loc, req_to_token,
+                                                         req_pool_indices, seq_lens, rows_share_sequences, lora_slots,
+                                                         capture_layers));
+           },
+           py::arg("input_ids"), py::arg("positions"), py::arg("out_loc"), py::arg("req_to_token"),
+           py::arg("req_pool_indices"), py::arg("seq_lens"), py::arg("rows_share_sequences"), py::arg("lora_slots"),
+           py::arg("capture_layers"), py::call_guard<py::gil_scoped_release>(),
+           "forward_tokens, also returning (logits or hidden states, final normed hidden states, the inputs of "
+           "capture_layers side by side)");
   m.def("set_dequant_min_rows", &gguf_kernels::set_dequant_min_rows,
         "from how many rows the step's float32 matmuls convert each row group once (AVX2; 0: never); returns the "
         "previous value",
