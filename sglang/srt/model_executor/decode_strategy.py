@@ -41,9 +41,9 @@ def describe_linear_methods(model: nn.Module) -> str:
     head = getattr(getattr(model, "logits_processor", None), "head_method", None)
     parts = [f"{n} x {name}" for name, n in counts.most_common()]
     expert_layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
-    if expert_layers:  # routers and experts are not Linear layers: they always compute densely in the model dtype
-        dtype = dtype_name(expert_layers[0].gate_up_proj.dtype)
-        parts.append(f"{len(expert_layers)} x {expert_layers[0].num_experts} stacked experts, dense {dtype}")
+    if expert_layers:  # experts are not Linear layers: dense in the model dtype, or their blocks (moe_blocks.py)
+        parts.append(f"{len(expert_layers)} x {expert_layers[0].num_experts} stacked experts, "
+                     f"{expert_layers[0].describe()}")
     if head is not None:
         parts.append(f"LM head {head.describe()}")
     return ", ".join(parts) or "none"

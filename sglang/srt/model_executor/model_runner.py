@@ -30,6 +30,7 @@ from sglang.srt.model_loader.dtype import checkpoint_dtype
 from sglang.srt.model_loader.gemm_methods import attach_large_batch_gemm, blocks_large_method
 from sglang.srt.model_loader.gguf_quant import attach_gguf_quant_weights
 from sglang.srt.model_loader.loader import load_model
+from sglang.srt.model_loader.moe_blocks import attach_expert_blocks, has_experts, keep_experts_in
 from sglang.srt.model_loader.pooling_config import read_pooling_config
 from sglang.srt.model_loader.q8_blocks import attach_q8_0_blocks, keep_linears_in
 from sglang.srt.model_loader.weight_report import describe_weights, weight_bytes_by_format
@@ -69,7 +70,8 @@ def load_for_plan(model_dir: str, dtype: torch.dtype, device: torch.device, gguf
         stored = torch.bfloat16 if gguf_path else checkpoint_dtype(config if config is not None else model_dir)
         if stored in (torch.bfloat16, torch.float16):
             def prepare(meta_model: Any) -> None:
-                reason = keep_linears_in(meta_model, stored, keep_table=not gguf_path)
+                reason = (keep_experts_in(meta_model, stored, from_gguf=bool(gguf_path)) if has_experts(meta_model)
+                          else keep_linears_in(meta_model, stored, keep_table=not gguf_path))
                 if reason is not None:
                     logger.info("Linear weights load as %s: %s", dtype, reason)
     return load_model(model_dir, dtype, device, config=config, prepare=prepare)
@@ -88,7 +90,10 @@ def attach_fast_paths(model: Any, gguf_path: Optional[str], hf_config: Any, gguf
         quant_bytes = attach_gguf_quant_weights(model, gguf_path, hf_config, gguf_kernel_max_rows, large)
     if quant_bytes == 0 and arithmetic is not None and arithmetic.small_batch_quantization != "none":
         qtype = arithmetic.small_batch_quantization.upper()
-        quant_bytes = attach_q8_0_blocks(model, gguf_kernel_max_rows, large, qtype)
+        if has_experts(model):
+            quant_bytes = attach_expert_blocks(model, gguf_kernel_max_rows, large, qtype, arithmetic.gguf_activations)
+        else:
+            quant_bytes = attach_q8_0_blocks(model, gguf_kernel_max_rows, large, qtype)
     only_blocks = only_blocks and quant_bytes > 0
     if (arithmetic is not None and not only_blocks and param.device.type == "cpu"
             and param.dtype == torch.float32):

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from sglang.srt.layers.linear import MergedLinear
+from sglang.srt.layers.moe.fused_moe import FusedMoE
 from sglang.srt.layers.pooler import Pooler
 from sglang.srt.lora.layers import carry_lora
 from sglang.srt.mem_cache.kv_pool import KVPool
@@ -108,6 +109,9 @@ def _served_values(model: nn.Module, module_name: str, param: torch.Tensor) -> t
     if param.device.type != "meta":
         return param
     module = model.get_submodule(module_name)
+    stacked = module.served_values(param) if isinstance(module, FusedMoE) else None  # experts served from blocks
+    if stacked is not None:
+        return stacked
     method = getattr(module, "linear_method", None)
     if method is None and module is getattr(model, "lm_head", None):
         method = getattr(getattr(model, "logits_processor", None), "head_method", None)

@@ -143,13 +143,22 @@ def _mlp_shape(hf_config: Optional[object]) -> tuple[int, int]:
 
 
 def linear_float_bytes(hf_config: Optional[object]) -> Optional[int]:
-    """The float32 bytes of a decoder's linear weights and LM head, from its config (None when it does not say)."""
+    """The float32 bytes of a decoder's linear weights and LM head, from its config (None when it does not say). A
+    mixture-of-experts decoder counts every expert (and shared expert) of every layer: an upper bound where some
+    layers are dense."""
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     try:
         hidden, inter, layers = text.hidden_size, text.intermediate_size, text.num_hidden_layers  # type: ignore
         heads = text.num_attention_heads  # type: ignore[union-attr]
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
         head_dim = getattr(text, "head_dim", None) or hidden // heads
+        experts = next((n for n in (getattr(text, key, None) for key in ("num_experts", "num_local_experts",
+                                                                          "n_routed_experts")) if n), 0)
+        if experts:  # Qwen2/3-MoE, Mixtral (experts of intermediate_size), DeepSeek
+            expert_inter = getattr(text, "moe_intermediate_size", None) or inter
+            shared = (getattr(text, "shared_expert_intermediate_size", None) or 0) + \
+                (getattr(text, "n_shared_experts", None) or 0) * expert_inter
+            inter = experts * expert_inter + shared
         per_layer = hidden * (2 * heads + 2 * kv_heads) * head_dim + 3 * hidden * inter
         return 4 * (layers * per_layer + text.vocab_size * hidden)  # type: ignore[union-attr]
     except (AttributeError, TypeError):

@@ -13,6 +13,7 @@ from typing import Any
 from torch import nn
 
 from sglang.srt.layers.linear import LinearMethod, linear_methods
+from sglang.srt.layers.moe.fused_moe import expert_linear_methods
 from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
 from sglang.srt.model_loader.dtype import dtype_name
 from sglang.srt.model_loader.quant_config import describe_checkpoint_quantization
@@ -50,7 +51,7 @@ def weight_bytes_by_format(model: nn.Module) -> dict[str, int]:
         name = dtype_name(param.dtype)
         totals[name] = totals.get(name, 0) + param.numel() * param.element_size()
     from_gguf = getattr(model, "gguf_block_origins", None) or {}
-    for method in linear_methods(model):
+    for method in linear_methods(model) + expert_linear_methods(model):  # experts served from blocks included
         for key, name, nbytes in _method_copies(method, from_checkpoint, method_read, from_gguf):
             if key not in seen:
                 seen.add(key)

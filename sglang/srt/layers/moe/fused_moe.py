@@ -11,6 +11,9 @@ rounded the same way as the reference.
 
 Under tensor parallelism each rank holds every expert's slice of the intermediate size (its gate and up rows, the
 matching down columns), as the dense MLP is split, and the ranks' partial outputs are summed with one all_reduce.
+
+Where blocks serve every batch, a layer's experts are computed from their GGUF blocks instead and the stacked float
+parameters are released (`FusedMoE.serve_from_blocks`, layers/moe/expert_blocks.py).
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ from torch import nn
 
 from sglang.srt.distributed.parallel_state import get_tp_group
 from sglang.srt.distributed.partition import check_partition_fits, partition
-from sglang.srt.layers.linear import copy_checked
+from sglang.srt.layers.linear import LinearMethod, copy_checked
+from sglang.srt.layers.moe.expert_blocks import ExpertBlocks
 from sglang.srt.layers.moe.topk import TopKOutput
+from sglang.srt.model_loader.dtype import dtype_name
 
 # The per-expert checkpoint module names of the gate, up and down projections.
 HF_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -132,10 +137,44 @@ class FusedMoE(nn.Module):
             torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype, device=device),
             requires_grad=False,
         )
+        # Set when the experts' blocks alone serve them (serve_from_blocks).
+        self.expert_blocks: Optional[ExpertBlocks] = None
 
     def forward(self, hidden_states: torch.Tensor, topk: TopKOutput) -> torch.Tensor:
-        out = fused_experts(hidden_states, self.gate_up_proj, self.down_proj, topk.weights, topk.ids)
+        if self.expert_blocks is not None:
+            out = dispatch_experts(hidden_states, topk.weights, topk.ids, self.num_experts, self.expert_blocks.expert)
+        else:
+            out = fused_experts(hidden_states, self.gate_up_proj, self.down_proj, topk.weights, topk.ids)
         return self.tp.all_reduce(out) if self.tp.size > 1 else out
+
+    def serve_from_blocks(self, blocks: ExpertBlocks, release_dtype: torch.dtype) -> None:
+        """Compute the experts from `blocks` from now on and release the stacked float parameters: meta tensors of
+        `release_dtype` (the model's) keep the shapes a weight update compares, and any arithmetic on them fails
+        loudly instead of reading stale values."""
+        if blocks.num_experts != self.num_experts or blocks.intermediate_size != self.intermediate_size:
+            raise ValueError(f"blocks of {blocks.num_experts} experts of intermediate size {blocks.intermediate_size} "
+                             f"for a layer of {self.num_experts} x {self.intermediate_size}")
+        self.expert_blocks = blocks
+        for name in ("gate_up_proj", "down_proj"):
+            old: torch.Tensor = getattr(self, name)
+            setattr(self, name, nn.Parameter(torch.empty(old.shape, dtype=release_dtype, device="meta"),
+                                             requires_grad=False))
+
+    def served_values(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        """The values the experts compute with for a released stacked parameter (`gate_up_proj` or `down_proj`,
+        [E, ...] float32, dequantized from the blocks); None for any other parameter or while the experts are
+        dense."""
+        blocks = self.expert_blocks
+        if blocks is None or (param is not self.gate_up_proj and param is not self.down_proj):
+            return None
+        methods = blocks.gate_up if param is self.gate_up_proj else blocks.down
+        return torch.stack([m.quant_weight.dequantize() for m in methods])
+
+    def describe(self) -> str:
+        """How the experts compute, for the decode-path log line."""
+        if self.expert_blocks is not None:
+            return self.expert_blocks.describe()
+        return f"dense {dtype_name(self.gate_up_proj.dtype)}"
 
     def _rows(self, t: torch.Tensor, dim: int, name: str) -> torch.Tensor:
         """This rank's slice of the intermediate axis `dim` of a whole checkpoint tensor."""
@@ -185,3 +224,9 @@ class FusedMoE(nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, intermediate_size={self.intermediate_size}"
+
+
+def expert_linear_methods(model: nn.Module) -> list[LinearMethod]:
+    """The linear methods of every expert served from blocks in `model` (none where the experts are dense)."""
+    return [method for module in model.modules() if isinstance(module, FusedMoE) and module.expert_blocks is not None
+            for method in module.expert_blocks.methods()]

@@ -3,7 +3,8 @@
 The router (`gate`) and the shared-expert gate are plain `nn.Linear`, not `layers.linear.Linear`, so the loader
 never gives them a reduced-precision method (int8 / bf16 copies for large batches): routing decisions must be
 computed in the model dtype to pick the experts the checkpoint's authors trained with. The experts are stacked
-parameters (fused_moe.py) and likewise keep the model dtype.
+parameters (fused_moe.py) in the model dtype, or, where blocks serve every batch, their Q8_0 blocks
+(layers/moe/expert_blocks.py); the routers stay in the model dtype either way.
 """
 
 from __future__ import annotations

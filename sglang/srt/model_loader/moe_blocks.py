@@ -1,0 +1,179 @@
+"""One copy of a mixture-of-experts model's weights: its experts, too, served from Q8_0 blocks made at load.
+
+The counterpart of model_loader/q8_blocks.py for decoders with stacked experts (layers/moe/fused_moe.FusedMoE:
+Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V2), where the plan serves every batch from blocks (`--large-batch-weights
+blocks`, model_executor/model_runner.blocks_only):
+
+- `keep_experts_in` runs on the model while it is on the meta device: every `Linear` of the decoder (attention, the
+  dense MLPs, shared experts), an LM head of its own, a bf16 input embedding table and the stacked expert parameters
+  take the checkpoint's dtype (bf16 / fp16), so that loading makes no float32 copy of them.
+- `attach_expert_blocks` then gives each of those linear layers and the LM head Q8_0 blocks (q8_blocks.blocks_method:
+  the block kernels for small batches, the plan's large-batch method over the blocks beyond) and each expert one
+  block weight for its fused gate/up projection and one for its down projection (layers/moe/expert_blocks.py), and
+  releases every float weight as soon as its blocks exist: a layer's stacked experts once all of its experts have
+  blocks. The load thus peaks at the checkpoint's own bytes plus one expert's float32 copy (what the quantizer
+  reads), and the served model holds ~1.06 bytes per weight.
+
+The routers (`gate`, Qwen2-MoE's `shared_expert_gate`, DeepSeek's router) stay float32: they are a few rows per
+layer, and routing decisions are computed in the model dtype to pick the experts the checkpoint's authors trained
+with (layers/moe/moe_block.py). So do the norms and, where they are not kept as stored, the embeddings.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from sglang.srt.layers.linear import Linear
+from sglang.srt.layers.moe.expert_blocks import ExpertBlocks
+from sglang.srt.layers.moe.fused_moe import FusedMoE
+from sglang.srt.layers.quantization.gguf_blocks import QK, kernels_available, kernels_unavailable_reason
+from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
+from sglang.srt.model_loader.q8_blocks import (
+    LargeFromBlocks,
+    blocks_method,
+    quantize_blocks,
+    table_kept_as_stored,
+    untied_head,
+)
+from sglang.srt.model_loader.quant_config import describe_checkpoint_quantization
+
+logger = logging.getLogger(__name__)
+
+
+def has_experts(model: nn.Module) -> bool:
+    """Whether `model` has stacked experts (FusedMoE layers)."""
+    return any(isinstance(m, FusedMoE) for m in model.modules())
+
+
+def _parts(model: Any) -> tuple[list[Linear], list[FusedMoE]]:
+    backbone = getattr(model, "model", None)
+    if backbone is None:
+        return [], []
+    return ([m for m in backbone.modules() if isinstance(m, Linear)],
+            [m for m in backbone.modules() if isinstance(m, FusedMoE)])
+
+
+def _shape_reason(model: Any) -> Optional[str]:
+    """Why the decoder of `model` cannot be held as blocks, or None."""
+    if not kernels_available():
+        return f"the GGUF kernels are unavailable ({kernels_unavailable_reason()})"
+    linears, experts = _parts(model)
+    if not experts:
+        return f"{type(model).__name__} has no stacked experts"
+    if describe_checkpoint_quantization(getattr(model, "config", None)) is not None:
+        return "the checkpoint is quantized: its experts are read as their dequantized values"
+    narrow = [m for m in linears if m.weight.shape[1] % QK]
+    if narrow:
+        return f"a linear layer's input width ({narrow[0].weight.shape[1]}) is not a multiple of {QK}"
+    for fused in experts:
+        for width in (fused.gate_up_proj.shape[2], fused.intermediate_size):
+            if width % QK:
+                return f"an expert's input width ({width}) is not a multiple of {QK}"
+    return None
+
+
+def _kept_owners(model: Any, dtype: torch.dtype) -> list[nn.Module]:
+    """The modules whose `weight` may be held in the checkpoint's `dtype` until blocks replace it."""
+    linears, _ = _parts(model)
+    owners: list[nn.Module] = list(linears)
+    head = untied_head(model)
+    if head is not None:
+        owners.append(head)
+    table = table_kept_as_stored(model, dtype)
+    if table is not None:
+        owners.append(table)
+    return owners
+
+
+def keep_experts_in(model: nn.Module, dtype: torch.dtype, from_gguf: bool = False) -> Optional[str]:
+    """On an MoE model built on the meta device, give the decoder's linear weights, the stacked experts (and an LM
+    head that is not the input embeddings, a bf16 input embedding table) `dtype`, so that loading a checkpoint stored
+    in `dtype` makes no wider copy; `attach_expert_blocks` turns them into blocks. Returns why it does not apply (the
+    model is left as it is), or None. A GGUF file's experts are not GGUF blocks here (its values are converted to
+    float32 at load): they stay float32 until their Q8_0 blocks are made, so that no bf16 rounding comes between."""
+    reason = "a GGUF file's experts are quantized from its float32 values" if from_gguf else _shape_reason(model)
+    if reason is not None:
+        return reason
+    for module in _kept_owners(model, dtype):
+        old: torch.Tensor = module.weight  # type: ignore[assignment]
+        module.weight = nn.Parameter(torch.empty(old.shape, dtype=dtype, device=old.device), requires_grad=False)
+    for fused in _parts(model)[1]:
+        for name in ("gate_up_proj", "down_proj"):
+            stacked: torch.Tensor = getattr(fused, name)
+            setattr(fused, name, nn.Parameter(torch.empty(stacked.shape, dtype=dtype, device=stacked.device),
+                                              requires_grad=False))
+    return None
+
+
+def why_no_expert_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlocks]) -> Optional[str]:
+    """Why `attach_expert_blocks` leaves `model` as it is, or None."""
+    if max_rows <= 0:
+        return "--gguf-kernel-max-rows is 0"
+    if large is None:
+        return "experts get blocks only where blocks serve every batch (--large-batch-weights blocks)"
+    reason = _shape_reason(model)
+    if reason is not None:
+        return reason
+    # the kept weights may be in the checkpoint's dtype (keep_experts_in); everything else float32
+    kept = {id(m.weight) for m in _kept_owners(model, torch.bfloat16)}
+    kept.update(id(p) for fused in _parts(model)[1] for p in (fused.gate_up_proj, fused.down_proj))
+    if any(p.device.type != "cpu" or (p.dtype != torch.float32 and id(p) not in kept) for p in model.parameters()):
+        return "the model is not float32 on CPU"
+    return None
+
+
+def _expert_blocks(fused: FusedMoE, max_rows: int, large: LargeFromBlocks, qtype: str, int8_activations: bool,
+                   dtype: torch.dtype) -> ExpertBlocks:
+    """The blocks of every expert of `fused`, which compute in the model's `dtype`."""
+    methods: dict[str, list[GGUFLinearMethod]] = {"gate_up_proj": [], "down_proj": []}
+    for expert in range(fused.num_experts):
+        for name, out in methods.items():
+            weight = getattr(fused, name)[expert]
+            blocks = quantize_blocks(weight, qtype)
+            method = GGUFLinearMethod(blocks, max_rows, int8_activations=int8_activations)
+            # Q8_0 blocks are within 1/254 of the float weight they round: that weight makes an int8 copy's
+            # values; Q4_1 blocks are coarser, and every batch size must compute with the same weights.
+            method.large = large(blocks, weight if qtype == "Q8_0" else blocks.dequantize())
+            out.append(method)
+    return ExpertBlocks(methods["gate_up_proj"], methods["down_proj"], dtype)
+
+
+def attach_expert_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlocks], qtype: str = "Q8_0",
+                         activations: str = "float32") -> int:
+    """Serve every linear layer, expert and the LM head of a float32 MoE decoder from `qtype` blocks made at load
+    (the LM head Q8_0 either way, as q8_blocks.attach_q8_0_blocks keeps it), for every batch: the block kernels up
+    to `max_rows` rows (with int8 activations for `activations` "int8"), the method `large` makes beyond. Float
+    weights are released as their blocks are made. Returns the bytes of the blocks (0 when it does not apply, with
+    the reason logged)."""
+    reason = why_no_expert_blocks(model, max_rows, large)
+    if reason is not None:
+        logger.info("No %s blocks for the experts and linear layers: %s", qtype, reason)
+        return 0
+    assert large is not None
+    dtype = model.model.norm.weight.dtype  # the model's (the embedding table may be kept bf16)
+    linears, experts = _parts(model)
+    attached = 0
+    for module in linears:
+        method = blocks_method(module, quantize_blocks(module.weight, qtype), max_rows, large, dtype)
+        module.set_linear_method(method)
+        attached += method.quant_weight.nbytes
+    head, processor = getattr(model, "lm_head", None), getattr(model, "logits_processor", None)
+    if head is not None and processor is not None and head.weight.shape[1] % QK == 0:
+        own_weight = untied_head(model) is not None  # else it is the input embeddings, which stay
+        method = blocks_method(head, quantize_blocks(head.weight, "Q8_0"), max_rows, large,
+                               dtype if own_weight else None)
+        processor.set_head_method(method)
+        attached += method.quant_weight.nbytes
+    expert_bytes = 0
+    for fused in experts:  # one layer at a time: its float experts go as soon as their blocks exist
+        blocks = _expert_blocks(fused, max_rows, large, qtype, activations == "int8", dtype)
+        fused.serve_from_blocks(blocks, dtype)
+        expert_bytes += blocks.nbytes
+    logger.info("Attached %.1f MB of %s blocks (quantized at load) for every matmul (no float weights kept), "
+                "%.1f MB of them for %d x %d experts; routers stay float32", (attached + expert_bytes) / 2**20,
+                qtype, expert_bytes / 2**20, len(experts), experts[0].num_experts)
+    return attached + expert_bytes
