@@ -19,8 +19,8 @@ from schemathesis import GenerationMode
 
 from tests.server_fixtures import running_server
 
-EXAMPLES_PER_OPERATION = 100
-MIN_TOTAL_CASES = 2000
+EXAMPLES_PER_OPERATION = 60
+MIN_TOTAL_CASES = 1200
 _cases: list[str] = []
 
 
