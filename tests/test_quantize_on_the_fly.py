@@ -8,8 +8,9 @@ fp8). On tiny random Llamas and on SmolLM2's weights: the loaded weights (the Q8
 weights where no blocks are made) equal the reference exactly; the logits equal transformers' on the reference
 weights up to summation order and stay within the format's error of transformers' on the float weights; a server
 started with `--quantization w8a8_int8` generates transformers' greedy tokens on the reference weights (under the
-near-tie rule of tests/test_quantized_blocks.py); a quantized checkpoint or a GGUF file with an on-the-fly mode is
-a startup error naming both.
+near-tie rule of tests/test_quantized_blocks.py); each weight is quantized once and each checkpoint tensor read once
+(the blocks are made from the first pass's integers; a GPTQ checkpoint's too); a quantized checkpoint or a GGUF file
+with an on-the-fly mode is a startup error naming both.
 """
 
 from __future__ import annotations
@@ -153,7 +154,9 @@ def test_w8a8_int8_blocks_are_the_reference_int8(tmp_path, caplog):
     assert torch.equal(model.model.embed_tokens.weight, hf_model.model.embed_tokens.weight)
     assert torch.equal(model.model.layers[0].input_layernorm.weight, hf_model.model.layers[0].input_layernorm.weight)
     by_format = weight_bytes_by_format(model)
-    assert set(by_format) == {"Q8_0 blocks from the w8a8_int8 checkpoint", "float32", "Q8_0 blocks"}, by_format
+    # the bf16 checkpoint's embedding table stays bf16 (model_loader/q8_blocks.table_kept_as_stored)
+    assert set(by_format) == {"Q8_0 blocks from the w8a8_int8 checkpoint", "float32", "bfloat16", "Q8_0 blocks"}, \
+        by_format
     assert describe_weights(model).startswith(
         "Weights: w8a8_int8 (int8 weights per output channel (fp16 scales), quantized at load), served from its own "
         "Q8_0 blocks")
@@ -210,6 +213,109 @@ def test_on_the_fly_mode_on_a_quantized_checkpoint_or_gguf_file_is_a_startup_err
     with pytest.raises(QuantizedCheckpointError, match="--quantization w8a8_int8 does not match the checkpoint: it "
                                                        "is a GGUF file"):
         Engine(model_path="HuggingFaceTB/SmolLM2-135M-Instruct", quantization="w8a8_int8")
+
+
+# ---- one quantization per weight, one read per tensor --------------------------------------------------------------
+def count_reads(monkeypatch) -> dict[str, int]:
+    """Checkpoint tensor name -> how many times the loader has read it (quantized_weights.TensorStore)."""
+    from sglang.srt.model_loader.quantized_weights import TensorStore
+
+    reads: dict[str, int] = {}
+    read = TensorStore.get
+
+    def counted(store: TensorStore, name: str) -> torch.Tensor:
+        reads[name] = reads.get(name, 0) + 1
+        return read(store, name)
+
+    monkeypatch.setattr(TensorStore, "get", counted)
+    return reads
+
+
+def stored_names(directory: Path) -> set[str]:
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for path in directory.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            names |= set(f.keys())
+    return names
+
+
+def test_w8a8_int8_quantizes_each_weight_once(tmp_path, monkeypatch):
+    """The int8 values and fp16 scales made as each linear weight is first read are what its Q8_0 blocks are made
+    of: `int8_per_channel` runs once per weight and every tensor of the checkpoint is read once, whether the blocks
+    serve every batch (a bf16 checkpoint) or small batches beside the float32 weights (a float32 checkpoint, whose
+    float weights are the same values); the blocks made at load are not kept once attached, nor where the model gets
+    none (--gguf-kernel-max-rows 0)."""
+    from sglang.srt.model_executor.model_runner import attach_fast_paths, load_for_plan
+    from sglang.srt.model_loader import online_quant
+
+    quantized: list[tuple[int, ...]] = []
+    quantize = online_quant.int8_per_channel
+
+    def counted(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        quantized.append(tuple(weight.shape))
+        return quantize(weight)
+
+    monkeypatch.setattr(online_quant, "int8_per_channel", counted)
+    reads = count_reads(monkeypatch)
+    small_blocks = choose_arithmetic("cpu", cpu_gemm="float32", cpu_flags=BF16_VNNI_FLAGS,
+                                     small_batch_quantization="q8_0", large_batch_weights="dense")
+    for dtype, plan in ((torch.bfloat16, blocks_plan()), (torch.float32, small_blocks)):
+        directory = tmp_path / str(dtype).removeprefix("torch.")
+        references = reference_weights(tiny_float_checkpoint(directory, dtype), "w8a8_int8")
+        quantized.clear()
+        reads.clear()
+        model = load_online(directory, "w8a8_int8", plan)
+        assert sorted(quantized) == sorted(tuple(r.shape) for r in references.values()), dtype  # 14, once each
+        assert reads == dict.fromkeys(stored_names(directory), 1), dtype
+        source = model.quantized_checkpoint
+        assert source.made is None, dtype
+        for module, parts in linears_with_parts(model):
+            method = module.linear_method
+            assert isinstance(method, GGUFLinearMethod) and id(method.quant_weight.packed) in source.served, parts
+            reference = torch.cat([references[p] for p in parts])
+            assert torch.equal(method.quant_weight.dequantize(), reference), parts
+            if module.weight.device.type != "meta":
+                assert torch.equal(module.weight, reference), parts
+    config = online_config(directory, "w8a8_int8")
+    model = load_for_plan(str(directory), torch.float32, torch.device("cpu"), None, 0, small_blocks, config=config)
+    assert model.quantized_checkpoint.made is not None and len(model.quantized_checkpoint.made) == 14
+    attach_fast_paths(model, None, config, 0, small_blocks)
+    assert model.quantized_checkpoint.made is None and not model.quantized_checkpoint.served
+    no_blocks = choose_arithmetic("cpu", cpu_gemm="float32", cpu_flags=BF16_VNNI_FLAGS, small_batch_quantization="none")
+    model = load_for_plan(str(directory), torch.float32, torch.device("cpu"), None, 8, no_blocks, config=config)
+    assert model.quantized_checkpoint.made is not None
+    attach_fast_paths(model, None, config, 8, no_blocks)  # no layer takes blocks: those made while reading go
+    assert model.quantized_checkpoint.made is None and not model.quantized_checkpoint.served
+
+
+def test_a_quantized_checkpoint_is_read_once(tmp_path, monkeypatch):
+    """A GPTQ checkpoint served from Q4_1 blocks of its own integers: every tensor of it is read once (the blocks
+    made as each weight is read and dequantized), and the served blocks are byte for byte those a second reading of
+    its integers makes."""
+    from transformers import AutoModelForCausalLM
+
+    from sglang.srt.model_loader.int_blocks import blocks_of
+    from sglang.srt.model_loader.quantized_weights import iterate_quantized
+    from tests.test_quantized_blocks import load_served
+
+    torch.manual_seed(0)
+    hf_model = AutoModelForCausalLM.from_config(tiny_config("llama", hidden_size=128, intermediate_size=320))
+    quant_config, make_layer, dtype = gptq_format(4, 32, False)
+    write_quantized_checkpoint(tmp_path, hf_model, quant_config, make_layer, dtype)
+    reads = count_reads(monkeypatch)
+    model = load_served(tmp_path, blocks_plan())
+    assert reads == dict.fromkeys(stored_names(tmp_path), 1)
+    source = model.quantized_checkpoint
+    assert source.made is None
+    again = {module: blocks_of(stored, module) for module, stored in iterate_quantized(source.files, source.scheme)}
+    for module, parts in linears_with_parts(model):
+        method = module.linear_method
+        assert isinstance(method, GGUFLinearMethod) and id(method.quant_weight.packed) in source.served, parts
+        raw = [again[p.removesuffix(".weight")] for p in parts]
+        assert all(isinstance(r, tuple) and r[0] == "Q4_1" for r in raw), parts
+        assert torch.equal(method.quant_weight.raw(), torch.cat([r[1] for r in raw])), parts
 
 
 def test_what_is_quantized_and_what_cannot_be(tmp_path):

@@ -149,9 +149,14 @@ def test_served_blocks_are_the_checkpoint_weights(tmp_path, fmt, caplog):
     by_format = weight_bytes_by_format(model)
     method_name = model.quantized_checkpoint.scheme.method
     assert by_format[f"{qtype} blocks from the {method_name} checkpoint"] == expected_bytes
-    floats = sum(p.numel() * 4 for p in model.parameters() if p.device.type != "meta")
+    params: dict[str, int] = {}  # what stays a parameter: float32 norms, the embeddings (bf16 as stored, or float32)
+    for p in model.parameters():
+        if p.device.type != "meta":
+            params[str(p.dtype).removeprefix("torch.")] = params.get(str(p.dtype).removeprefix("torch."), 0) + \
+                p.numel() * p.element_size()
+    assert params.get("bfloat16", 0) in (0, model.model.embed_tokens.weight.numel() * 2), params
     head = model.logits_processor.head_method.quant_weight
-    assert by_format == {f"{qtype} blocks from the {method_name} checkpoint": expected_bytes, "float32": floats,
+    assert by_format == {f"{qtype} blocks from the {method_name} checkpoint": expected_bytes, **params,
                          "Q8_0 blocks": head.nbytes}
     assert describe_weights(model).startswith(
         f"Weights: {model.quantized_checkpoint.scheme.describe()}, served from its own {qtype} blocks: ")

@@ -26,6 +26,7 @@ from sglang.srt.lora.layers import LoraBatchState, lora_rows
 from sglang.srt.mem_cache.kv_pool import KVPool
 from sglang.srt.mem_cache.memory_pools import KVCacheSpec
 from sglang.srt.model_executor.decode_strategy import DecodePlan, plan_decode
+from sglang.srt.model_loader.checkpoint_blocks import release_made_blocks
 from sglang.srt.model_loader.dtype import checkpoint_dtype
 from sglang.srt.model_loader.gemm_methods import attach_large_batch_gemm, blocks_large_method
 from sglang.srt.model_loader.gguf_quant import attach_gguf_quant_weights
@@ -100,6 +101,7 @@ def attach_fast_paths(model: Any, gguf_path: Optional[str], hf_config: Any, gguf
         quant_bytes += attach_large_batch_gemm(model, arithmetic.large_batch_gemm)
     if arithmetic is not None:
         set_gguf_activations(model, arithmetic.gguf_activations)
+    release_made_blocks(model)  # blocks a quantized checkpoint's reading made that no layer took (none attached)
     return quant_bytes
 
 

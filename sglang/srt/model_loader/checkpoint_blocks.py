@@ -1,12 +1,18 @@
 """The blocks of a GPTQ / AWQ / compressed-tensors checkpoint for each linear layer of the model loaded from it.
 
 A model loaded from such a checkpoint carries a `QuantizedSource` (model_loader/loader.py): its files and scheme.
-Where the plan gives the model blocks for small batches (model_loader/q8_blocks.attach_q8_0_blocks), the
-checkpoint's quantized weights are read a second time, unpacked (model_loader/quantized_weights.iterate_quantized)
-and repacked into Q4_1 / Q8_0 blocks of exactly their values (model_loader/int_blocks.py), as a GGUF file's own
-blocks are attached (model_loader/gguf_quant.py): fused q/k/v and gate/up layers get their parts' blocks stacked.
-It is all or nothing for a checkpoint: where one layer has no such blocks, none is served from the file, and one
-log line says why.
+Where the plan gives the model blocks for small batches (model_loader/q8_blocks.attach_q8_0_blocks), each quantized
+weight's integers are repacked into Q4_1 / Q8_0 blocks of exactly their values (model_loader/int_blocks.py), as a
+GGUF file's own blocks are attached (model_loader/gguf_quant.py): fused q/k/v and gate/up layers get their parts'
+blocks stacked. It is all or nothing for a checkpoint: where one layer has no such blocks, none is served from the
+file, and one log line says why.
+
+The checkpoint is read once: where blocks may serve the model (`blocks_may_serve`: float32 on CPU with the GGUF
+kernels, one tensor-parallel rank), the loader makes each weight's raw blocks as it reads and dequantizes it
+(`QuantizedSource.made`; `--quantization w8a8_int8` thus quantizes each weight once), and they are dropped as they
+are attached, or all at once where the model gets no blocks from them (`release_made_blocks`). Only a model loaded
+without them (another device or dtype) reads the quantized weights a second time, unpacked
+(model_loader/quantized_weights.iterate_quantized).
 """
 
 from __future__ import annotations
@@ -15,13 +21,13 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import torch
 from torch import nn
 
 from sglang.srt.layers.linear import MergedLinear
-from sglang.srt.model_loader.int_blocks import RawBlocks, blocks_of, checkpoint_block_reason
+from sglang.srt.model_loader.int_blocks import MadeBlocks, RawBlocks, blocks_of, checkpoint_block_reason
 from sglang.srt.model_loader.quant_config import Scheme
 
 logger = logging.getLogger(__name__)
@@ -35,10 +41,49 @@ class QuantizedSource:
     scheme: Scheme
     # id of each attached blocks tensor (GGUFQuantWeight.packed) made from the checkpoint -> its qtype
     served: dict[int, str] = field(default_factory=dict)
+    # the raw blocks made as the weights were loaded, until they are attached or dropped (None: not made)
+    made: Optional[MadeBlocks] = None
 
     def describe(self) -> str:
         qtypes = "/".join(sorted(set(self.served.values())))
         return f"{self.scheme.describe()}, served from its own {qtypes} blocks"
+
+
+def blocks_may_serve(scheme: Scheme, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a model of `dtype` on `device` loaded from a checkpoint of `scheme` may be served from blocks made of
+    its integers (model_loader/q8_blocks.why_no_q8_0_blocks: float32 on CPU with the GGUF kernels; tensor-parallel
+    ranks keep their shards dense): the loader then makes them as it reads each weight."""
+    from sglang.srt.distributed.parallel_state import get_tp_group
+    from sglang.srt.layers.quantization.gguf_blocks import kernels_available
+
+    return (device.type == "cpu" and dtype == torch.float32 and checkpoint_block_reason(scheme) is None
+            and kernels_available() and get_tp_group().size == 1)
+
+
+def release_made_blocks(model: nn.Module) -> None:
+    """Drop the blocks made at load of a model that gets none of them."""
+    source = getattr(model, "quantized_checkpoint", None)
+    if source is not None:
+        source.made = None
+
+
+def _read_blocks(source: QuantizedSource, wanted: set[str]) -> Union[dict[str, RawBlocks], str]:
+    """The raw blocks of the checkpoint modules `wanted` (the blocks made at load, else read again), or why the
+    first of them in file order has none."""
+    made, source.made = source.made, None  # taken: each block is released once it is attached
+    if made is None:
+        from sglang.srt.model_loader.quantized_weights import iterate_quantized
+
+        made = {module: blocks_of(stored, module) for module, stored in iterate_quantized(source.files, source.scheme)
+                if module in wanted}
+    read: dict[str, RawBlocks] = {}
+    for module, blocks in made.items():
+        if module not in wanted:
+            continue
+        if isinstance(blocks, str):
+            return blocks
+        read[module] = blocks
+    return read
 
 
 def _checkpoint_parts(name: str, module: nn.Module) -> list[str]:
@@ -63,19 +108,13 @@ def checkpoint_blocks(model: nn.Module, source: QuantizedSource, required: Seque
     and those of `optional` (an LM head) the checkpoint quantizes; or why the checkpoint has none."""
     reason = checkpoint_block_reason(source.scheme)
     if reason is not None:
+        source.made = None
         return reason
-    from sglang.srt.model_loader.quantized_weights import iterate_quantized
-
     names = {id(m): n for n, m in model.named_modules()}
     parts = {id(m): _checkpoint_parts(names.get(id(m), ""), m) for m in [*required, *optional]}
-    wanted = {part for module_parts in parts.values() for part in module_parts}
-    read: dict[str, RawBlocks] = {}
-    for module_name, stored in iterate_quantized(source.files, source.scheme):
-        if module_name in wanted:
-            blocks = blocks_of(stored, module_name)
-            if isinstance(blocks, str):
-                return blocks
-            read[module_name] = blocks
+    read = _read_blocks(source, {part for module_parts in parts.values() for part in module_parts})
+    if isinstance(read, str):
+        return read
     out: dict[int, RawBlocks] = {}
     for module in [*required, *optional]:
         module_parts = parts[id(module)]

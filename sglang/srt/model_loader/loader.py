@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
-from sglang.srt.model_loader.checkpoint_blocks import QuantizedSource
+from sglang.srt.model_loader.checkpoint_blocks import QuantizedSource, blocks_may_serve
 from sglang.srt.model_loader.config_overrides import layers_in_config
 from sglang.srt.model_loader.quant_config import (
     OnlineScheme,
@@ -71,9 +71,13 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device, c
             module.rebuild_cache(device)
     # A checkpoint's own quantization_config first; else the on-the-fly mode the served config carries.
     scheme: Optional[Scheme] = resolve_quantization(model_dir, None) or online_scheme_of(config)
-    model.load_weights(layers_in_config(_checkpoint_weights(model_dir, config, scheme), config))
-    if scheme is not None:  # where the plan makes blocks, they come from the checkpoint's integers
-        model.quantized_checkpoint = QuantizedSource(weight_files(model_dir), scheme)
+    # where the plan makes blocks, they come from the checkpoint's integers, made as each weight is read
+    source = QuantizedSource(weight_files(model_dir), scheme) if scheme is not None else None
+    if source is not None and blocks_may_serve(source.scheme, device, dtype):
+        source.made = {}
+    model.load_weights(layers_in_config(_checkpoint_weights(model_dir, config, source), config))
+    if source is not None:
+        model.quantized_checkpoint = source
     model.requires_grad_(False)
     model.eval()
     logger.info(
@@ -83,11 +87,15 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device, c
     return model
 
 
-def _checkpoint_weights(model_dir: str, config: Any, scheme: Optional[Scheme]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors as the model loads them: a float checkpoint quantized at load by `--quantization`
-    has its decoder linear weights quantized and read back as that format's values (model_loader/online_quant.py)."""
-    if isinstance(scheme, OnlineScheme):
-        from sglang.srt.model_loader.quantized_weights import iterate_dequantized
+def _checkpoint_weights(model_dir: str, config: Any,
+                        source: Optional[QuantizedSource]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors as the model loads them: a quantized checkpoint's weights dequantized, a float
+    checkpoint quantized at load by `--quantization` with its decoder linear weights quantized and read back as that
+    format's values (model_loader/online_quant.py); the blocks of `source.made` made on the way."""
+    if source is None:
+        return iterate_weights(model_dir)
+    from sglang.srt.model_loader.quantized_weights import iterate_dequantized
 
-        return iterate_dequantized(weight_files(model_dir), scheme, dequantized_dtype(config, scheme))
-    return iterate_weights(model_dir)
+    # an on-the-fly mode's dtype follows the served config; a quantized checkpoint's, its own files
+    dtype = dequantized_dtype(config if isinstance(source.scheme, OnlineScheme) else model_dir, source.scheme)
+    return iterate_dequantized(source.files, source.scheme, dtype, source.made)

@@ -6,8 +6,9 @@ reader (model_loader/dequantize.py), so that everything after is the quantized-c
   quantized per token at run time where the plan's kernels quantize them): scale = max|row| / 127 rounded to fp16
   (the scale a Q8_0 block keeps: a relative change of at most 2^-11, so |w| / scale stays under 127.07), values
   round(w / scale) in [-127, 127]. These are a compressed-tensors int8 channel-strategy weight (`weight` int8,
-  `weight_scale` [out, 1]): served from Q8_0 blocks made exactly from them (model_loader/int_blocks.py), the int8
-  GEMM on large batches where the plan measured it fastest, or dequantized where the plan makes no blocks.
+  `weight_scale` [out, 1]): served from Q8_0 blocks made exactly from them as each weight is quantized, once
+  (model_loader/int_blocks.py, model_loader/checkpoint_blocks.py), the int8 GEMM on large batches where the plan
+  measured it fastest, or dequantized where the plan makes no blocks.
 - fp8 (SGLang's online FP8: one scale per tensor): values (w * 448 / max|w|) clamped to +-448 and rounded to float8
   e4m3, scale max|w| / 448 (the reciprocal of 448 / max|w|, as SGLang's `input_to_float8` computes it). These are
   an FP8 checkpoint's per-tensor weight: dequantized at load to the checkpoint's dtype, as such a checkpoint is here.

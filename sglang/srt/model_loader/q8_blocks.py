@@ -197,6 +197,9 @@ def attach_q8_0_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlock
     reason = why_no_q8_0_blocks(model) if max_rows > 0 else "--gguf-kernel-max-rows is 0"
     if reason is not None:
         logger.info("No %s blocks for small batches: %s", qtype, reason)
+        from sglang.srt.model_loader.checkpoint_blocks import release_made_blocks
+
+        release_made_blocks(model)  # those made from a quantized checkpoint's integers as it was read
         return 0
     dtype = model.model.norm.weight.dtype  # the model's (the embedding table may be kept bf16: keep_linears_in)
     head = getattr(model, "lm_head", None)

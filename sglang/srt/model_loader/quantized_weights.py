@@ -6,10 +6,13 @@ A quantized linear layer `P` is stored as several tensors (GPTQ / AWQ: `P.qweigh
 several shard files. All names are listed first (safetensors headers only) and checked: every quantized weight has
 the tensors it needs, no scale is left without its weight. Then, in file order, each quantized weight is read with
 its companions, dequantized (model_loader/dequantize.py), rounded to the checkpoint's dtype and yielded as `P.weight`;
-every other tensor passes through as it is stored. Only one weight is ever held dequantized. `iterate_quantized`
-reads the same weights unpacked, for the blocks made from their integers (model_loader/int_blocks.py). A float
-checkpoint served with an on-the-fly `--quantization` (OnlineScheme) goes the same way: its decoder linear weights
-are quantized as they are read (model_loader/online_quant.py) instead of unpacked.
+every other tensor passes through as it is stored. Only one weight is ever held dequantized, and each tensor is read
+through a mapping of its file that lives as long as the tensor, so that the load does not keep every page of the
+checkpoint it has read mapped. Where the model may be served from blocks made of the integers, they are made from
+each weight as it is read (`made`, model_loader/int_blocks.py); `iterate_quantized` reads the weights unpacked again
+for a model loaded without them. A float checkpoint served with an on-the-fly `--quantization` (OnlineScheme) goes
+the same way: its decoder linear weights are quantized as they are read (model_loader/online_quant.py), once,
+instead of unpacked.
 
 Mixture-of-experts checkpoints store each expert's projections as quantized linears of their own
 (`mlp.experts.E.gate_proj.qweight`, Mixtral's `block_sparse_moe.experts.E.w1.qweight`): they are dequantized the
@@ -43,6 +46,7 @@ from sglang.srt.model_loader.dequantize import (
     unpack_compressed_zero_point,
 )
 from sglang.srt.model_loader.dtype import dtype_name
+from sglang.srt.model_loader.int_blocks import MadeBlocks, blocks_of
 from sglang.srt.model_loader.online_quant import plan_online, quantize_at_load
 from sglang.srt.model_loader.quant_config import (
     ACTIVATION_SCALE_SUFFIXES,
@@ -66,18 +70,21 @@ _FUSED_EXPERTS_MODULE = re.compile(r"\.experts\.[^.\d][^.]*$")
 
 
 class TensorStore:
-    """Every tensor of a checkpoint's files by name, read one at a time on request."""
+    """Every tensor of a checkpoint's files by name, read one at a time on request. A safetensors file is opened
+    for each read: the tensor is a view of a mapping of the file that goes with it, where one mapping kept open for
+    the whole load would keep every page read resident in the process."""
 
     def __init__(self, files: list[Path]) -> None:
-        self._sources: list[Any] = []
+        from safetensors import safe_open
+
+        self._sources: list[Any] = []  # a safetensors path, or a pickled checkpoint's (memory-mapped) state dict
         self._where: dict[str, int] = {}
         self.names: list[str] = []  # in file order
         for path in files:
             if path.suffix == ".safetensors":
-                from safetensors import safe_open
-
-                source: Any = safe_open(str(path), framework="pt", device="cpu")
-                keys = list(source.keys())
+                source: Any = path
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    keys = list(f.keys())
             else:
                 source = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
                 keys = list(source.keys())
@@ -88,7 +95,12 @@ class TensorStore:
 
     def get(self, name: str) -> torch.Tensor:
         source = self._sources[self._where[name]]
-        return source.get_tensor(name) if hasattr(source, "get_tensor") else source[name]
+        if not isinstance(source, Path):
+            return source[name]
+        from safetensors import safe_open
+
+        with safe_open(str(source), framework="pt", device="cpu") as f:
+            return f.get_tensor(name)
 
 
 def _companions(scheme: Scheme) -> tuple[str, ...]:
@@ -168,8 +180,11 @@ def check_quantized_checkpoint(model_dir: str, scheme: Scheme) -> int:
     return len(plan_quantized_modules(TensorStore(weight_files(model_dir)).names, scheme))
 
 
-def iterate_dequantized(files: list[Path], scheme: Scheme, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint `files`, its quantized weights dequantized to `dtype` (see the module doc)."""
+def iterate_dequantized(files: list[Path], scheme: Scheme, dtype: torch.dtype,
+                        made: Optional[MadeBlocks] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint `files`, its quantized weights dequantized to `dtype` (see the module doc);
+    with `made`, the raw blocks of each quantized weight (MoE experts aside: their layers have no block kernel) are
+    made from its integers as it is read and added to it."""
     store = TensorStore(files)
     plan = plan_quantized_modules(store.names, scheme)
     companions = set(_companions(scheme))
@@ -178,7 +193,11 @@ def iterate_dequantized(files: list[Path], scheme: Scheme, dtype: torch.dtype) -
         module, _, leaf = name.rpartition(".")
         primary = plan.get(module)
         if primary == leaf:
-            weight = read_weight(scheme, module, primary, store.get).dequantize()
+            stored = read_weight(scheme, module, primary, store.get)
+            if made is not None and not _EXPERT_MODULE.search(module):
+                made[module] = blocks_of(stored, module)
+            weight = stored.dequantize()
+            del stored
             yield f"{module}.weight", weight.to(dtype)
             del weight
         elif primary is not None and leaf in companions:
