@@ -58,6 +58,7 @@ from sglang.srt.model_loader.quant_config import (
     QuantizedCheckpointError,
     Scheme,
 )
+from sglang.srt.model_loader.weights import read_safetensor, safetensors_names
 
 logger = logging.getLogger(__name__)
 
@@ -71,20 +72,16 @@ _FUSED_EXPERTS_MODULE = re.compile(r"\.experts\.[^.\d][^.]*$")
 
 class TensorStore:
     """Every tensor of a checkpoint's files by name, read one at a time on request. A safetensors file is opened
-    for each read: the tensor is a view of a mapping of the file that goes with it, where one mapping kept open for
-    the whole load would keep every page read resident in the process."""
+    for each read (model_loader/weights.read_safetensor)."""
 
     def __init__(self, files: list[Path]) -> None:
-        from safetensors import safe_open
-
         self._sources: list[Any] = []  # a safetensors path, or a pickled checkpoint's (memory-mapped) state dict
         self._where: dict[str, int] = {}
         self.names: list[str] = []  # in file order
         for path in files:
             if path.suffix == ".safetensors":
                 source: Any = path
-                with safe_open(str(path), framework="pt", device="cpu") as f:
-                    keys = list(f.keys())
+                keys = safetensors_names(path)
             else:
                 source = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
                 keys = list(source.keys())
@@ -97,10 +94,7 @@ class TensorStore:
         source = self._sources[self._where[name]]
         if not isinstance(source, Path):
             return source[name]
-        from safetensors import safe_open
-
-        with safe_open(str(source), framework="pt", device="cpu") as f:
-            return f.get_tensor(name)
+        return read_safetensor(source, name)
 
 
 def _companions(scheme: Scheme) -> tuple[str, ...]:

@@ -54,12 +54,27 @@ def iterate_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
             yield from _iterate_pickled(path)
 
 
-def _iterate_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def safetensors_names(path: Path) -> list[str]:
+    """The tensor names of a safetensors file, in its order."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt", device="cpu") as f:
-        for name in f.keys():
-            yield name, f.get_tensor(name)
+        return list(f.keys())
+
+
+def read_safetensor(path: Path, name: str) -> torch.Tensor:
+    """One tensor of a safetensors file, from a mapping of the file opened for it alone: the tensor is a view of
+    that mapping, which goes with it, where one mapping kept open for a whole shard would keep every page read so
+    far resident in the process (up to a shard's bytes beside the model being filled)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        return f.get_tensor(name)
+
+
+def _iterate_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for name in safetensors_names(path):
+        yield name, read_safetensor(path, name)
 
 
 def _iterate_pickled(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
