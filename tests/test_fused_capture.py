@@ -18,6 +18,7 @@ from sglang.srt.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from sglang.srt.layers.quantization.gguf_blocks import kernels_available  # noqa: E402
 from sglang.srt.model_executor import fused_cpu_decode as fused_decode  # noqa: E402
 from tests.test_fused_decode import make_fused, quantize_head, quantize_linears  # noqa: E402
+from tests.test_fused_shared_rows import feed_rows  # noqa: E402
 from tests.test_models import PagedCache, build_models, prompt_of, tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not (kernels_available() and fused_decode.available()),
@@ -31,18 +32,7 @@ PROMPTS = [prompt_of(5, 11), prompt_of(19, 12), prompt_of(33, 13)]
 def decode_batch(cache: PagedCache, rows: list[tuple[int, list[int]]]) -> ForwardBatch:
     """A decode forward of `rows` (pool row, new tokens): each token one row at the next position of its sequence, so
     a row with several tokens is a verify step's (rows_share_sequences)."""
-    table = cache.req_to_token_pool.req_to_token
-    ids, positions, pool_rows, locs = [], [], [], []
-    for row, tokens in rows:
-        start = cache.cached_lens.get(row, 0)
-        for j, token in enumerate(tokens):
-            slot = cache.free_slots.pop()
-            table[row, start + j] = slot
-            ids.append(token)
-            positions.append(start + j)
-            pool_rows.append(row)
-            locs.append(slot)
-        cache.cached_lens[row] = start + len(tokens)
+    ids, positions, pool_rows, locs = feed_rows(cache, rows)
     seq_lens = [p + 1 for p in positions]
     return ForwardBatch(
         forward_mode=ForwardMode.DECODE, batch_size=len(ids), input_ids=torch.tensor(ids),
@@ -212,20 +202,10 @@ def spec_models(tmp_path_factory, smollm2_tokenizer):
     """An eight-layer tiny random Llama (its projections scaled up so that greedy outputs change token now and then;
     much more and its outputs hang on near ties that the rounding of other batch shapes breaks either way) and a
     random EAGLE-1 and EAGLE-3 head for it, in their published layouts."""
-    from transformers import LlamaForCausalLM
-
-    from tests.conftest import save_tiny_llama
     from tests.test_speculative_eagle import save_eagle_head
-    from tests.test_speculative_eagle3 import DRAFT_VOCAB, head_weights, save_eagle3_head
+    from tests.test_speculative_eagle3 import DRAFT_VOCAB, head_weights, save_eagle3_head, scaled_tiny_target
 
-    target = save_tiny_llama(tmp_path_factory.mktemp("capture-target"), smollm2_tokenizer,
-                             max_position_embeddings=512, num_hidden_layers=SPEC_LAYERS)
-    hf = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if name.endswith("proj.weight"):
-                param.mul_(3)
-    hf.save_pretrained(target)
+    target, hf = scaled_tiny_target(tmp_path_factory.mktemp("capture-target"), smollm2_tokenizer, SPEC_LAYERS, 3)
     config = hf.config
     hidden = config.hidden_size
     gen = torch.Generator().manual_seed(21)

@@ -8,6 +8,7 @@ NaN (the test fills the new slots with it), and could differ from run to run.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, cast
 
 import pytest
@@ -36,13 +37,14 @@ def prefilled(model, config, prompts: dict[int, list[int]]) -> PagedCache:
     return cache
 
 
-def shared_rows_step(model, cache: PagedCache, feed: dict[int, list[int]], reverse: bool = False) -> torch.Tensor:
-    """One fused decode step whose rows are each sequence's next len(tokens) positions (rows_share_sequences), in
-    feed order or reversed (later positions first); the logits come back in feed order."""
+def feed_rows(cache: PagedCache, feed: Iterable[tuple[int, list[int]]]
+              ) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(token ids, positions, pool rows, slots) of a step that feeds each pool row its `tokens` at the next positions
+    of its sequence, one batch row per token: new slots taken from the pool and entered in the row's slot table."""
     table = cache.req_to_token_pool.req_to_token
     ids, positions, rows, slots = [], [], [], []
-    for row, tokens in feed.items():
-        start = cache.cached_lens[row]
+    for row, tokens in feed:
+        start = cache.cached_lens.get(row, 0)
         for j, token in enumerate(tokens):
             slot = cache.free_slots.pop()
             table[row, start + j] = slot
@@ -51,6 +53,13 @@ def shared_rows_step(model, cache: PagedCache, feed: dict[int, list[int]], rever
             rows.append(row)
             slots.append(slot)
         cache.cached_lens[row] = start + len(tokens)
+    return ids, positions, rows, slots
+
+
+def shared_rows_step(model, cache: PagedCache, feed: dict[int, list[int]], reverse: bool = False) -> torch.Tensor:
+    """One fused decode step whose rows are each sequence's next len(tokens) positions (rows_share_sequences), in
+    feed order or reversed (later positions first); the logits come back in feed order."""
+    ids, positions, rows, slots = feed_rows(cache, feed.items())
     if reverse:
         ids, positions, rows, slots = ids[::-1], positions[::-1], rows[::-1], slots[::-1]
     # Slots not stored yet hold NaN: a row that attended to one before its store would turn NaN.

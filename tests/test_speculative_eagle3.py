@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -107,20 +107,26 @@ def captured_states(hf, ids: list[int]) -> torch.Tensor:
     return torch.cat([states[i][0] for i in CAPTURED], dim=-1)
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory, smollm2_tokenizer) -> SimpleNamespace:
-    """An eight-layer tiny random Llama (the served model; its projections scaled up so that its greedy outputs vary
-    and sometimes repeat a token) and a random EAGLE-3 head over a random 1024-token draft vocabulary."""
+def scaled_tiny_target(directory, tokenizer, layers: int, scale: float) -> tuple[Any, Any]:
+    """(directory, transformers model) of a tiny random Llama of `layers` layers whose projections are scaled by
+    `scale`, so that its greedy outputs vary and sometimes repeat a token."""
     from transformers import LlamaForCausalLM
 
-    target = save_tiny_llama(tmp_path_factory.mktemp("eagle3-target"), smollm2_tokenizer,
-                             max_position_embeddings=512, num_hidden_layers=LAYERS)
+    target = save_tiny_llama(directory, tokenizer, max_position_embeddings=512, num_hidden_layers=layers)
     hf = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, param in hf.named_parameters():
             if name.endswith("proj.weight"):
-                param.mul_(8)
+                param.mul_(scale)
     hf.save_pretrained(target)
+    return target, hf
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, smollm2_tokenizer) -> SimpleNamespace:
+    """An eight-layer tiny random Llama (the served model; its projections scaled up so that its greedy outputs vary
+    and sometimes repeat a token) and a random EAGLE-3 head over a random 1024-token draft vocabulary."""
+    target, hf = scaled_tiny_target(tmp_path_factory.mktemp("eagle3-target"), smollm2_tokenizer, LAYERS, 8)
     config = hf.config
     gen = torch.Generator().manual_seed(5)
     hot = torch.randperm(config.vocab_size, generator=gen)[:DRAFT_VOCAB].sort().values
