@@ -240,3 +240,20 @@ def test_smollm2_bf16_served_from_blocks_keeps_greedy_tokens(smollm2_bf16_dir, r
     step = original.abs().reshape(4, -1, 32).amax(-1, keepdim=True) / 127  # a Q8_0 block's rounding step
     error = (served - original).abs().reshape(4, -1, 32)
     assert bool((error <= step * 0.5 + 2 ** -7 * original.abs().reshape(4, -1, 32)).all())
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_a_table_that_is_not_looked_up_by_llama_keeps_the_model_dtype(tmp_path, family):
+    """A bf16 checkpoint under the blocks plan whose backbone embeds otherwise than LlamaModel.embed (Gemma scales
+    the rows): it loads, its linears are served from blocks, and its embedding table stays in the model's float32
+    (only LlamaModel.embed widens a bf16 table's rows)."""
+    from tests.test_models_gemma_mistral import tiny_config as windowed_config
+
+    config = windowed_config(family, torch_dtype="bfloat16")
+    build_models(tmp_path, config, dtype=torch.bfloat16)
+    plan = choose_arithmetic("cpu", cpu_flags=BF16_VNNI_FLAGS, measurements={"float32": 2.0, "bfloat16": 1.0,
+                                                                              "int8": 0.1}, **BLOCKS_PLAN)
+    ours = load_for_plan(str(tmp_path), torch.float32, torch.device("cpu"), None, 8, plan)
+    assert ours.model.embed_tokens.weight.dtype == torch.float32
+    attach_fast_paths(ours, None, config, 8, plan)
+    assert "bfloat16" not in weight_bytes_by_format(ours)

@@ -121,7 +121,8 @@ def table_kept_as_stored(model: Any, dtype: torch.dtype) -> Optional[nn.Module]:
 
     backbone = getattr(model, "model", None)
     embed = getattr(backbone, "embed_tokens", None)
-    if (dtype != torch.bfloat16 or type(embed) is not nn.Embedding or type(backbone).embed is not LlamaModel.embed
+    if (dtype != torch.bfloat16 or type(embed) is not nn.Embedding
+            or getattr(type(backbone), "embed", None) is not LlamaModel.embed
             or getattr(model, "logits_processor", None) is None or embed.weight.shape[1] % QK):
         return None
     return embed
