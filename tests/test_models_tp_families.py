@@ -3,7 +3,8 @@ checkpoint, each rank loading its heads' q/k/v rows and its slice of gate and up
 Mistral, OLMo 2 (q/k norms over all heads, their sums of squares added up over the ranks), and for the
 mixture-of-experts families, DeepSeek-V2 (multi-head latent attention split by heads, the
 latent cached whole on each rank; routed experts split over their intermediate size, shared experts and the dense
-layer as MLPs), Qwen2-MoE (gated shared expert) and Mixtral, at TP=2 give the
+layer as MLPs), Qwen2-MoE (gated shared expert), Mixtral and GPT-OSS (sinks split with the heads, biased
+q/k/v/o, a replicated router, biased experts with interleaved gate/up columns split in pairs), at TP=2 give the
 TP=1 greedy tokens and logprobs on tiny random checkpoints, with prompts several windows long split into chunks.
 
 Run every tensor-parallel test with `pytest -m tensor_parallel`.
@@ -33,10 +34,15 @@ TOP_LOGPROBS = 5
 LOGPROB_TOL = 1e-4
 ENGINE_ARGS = dict(dtype="float32", cpu_gemm="float32", max_total_tokens=1024, random_seed=0,
                    chunked_prefill_size=8, max_prefill_tokens=8)
-FAMILIES = ["gemma3", "phi3", "gemma2", "mistral", "olmo2", "deepseek_v2", "qwen2_moe", "mixtral"]
+FAMILIES = ["gemma3", "phi3", "gemma2", "mistral", "olmo2", "deepseek_v2", "qwen2_moe", "mixtral", "gpt_oss"]
 
 
 def _config(family: str, vocab_size: int) -> Any:
+    if family == "gpt_oss":
+        from tests.test_models_gpt_oss import tiny_gpt_oss_config
+
+        # Alternating sliding and full layers; an odd expert width, so the ranks hold 32 and 31 gate/up pairs.
+        return tiny_gpt_oss_config(vocab_size=vocab_size, sliding_window=WINDOW, intermediate_size=63)
     if family == "deepseek_v2":
         from tests.test_models_deepseek_v2 import tiny_deepseek_config
 
@@ -74,7 +80,12 @@ def family_outputs(request, tmp_path_factory, smollm2_tokenizer) -> tuple[str, d
     torch.manual_seed(7)
     config = _config(family, len(smollm2_tokenizer))
     config.eos_token_id = smollm2_tokenizer.eos_token_id
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    if family == "gpt_oss":
+        from tests.test_models_gpt_oss import random_reference
+
+        random_reference(config, seed=7).save_pretrained(directory)  # every bias and sink non-zero
+    else:
+        AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     smollm2_tokenizer.save_pretrained(directory)
     outputs = {}
     for tp_size in (1, 2):
@@ -131,10 +142,19 @@ def test_tp_support_check_accepts_them_and_refuses_ranks_without_heads():
         check_model_supports_tp(_config(family, 512), 2)
     with pytest.raises(ValueError, match="--tp-size 8 leaves ranks without attention heads"):
         check_model_supports_tp(_config("gemma3", 512), 8)
-    # OLMo 2's k norm spans every K/V head: no replicated K/V heads; a family whose layers are not split yet
+    # OLMo 2's k norm spans every K/V head: no replicated K/V heads
     with pytest.raises(ValueError, match="OLMo 2 splits its 2 key/value heads"):
         check_model_supports_tp(tiny_variant_config("olmo2"), 4)
+
+
+def test_gpt_oss_splits_that_do_not_fit_are_refused():
+    """More ranks than GPT-OSS's experts have intermediate columns, or than it has query heads (4)."""
+    from sglang.srt.distributed.args import check_model_supports_tp
     from tests.test_models_gpt_oss import tiny_gpt_oss_config
 
-    with pytest.raises(ValueError, match="GptOssForCausalLM does not support tensor parallelism"):
-        check_model_supports_tp(tiny_gpt_oss_config(), 2)
+    with pytest.raises(ValueError, match=r"--tp-size 4 is larger than the model's GPT-OSS expert intermediate size "
+                                         r"\(3\)"):
+        check_model_supports_tp(tiny_gpt_oss_config(intermediate_size=3), 4)
+    with pytest.raises(ValueError, match="--tp-size 8 leaves ranks without attention heads"):
+        check_model_supports_tp(tiny_gpt_oss_config(), 8)
+    check_model_supports_tp(tiny_gpt_oss_config(intermediate_size=4), 4)  # one gate/up pair per rank fits

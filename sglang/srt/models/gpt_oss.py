@@ -13,16 +13,23 @@ What differs from the Llama decoder (as transformers' GptOss computes it):
 
 Published checkpoints store the expert weights in MXFP4 (`*_blocks` + `*_scales`): they are dequantized at load to
 the checkpoint's dtype (model_loader/mxfp4.py) and served densely; float checkpoints load as they are.
+
+Under tensor parallelism each rank holds its attention heads (q/k/v rows and biases, o_proj columns, and those
+heads' sinks), the whole router (every rank routes every token alike), and every expert's slice of the intermediate
+size: gate/up column pairs [2 * start, 2 * end) (the interleave keeps each gate next to its up), the same down_proj
+rows; rank 0 alone adds the down_proj bias, and the ranks' partial outputs are summed with one all_reduce.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
+from sglang.srt.distributed.parallel_state import get_tp_group
+from sglang.srt.distributed.partition import check_partition_fits, head_partition, partition
 from sglang.srt.eplb.expert_distribution import get_global_expert_distribution_recorder
 from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.layers.moe.fused_moe import dispatch_experts
@@ -38,6 +45,17 @@ from sglang.srt.models.llama_variants import PreNormDecoderLayer, VariantForCaus
 DEFAULT_SWIGLU_ALPHA = 1.702
 DEFAULT_SWIGLU_LIMIT = 7.0
 
+# Checkpoint tensor -> this tensor-parallel rank's part of it (model_loader/weights.py applies them).
+Slicers = dict[str, Callable[[torch.Tensor], torch.Tensor]]
+
+
+def narrowed(t: torch.Tensor, dim: int, full: int, start: int, size: int) -> torch.Tensor:
+    """`t`'s [start, start + size) along `dim` when that dimension is the whole model's (`full`); otherwise `t`
+    unchanged, so that the copy into the parameter reports the shape mismatch."""
+    if t.dim() <= dim or t.shape[dim] != full:
+        return t
+    return t.narrow(dim, start, size)
+
 
 class GptOssAttention(LlamaAttention):
     """Llama's attention (fused biased q/k/v, RoPE, GQA) with a per-head sink logit and the layer's window."""
@@ -51,6 +69,19 @@ class GptOssAttention(LlamaAttention):
         self.attn = RadixAttention(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
                                    sliding_window=None if window is None else int(window))
         self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=dtype, device=device), requires_grad=False)
+        # this rank's query heads among the checkpoint's (the sinks are per query head)
+        tp = get_tp_group()
+        total_heads = config.num_attention_heads
+        heads = head_partition(total_heads, getattr(config, "num_key_value_heads", None) or total_heads, tp.size,
+                               tp.rank)
+        self.sink_heads = (total_heads, heads.q_start)
+
+    def checkpoint_slicers(self) -> Slicers:
+        """This rank's heads' sinks (q/k/v and o_proj slice themselves, layers/linear.py)."""
+        total, start = self.sink_heads
+        if self.num_heads == total:
+            return {}
+        return {"sinks": lambda t: narrowed(t, 0, total, start, self.num_heads)}
 
     def forward(self, cos_sin: CosSin, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
@@ -84,11 +115,16 @@ class GptOssRouter(nn.Module):
 
 
 class GptOssExperts(nn.Module):
-    """The stacked experts of one layer, with biases and the clamped SwiGLU over interleaved gate/up columns."""
+    """The stacked experts of one layer, with biases and the clamped SwiGLU over interleaved gate/up columns; under
+    tensor parallelism this rank's slice of every expert's intermediate size."""
 
     def __init__(self, config: Any, dtype: Optional[torch.dtype], device: Optional[torch.device | str]) -> None:
         super().__init__()
-        experts, hidden, inter = config.num_local_experts, config.hidden_size, config.intermediate_size
+        self.tp = get_tp_group()
+        GptOssForCausalLM.check_tensor_parallel(config, self.tp.size)
+        experts, hidden = config.num_local_experts, config.hidden_size
+        self.full_intermediate_size = config.intermediate_size
+        self.intermediate_start, inter = partition(config.intermediate_size, self.tp.size, self.tp.rank)
         self.num_experts = experts
         self.alpha = float(getattr(config, "swiglu_alpha", None) or DEFAULT_SWIGLU_ALPHA)
         self.limit = float(getattr(config, "swiglu_limit", None) or DEFAULT_SWIGLU_LIMIT)
@@ -108,12 +144,26 @@ class GptOssExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{ids[t, k]}(hidden_states[t]) for every token t -> [T, H]."""
-        return dispatch_experts(hidden_states, weights, ids, self.num_experts, self.expert)
+        out = dispatch_experts(hidden_states, weights, ids, self.num_experts, self.expert)
+        return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
     def expert(self, index: int, tokens: torch.Tensor) -> torch.Tensor:
         # product, then bias: the reference's two roundings (an addmm would accumulate onto the bias)
         gate_up = tokens @ self.gate_up_proj[index] + self.gate_up_proj_bias[index]
-        return self.activation(gate_up) @ self.down_proj[index] + self.down_proj_bias[index]
+        down = self.activation(gate_up) @ self.down_proj[index]
+        # the down bias once in the sum over the ranks (each token's routing weight scales it on rank 0)
+        return down + self.down_proj_bias[index] if self.tp.rank == 0 else down
+
+    def checkpoint_slicers(self) -> Slicers:
+        """This rank's gate/up column pairs and down_proj rows of the checkpoint's stacked [E, in, out] tensors."""
+        full, start, size = self.full_intermediate_size, self.intermediate_start, self.down_proj.shape[1]
+        if size == full:
+            return {}
+        return {
+            "gate_up_proj": lambda t: narrowed(t, 2, 2 * full, 2 * start, 2 * size),
+            "gate_up_proj_bias": lambda t: narrowed(t, 1, 2 * full, 2 * start, 2 * size),
+            "down_proj": lambda t: narrowed(t, 1, full, start, size),
+        }
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, intermediate_size={self.down_proj.shape[1]}, alpha={self.alpha}, "
@@ -148,7 +198,11 @@ class GptOssDecoderLayer(PreNormDecoderLayer):
 class GptOssForCausalLM(VariantForCausalLM):
     fused_decode_exclusion = ("attention sinks, biased projections and mixture-of-experts layers with a clamped "
                               "SwiGLU (the step runs plain Llama layers)")
-    tensor_parallel = False
+
+    @staticmethod
+    def check_tensor_parallel(config: Any, tp_size: int) -> None:
+        """Every rank needs a share of each expert's intermediate size (the heads are checked as for any family)."""
+        check_partition_fits(config.intermediate_size, tp_size, "GPT-OSS expert intermediate size")
 
     def build_model(self, config: Any, dtype: Optional[torch.dtype],
                     device: Optional[torch.device | str]) -> VariantModel:
