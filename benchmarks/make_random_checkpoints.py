@@ -15,8 +15,13 @@ Shapes (`--shape` is required; repeat it or give a comma-separated list):
   smollm2-1.7b  SmolLM2-1.7B's published config (tied embeddings)
   llama-7b      Llama-2-7B sizes (hidden 4096, ffn 11008, 32 layers, 32 heads) with 8 KV heads (GQA, as in current
                 Llama/Qwen 7-8B models), untied lm_head, SmolLM2's 49152-token vocabulary
+  gemma-3-1b    Gemma-3-1B's published text config (Gemma3ForCausalLM, model_type gemma3_text: 26 layers, hidden
+                1152, ffn 6912, 4 heads, 1 KV head, head_dim 256, five sliding-window layers of 512 for each global
+                one, RoPE bases 1e6 global / 1e4 local, query_pre_attn_scalar 256, tied embeddings) with SmolLM2's
+                vocabulary instead of Gemma's 262144 tokens; safetensors only (no --gguf / --int4)
 
-Weights are seeded (--seed) and deterministic: linear and embedding weights ~ N(0, 0.02), norms 1 + 0.02 * N(0, 1).
+Weights are seeded (--seed) and deterministic: linear and embedding weights ~ N(0, 0.02), norms 1 + 0.02 * N(0, 1)
+(Gemma's norms scale by 1 + weight: their weights are 0.02 * N(0, 1)).
 Memory stays bounded for any size: tensors are generated one by one and at most one shard is held at a time; GGUF
 files are streamed tensor by tensor. GGUF: every 2-D tensor (token_embd included) gets the file's type, norms F32;
 attn_q/attn_k rows are permuted as llama.cpp's convert_hf_to_gguf.py does.
@@ -46,6 +51,12 @@ SHAPES = {
                          num_key_value_heads=32, rope_theta=130000.0, tie_word_embeddings=True),
     "llama-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                      num_key_value_heads=8, rope_theta=500000.0, tie_word_embeddings=False),
+    # written as Gemma3ForCausalLM (write_config) with Gemma's norms (tensor_specs)
+    "gemma-3-1b": dict(gemma3=True, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                       num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+                       sliding_window_pattern=6, query_pre_attn_scalar=256, rope_theta=1_000_000.0,
+                       rope_local_base_freq=10_000.0, rms_norm_eps=1e-6, max_position_embeddings=32768,
+                       hidden_act=None, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True),
 }
 GGUF_TYPES = ("q8_0", "q4_0", "q4_1")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -80,21 +91,31 @@ def load_tokenizer(tok_dir: str) -> dict:
     return dict(vocab=vocab, special=special, added=added_ids, merges=merges, template=template, ids=ids)
 
 
+def shape_config(shape: str) -> dict:
+    return {k: v for k, v in {**COMMON, **SHAPES[shape]}.items() if v is not None}
+
+
 def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
     """(HF name, shape, kind) for every weight, in file order."""
     h, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
-    hd = h // c["num_attention_heads"]
+    hd = c.get("head_dim") or h // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    gemma = c.get("gemma3", False)
+    norm = "gemma_norm" if gemma else "norm"
     specs = [("model.embed_tokens.weight", (v, h), "embed")]
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        specs += [(p + "input_layernorm.weight", (h,), "norm"),
+        specs += [(p + "input_layernorm.weight", (h,), norm),
                   (p + "self_attn.q_proj.weight", (q, h), "linear"), (p + "self_attn.k_proj.weight", (kv, h), "linear"),
                   (p + "self_attn.v_proj.weight", (kv, h), "linear"), (p + "self_attn.o_proj.weight", (h, q), "linear"),
-                  (p + "post_attention_layernorm.weight", (h,), "norm"),
-                  (p + "mlp.gate_proj.weight", (f, h), "linear"), (p + "mlp.up_proj.weight", (f, h), "linear"),
+                  (p + "post_attention_layernorm.weight", (h,), norm)]
+        if gemma:
+            specs += [(p + "self_attn.q_norm.weight", (hd,), norm), (p + "self_attn.k_norm.weight", (hd,), norm),
+                      (p + "pre_feedforward_layernorm.weight", (h,), norm),
+                      (p + "post_feedforward_layernorm.weight", (h,), norm)]
+        specs += [(p + "mlp.gate_proj.weight", (f, h), "linear"), (p + "mlp.up_proj.weight", (f, h), "linear"),
                   (p + "mlp.down_proj.weight", (h, f), "linear")]
-    specs.append(("model.norm.weight", (h,), "norm"))
+    specs.append(("model.norm.weight", (h,), norm))
     if not c["tie_word_embeddings"]:
         specs.append(("lm_head.weight", (v, h), "linear"))
     return specs
@@ -106,7 +127,7 @@ def random_tensor(shape: tuple[int, ...], kind: str, gen: torch.Generator) -> to
     for start in range(0, flat.numel(), CHUNK_ELEMS):
         n = min(CHUNK_ELEMS, flat.numel() - start)
         chunk = torch.randn(n, generator=gen, dtype=torch.float32).mul_(INIT_STD)
-        flat[start:start + n] = chunk.add_(1.0) if kind == "norm" else chunk
+        flat[start:start + n] = chunk.add_(1.0) if kind == "norm" else chunk  # gemma_norm: 1 + weight applied
     return out
 
 
@@ -135,11 +156,29 @@ def safetensors_complete(d: str) -> bool:
     return all(os.path.isfile(os.path.join(d, f)) for f in files) and os.path.isfile(os.path.join(d, "config.json"))
 
 
+def write_config(c: dict, d: str, ids: dict) -> None:
+    from transformers import Gemma3TextConfig, LlamaConfig
+
+    common = dict(dtype="bfloat16", initializer_range=INIT_STD, bos_token_id=ids["bos"], eos_token_id=ids["eos"],
+                  pad_token_id=ids["pad"])
+    fields = {k: v for k, v in c.items() if k != "gemma3"}
+    if not c.get("gemma3"):
+        LlamaConfig(**fields, architectures=["LlamaForCausalLM"], **common).save_pretrained(d)
+        return
+    pattern, theta, local_theta = (fields.pop(k) for k in ("sliding_window_pattern", "rope_theta",
+                                                            "rope_local_base_freq"))
+    layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                   for i in range(c["num_hidden_layers"])]
+    rope = {"full_attention": {"rope_type": "default", "rope_theta": theta},
+            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}
+    Gemma3TextConfig(**fields, layer_types=layer_types, rope_parameters=rope, architectures=["Gemma3ForCausalLM"],
+                     **common).save_pretrained(d)
+
+
 def write_safetensors(shape: str, d: str, tok_dir: str, tok: dict, seed: int, shard_gb: float) -> None:
     from safetensors.torch import save_file
-    from transformers import LlamaConfig
 
-    c = {**COMMON, **SHAPES[shape]}
+    c = shape_config(shape)
     os.makedirs(d, exist_ok=True)
     for stale in os.listdir(d):  # the index goes first, so an interrupted run never looks complete
         if stale == INDEX or ".gguf" in stale or (stale.startswith("model-") and ".safetensors" in stale):
@@ -147,9 +186,7 @@ def write_safetensors(shape: str, d: str, tok_dir: str, tok: dict, seed: int, sh
     for name in TOKENIZER_FILES:
         if os.path.isfile(os.path.join(tok_dir, name)):
             shutil.copyfile(os.path.join(tok_dir, name), os.path.join(d, name))
-    ids = tok["ids"]
-    LlamaConfig(**c, architectures=["LlamaForCausalLM"], dtype="bfloat16", initializer_range=INIT_STD,
-                bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"]).save_pretrained(d)
+    write_config(c, d, tok["ids"])
     gen = torch.Generator().manual_seed(seed)
     shards = plan_shards(tensor_specs(c), int(shard_gb * (1 << 30)))
     weight_map, total = {}, 0
@@ -256,7 +293,7 @@ def write_gguf(shape: str, d: str, path: str, tok: dict, qname: str) -> None:
     from gguf.quants import quant_shape_to_byte_shape
 
     qtype = gguf.GGMLQuantizationType[qname.upper()]
-    c = {**COMMON, **SHAPES[shape]}
+    c = shape_config(shape)
     weight_map = json.load(open(os.path.join(d, INDEX)))["weight_map"]
     w = gguf.GGUFWriter(path + ".tmp", "llama")
     for add, value in ((w.add_type, "model"), (w.add_name, f"random-{shape}"),
@@ -332,6 +369,8 @@ def main() -> None:
     gguf_types = list(GGUF_TYPES) if args.gguf == "all" else [t.lower() for t in args.gguf.split(",") if t]
     for bad in [s for s in shapes if s not in SHAPES] + [t for t in gguf_types if t not in GGUF_TYPES]:
         ap.error(f"unknown shape or GGUF type {bad!r}: shapes {', '.join(SHAPES)}; GGUF {', '.join(GGUF_TYPES)}, all")
+    if (gguf_types or args.int4) and any(SHAPES[s].get("gemma3") for s in shapes):
+        ap.error("--gguf and --int4 write Llama layouts: not for the Gemma 3 shapes")
     out = os.path.expanduser(args.out)
     if args.tokenizer_dir:
         tok_dir = os.path.expanduser(args.tokenizer_dir)

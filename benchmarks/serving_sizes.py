@@ -8,6 +8,8 @@ the server's whole process tree every half second, stops it and appends one JSON
   16-concurrent 32 prompts of 100 ids, 32 output tokens, concurrency 16
   64-concurrent 128 prompts of 100 ids, 32 output tokens, concurrency 64
   prefill       4 prompts of 900 ids (about 700 words), 1 output token, one at a time
+  long          8 prompts of 4000 ids, 32 output tokens, concurrency 8 (how many long requests the KV pools hold
+                at once: the server log's #running-req)
 
   python benchmarks/serving_sizes.py --engine ours --model ~/.cache/sglang-lite/bench-models/smollm2-1.7b \
       --out benchmarks/results/sizes.jsonl [--label main] [--workloads prefill,1] [-- extra server flags]
@@ -15,7 +17,8 @@ the server's whole process tree every half second, stops it and appends one JSON
   --engine llamacpp --llama-server /path/to/llama-server --model /path/to/model.Q8_0.gguf
 
 Each line holds the client's figures (output tok/s, median TTFT / TPOT, ...), the workload, the engine, the label,
-the load average before the workload, the peak and final RSS of the server tree in bytes, and the server's /get_server_info `weights` where it has one.
+the load average before the workload, the peak and final RSS of the server tree in bytes, and the server's
+/get_server_info `weights`, `kv_pools`, `max_total_num_tokens` and `arithmetic` where it has them.
 """
 
 from __future__ import annotations
@@ -43,7 +46,10 @@ WORKLOADS = {
            "--max-concurrency", "64", "--seed", "53"],
     "prefill": [*RANDOM, "--random-input-len", "900", "--random-output-len", "1", "--num-prompts", "4",
                 "--max-concurrency", "1", "--seed", "54"],
+    "long": [*RANDOM, "--random-input-len", "4000", "--random-output-len", "32", "--num-prompts", "8",
+             "--max-concurrency", "8", "--seed", "55"],
 }
+SERVER_INFO = ("weights", "kv_pools", "max_total_num_tokens", "arithmetic")
 
 
 def tree_rss(pid: int) -> int:
@@ -129,12 +135,14 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError(f"the server did not answer {url}/health in {timeout:.0f} s")
 
 
-def server_weights(url: str) -> object:
+def server_info(url: str) -> dict:
+    """The SERVER_INFO fields of /get_server_info (None where the server has no such field or endpoint)."""
     try:
         with urllib.request.urlopen(f"{url}/get_server_info", timeout=10) as r:
-            return json.load(r).get("weights")
+            info = json.load(r)
     except (OSError, ValueError):
-        return None
+        info = {}
+    return {key: info.get(key) for key in SERVER_INFO}
 
 
 def main() -> None:
@@ -161,7 +169,7 @@ def main() -> None:
     try:
         wait_ready(url, proc, args.ready_timeout)
         ready_s = time.time() - started
-        weights = server_weights(url)
+        info = server_info(url)
         for name in args.workloads.split(","):
             load_before = os.getloadavg()  # a figure taken while something else ran is no figure
             tmp = Path(args.out).with_suffix(".tmp.jsonl")
@@ -177,7 +185,7 @@ def main() -> None:
             row = {"engine": args.engine, "label": args.label, "model": args.model, "workload": name,
                    "ready_s": round(ready_s, 1), "load_avg_before": load_before, "rss_peak": sampler.peak,
                    "rss_now": sampler.last,
-                   "weights": weights, "date": time.strftime("%Y-%m-%d %H:%M"), **result}
+                   **info, "date": time.strftime("%Y-%m-%d %H:%M"), **result}
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
             print(f"{args.engine} {args.label} {name}: output {result.get('output_throughput', 0):.1f} tok/s, "

@@ -4,7 +4,8 @@ Tiny random Gemma 3 and GPT-OSS checkpoints with windows much shorter than the p
 the full -> window slot translation (compiled kernels and the torch path) with out-of-window slots given back;
 the pools, the release of out-of-window slots and the radix cache's shortened matches on their own; and greedy
 outputs through the Engine, hybrid and with --disable-hybrid-swa-memory, equal transformers.generate on long
-generations, chunked prefills and radix hits, with both pools whole again once idle.
+generations, chunked prefills and radix hits, with both pools whole again once idle. The window-slot counts the
+radix cache keeps: tests/test_swa_window_counts.py.
 """
 
 from __future__ import annotations

@@ -164,6 +164,8 @@ class MemoryPools:
         return counts
 
     def available_tokens(self) -> int:
+        """Tokens that could be allocated after evicting every unlocked cached prefix: O(1), as the scheduler asks
+        on every step (the radix caches keep their evictable counts as they change)."""
         window = self.window_allocator
         if window is None:
             return self.allocator.available_size() + self.tree_cache.evictable_size()
@@ -191,7 +193,8 @@ class MemoryPools:
             end = req.kv_committed_len - reach
             candidates.append(table[req.req_pool_idx, req.window_released_len : end])
             req.window_released_len = end
-        slots = torch.cat(candidates)
+        # requests that share a prefix hold the same slots: each goes back once
+        slots = candidates[0] if len(candidates) == 1 else torch.unique(torch.cat(candidates))
         in_reach = [table[r.req_pool_idx, max(0, r.kv_committed_len - reach) : r.kv_allocated_len]
                     for r in reqs if r.req_pool_idx is not None]
         if in_reach:
@@ -199,11 +202,17 @@ class MemoryPools:
         window.free_window(slots)
 
     def idle_window_error(self) -> Optional[str]:
-        """With two pools, when idle: every window slot is free or held by a token of the prefix cache."""
+        """With two pools, when idle: every window slot is free or held by a token of the prefix cache, and the
+        cache's kept counts agree with a walk of its tree."""
         window = self.window_allocator
         if window is None:
             return None
-        held = self.tree_cache.window_slots_held() if isinstance(self.tree_cache, SWARadixCache) else 0
+        held = 0
+        if isinstance(self.tree_cache, SWARadixCache):
+            count_error = self.tree_cache.window_count_error()
+            if count_error is not None:
+                return count_error
+            held = self.tree_cache.window_slots_held()
         if window.window_available_size() + held != window.window.size:
             return (f"window memory leak: free={window.window_available_size()} cached={held} "
                     f"total={window.window.size}")

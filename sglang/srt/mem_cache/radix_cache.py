@@ -45,6 +45,10 @@ class TreeNode:
         return f"TreeNode(len={len(self.key)}, lock_ref={self.lock_ref}, children={len(self.children)})"
 
 
+# Where a node's slots stand, for subclasses that keep counts per slot (_node_state_changed).
+OUTSIDE, UNLOCKED, LOCKED = 0, 1, 2
+
+
 def _common_prefix_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -134,6 +138,7 @@ class RadixCache(BasePrefixCache):
             leaf.last_access_time = now
             node.children[key[0]] = leaf
             self._evictable_size += len(key)
+            self._node_state_changed(leaf, OUTSIDE, UNLOCKED)
         return already_cached
 
     def _split_node(self, child: TreeNode, split_len: int) -> TreeNode:
@@ -157,6 +162,7 @@ class RadixCache(BasePrefixCache):
             if node.lock_ref == 0:
                 self._evictable_size -= len(node.key)
                 self._protected_size += len(node.key)
+                self._node_state_changed(node, UNLOCKED, LOCKED)
             node.lock_ref += 1
             node = node.parent
 
@@ -169,8 +175,13 @@ class RadixCache(BasePrefixCache):
             if node.lock_ref == 1:
                 self._evictable_size += len(node.key)
                 self._protected_size -= len(node.key)
+                self._node_state_changed(node, LOCKED, UNLOCKED)
             node.lock_ref -= 1
             node = node.parent
+
+    def _node_state_changed(self, node: TreeNode, old: int, new: int) -> None:
+        """A node's slots went from `old` to `new` (OUTSIDE / UNLOCKED / LOCKED): inserted, locked, unlocked or
+        evicted (after its slots were freed). Splitting a node changes no slot's state."""
 
     # ---- eviction -------------------------------------------------------------------------------------
     def evict(self, num_tokens: int) -> int:
@@ -189,6 +200,7 @@ class RadixCache(BasePrefixCache):
             while freed < num_tokens and heap:
                 _, _, leaf = heapq.heappop(heap)
                 self.allocator.free(leaf.value)
+                self._node_state_changed(leaf, UNLOCKED, OUTSIDE)
                 freed += len(leaf.key)
                 self._evictable_size -= len(leaf.key)
                 parent = leaf.parent

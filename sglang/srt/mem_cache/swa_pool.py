@@ -14,6 +14,7 @@ and is hidden by the window mask, since only tokens out of every reader's window
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -29,8 +30,9 @@ class SWASlotAllocator(TokenSlotAllocator):
         self.window = TokenSlotAllocator(window_size, device=device)
         # full slot -> window slot; entry 0 (the dummy full slot) maps to the dummy window slot
         self.full_to_window = torch.zeros(size + 1, dtype=torch.int64, device=torch.device(device))
-        # Counts changes to which full slots hold window slots (the radix cache caches a count against it).
-        self.window_changes = 0
+        # Told the full slots that just gave their window slots back (the radix cache keeps counts of what its
+        # tokens hold: swa_radix_cache.py).
+        self.on_window_freed: Optional[Callable[[torch.Tensor], None]] = None
         super().__init__(size, device=device)
 
     def alloc(self, n: int) -> torch.Tensor | None:
@@ -41,7 +43,6 @@ class SWASlotAllocator(TokenSlotAllocator):
         if full is None or window is None:  # unreachable after the checks above; keeps both lists intact
             raise RuntimeError(f"allocating {n} slots failed after the free counts allowed it")
         self.full_to_window[full] = window
-        self.window_changes += 1
         return full
 
     def free(self, slots: torch.Tensor) -> None:
@@ -61,7 +62,8 @@ class SWASlotAllocator(TokenSlotAllocator):
         held = window > 0
         self.window.free(window[held])
         self.full_to_window[slots] = 0
-        self.window_changes += 1
+        if self.on_window_freed is not None:
+            self.on_window_freed(slots[held])
 
     def has_window(self, slots: torch.Tensor) -> torch.Tensor:
         """Bool per full slot: whether it still holds a window slot."""
@@ -89,7 +91,6 @@ class SWASlotAllocator(TokenSlotAllocator):
         super().clear()
         self.window.clear()
         self.full_to_window.zero_()
-        self.window_changes += 1
 
 
 class SWAKVPool(KVPool):

@@ -4,6 +4,12 @@ The tree keeps full slots, as RadixCache does; some of its tokens may have given
 a request had moved past when it finished). A prefix is reusable only if the window layers can still see what its
 next token needs: the K/V of its last `window` tokens. `match_prefix` returns the longest such prefix of the
 stored match (a shorter one, never wrong K/V). Evicting a node frees both slot kinds (SWASlotAllocator.free).
+
+The scheduler asks on every step how many window slots evicting would free (MemoryPools.available_tokens), so
+the tree keeps that count, and the count of window slots its tokens hold, as it changes: each full slot's place
+(outside the tree, in an unlocked node, in a locked one) in a table; nodes entering, leaving, locked or unlocked
+move their window-holding slots between the counts, and a window slot given back or taken over moves one slot.
+`window_count_error` checks both counts against a walk of the tree.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from sglang.srt.mem_cache.base_prefix_cache import MatchResult
-from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
+from sglang.srt.mem_cache.radix_cache import LOCKED, OUTSIDE, UNLOCKED, RadixCache, TreeNode
 from sglang.srt.mem_cache.req_to_token import ReqToTokenPool
 from sglang.srt.mem_cache.swa_pool import SWASlotAllocator
 
@@ -40,15 +46,18 @@ class SWARadixCache(RadixCache):
             raise ValueError(f"window must be positive, got {window}")
         self.window = window
         self.swa_allocator = allocator
-        # Bumped by every change to the tree or its locks: window_evictable_size is cached against it.
-        self._version = 0
-        self._window_evictable: Optional[tuple[tuple[int, int], int]] = None
+        # OUTSIDE / UNLOCKED / LOCKED per full slot (0 is the dummy slot)
+        self._slot_state = torch.zeros(allocator.size + 1, dtype=torch.int8, device=allocator.device)
+        self._window_held = 0  # window slots held by tree tokens
+        self._window_evictable = 0  # ... by tokens of unlocked nodes
         self._whole_matches = False
         super().__init__(req_to_token_pool, allocator)
+        allocator.on_window_freed = self._window_slots_gone
 
     def reset(self) -> None:
         super().reset()
-        self._version += 1
+        self._slot_state.zero_()
+        self._window_held = self._window_evictable = 0
 
     def match_prefix(self, key: list[int]) -> MatchResult:
         match = super().match_prefix(key)
@@ -73,7 +82,6 @@ class SWARadixCache(RadixCache):
         cached = super().insert(key, value)
         if cached:
             self._adopt_window_slots(key[:cached], value[:cached])
-        self._version += 1
         return cached
 
     def _adopt_window_slots(self, key: list[int], value: torch.Tensor) -> None:
@@ -89,30 +97,50 @@ class SWARadixCache(RadixCache):
         if bool(move.any()):
             table[tree_slots[move]] = my_window[move]
             table[mine[move]] = 0
+            self._count_window_slots(tree_slots[move], 1)
+            self._count_window_slots(mine[move], -1)
 
-    def inc_lock_ref(self, node: Optional[TreeNode]) -> None:
-        super().inc_lock_ref(node)
-        self._version += 1
+    # ---- the kept counts ------------------------------------------------------------------------------
+    def _node_state_changed(self, node: TreeNode, old: int, new: int) -> None:
+        self._slot_state[node.value] = new
+        held = int(self.swa_allocator.has_window(node.value).sum())
+        self._window_held += held * ((new != OUTSIDE) - (old != OUTSIDE))
+        self._window_evictable += held * ((new == UNLOCKED) - (old == UNLOCKED))
 
-    def dec_lock_ref(self, node: Optional[TreeNode]) -> None:
-        super().dec_lock_ref(node)
-        self._version += 1
+    def _window_slots_gone(self, slots: torch.Tensor) -> None:
+        """The allocator took the window slots of full slots `slots` back."""
+        self._count_window_slots(slots, -1)
 
-    def evict(self, num_tokens: int) -> int:
-        freed = super().evict(num_tokens)
-        self._version += 1
-        return freed
+    def _count_window_slots(self, slots: torch.Tensor, sign: int) -> None:
+        """Full slots `slots` each gained (sign 1) or lost (-1) a window slot: count those of the tree."""
+        if slots.numel() == 0:
+            return
+        state = self._slot_state[slots]
+        self._window_held += sign * int((state != OUTSIDE).sum())
+        self._window_evictable += sign * int((state == UNLOCKED).sum())
 
     def window_evictable_size(self) -> int:
         """Window slots that evicting every unlocked node would free."""
-        stamp = (self._version, self.swa_allocator.window_changes)
-        if self._window_evictable is None or self._window_evictable[0] != stamp:
-            self._window_evictable = (stamp, self._window_slots_of([n for n in self._nodes() if n.lock_ref == 0]))
-        return self._window_evictable[1]
+        return self._window_evictable
 
     def window_slots_held(self) -> int:
         """Window slots held by tree tokens, locked or not."""
-        return self._window_slots_of(self._nodes())
+        return self._window_held
+
+    def window_count_error(self) -> Optional[str]:
+        """Where the kept counts (and slot places) disagree with a walk of the tree, or None."""
+        nodes = self._nodes()
+        unlocked = [n for n in nodes if n.lock_ref == 0]
+        walked = (self._window_slots_of(nodes), self._window_slots_of(unlocked))
+        if walked != (self._window_held, self._window_evictable):
+            return (f"window counts drifted: held {self._window_held} (walk {walked[0]}), evictable "
+                    f"{self._window_evictable} (walk {walked[1]})")
+        places = torch.zeros_like(self._slot_state)
+        for place, group in ((UNLOCKED, unlocked), (LOCKED, [n for n in nodes if n.lock_ref])):
+            if group:
+                places[torch.cat([n.value for n in group])] = place
+        wrong = int((places != self._slot_state).sum())
+        return f"{wrong} full slots have the wrong place in the tree" if wrong else None
 
     def _window_slots_of(self, nodes: list[TreeNode]) -> int:
         if not nodes:
