@@ -19,6 +19,10 @@ Shapes (`--shape` is required; repeat it or give a comma-separated list):
                 1152, ffn 6912, 4 heads, 1 KV head, head_dim 256, five sliding-window layers of 512 for each global
                 one, RoPE bases 1e6 global / 1e4 local, query_pre_attn_scalar 256, tied embeddings) with SmolLM2's
                 vocabulary instead of Gemma's 262144 tokens; safetensors only (no --gguf / --int4)
+  deepseek-v2-lite  DeepSeek-V2-Lite's published config (DeepseekV2ForCausalLM: 27 layers, hidden 2048, 16 heads,
+                latent attention with kv_lora_rank 512, rope 64 / nope 128 / v 128, no q LoRA; layer 0 dense (10944),
+                the others 64 routed experts of 1408 (6 per token, greedy) and 2 shared) with SmolLM2's vocabulary and
+                plain RoPE (no YaRN); safetensors only. 15.7B parameters: `--layers 9` writes its first 9 layers
 
 Weights are seeded (--seed) and deterministic: linear and embedding weights ~ N(0, 0.02), norms 1 + 0.02 * N(0, 1)
 (Gemma's norms scale by 1 + weight: their weights are 0.02 * N(0, 1)).
@@ -57,6 +61,13 @@ SHAPES = {
                        sliding_window_pattern=6, query_pre_attn_scalar=256, rope_theta=1_000_000.0,
                        rope_local_base_freq=10_000.0, rms_norm_eps=1e-6, max_position_embeddings=32768,
                        hidden_act=None, hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True),
+    # written as DeepseekV2ForCausalLM (write_config) with its latent attention and experts (deepseek_specs)
+    "deepseek-v2-lite": dict(deepseek=True, hidden_size=2048, intermediate_size=10944, num_hidden_layers=27,
+                             num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None,
+                             qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=64,
+                             n_shared_experts=2, moe_intermediate_size=1408, num_experts_per_tok=6,
+                             first_k_dense_replace=1, topk_method="greedy", norm_topk_prob=False,
+                             routed_scaling_factor=1.0, rope_theta=10000.0, tie_word_embeddings=False),
 }
 GGUF_TYPES = ("q8_0", "q4_0", "q4_1")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -91,12 +102,46 @@ def load_tokenizer(tok_dir: str) -> dict:
     return dict(vocab=vocab, special=special, added=added_ids, merges=merges, template=template, ids=ids)
 
 
-def shape_config(shape: str) -> dict:
-    return {k: v for k, v in {**COMMON, **SHAPES[shape]}.items() if v is not None}
+def shape_config(shape: str, layers: int = 0) -> dict:
+    """The shape's config; `layers` > 0 keeps only its first `layers` layers."""
+    c = {k: v for k, v in {**COMMON, **SHAPES[shape]}.items() if v is not None or k == "q_lora_rank"}
+    return {**c, "num_hidden_layers": layers} if layers else c
+
+
+def deepseek_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """tensor_specs of a DeepSeek-V2 shape: latent attention without a q LoRA (V2-Lite), the first
+    `first_k_dense_replace` layers dense, the others a router, per-expert MLPs and the shared experts."""
+    h, v, heads, r = c["hidden_size"], c["vocab_size"], c["num_attention_heads"], c["kv_lora_rank"]
+    nope, rope, vd = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+
+    def mlp(prefix: str, f: int) -> list[tuple[str, tuple[int, ...], str]]:
+        return [(prefix + "gate_proj.weight", (f, h), "linear"), (prefix + "up_proj.weight", (f, h), "linear"),
+                (prefix + "down_proj.weight", (h, f), "linear")]
+
+    specs = [("model.embed_tokens.weight", (v, h), "embed")]
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        specs += [(p + "input_layernorm.weight", (h,), "norm"),
+                  (p + "self_attn.q_proj.weight", (heads * (nope + rope), h), "linear"),
+                  (p + "self_attn.kv_a_proj_with_mqa.weight", (r + rope, h), "linear"),
+                  (p + "self_attn.kv_a_layernorm.weight", (r,), "norm"),
+                  (p + "self_attn.kv_b_proj.weight", (heads * (nope + vd), r), "linear"),
+                  (p + "self_attn.o_proj.weight", (h, heads * vd), "linear"),
+                  (p + "post_attention_layernorm.weight", (h,), "norm")]
+        if i < c["first_k_dense_replace"]:
+            specs += mlp(p + "mlp.", c["intermediate_size"])
+            continue
+        specs.append((p + "mlp.gate.weight", (c["n_routed_experts"], h), "linear"))
+        for e in range(c["n_routed_experts"]):
+            specs += mlp(f"{p}mlp.experts.{e}.", c["moe_intermediate_size"])
+        specs += mlp(p + "mlp.shared_experts.", c["moe_intermediate_size"] * c["n_shared_experts"])
+    return specs + [("model.norm.weight", (h,), "norm"), ("lm_head.weight", (v, h), "linear")]
 
 
 def tensor_specs(c: dict) -> list[tuple[str, tuple[int, ...], str]]:
     """(HF name, shape, kind) for every weight, in file order."""
+    if c.get("deepseek"):
+        return deepseek_specs(c)
     h, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     hd = c.get("head_dim") or h // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
@@ -157,11 +202,14 @@ def safetensors_complete(d: str) -> bool:
 
 
 def write_config(c: dict, d: str, ids: dict) -> None:
-    from transformers import Gemma3TextConfig, LlamaConfig
+    from transformers import DeepseekV2Config, Gemma3TextConfig, LlamaConfig
 
     common = dict(dtype="bfloat16", initializer_range=INIT_STD, bos_token_id=ids["bos"], eos_token_id=ids["eos"],
                   pad_token_id=ids["pad"])
-    fields = {k: v for k, v in c.items() if k != "gemma3"}
+    fields = {k: v for k, v in c.items() if k not in ("gemma3", "deepseek")}
+    if c.get("deepseek"):
+        DeepseekV2Config(**fields, architectures=["DeepseekV2ForCausalLM"], **common).save_pretrained(d)
+        return
     if not c.get("gemma3"):
         LlamaConfig(**fields, architectures=["LlamaForCausalLM"], **common).save_pretrained(d)
         return
@@ -175,10 +223,11 @@ def write_config(c: dict, d: str, ids: dict) -> None:
                      **common).save_pretrained(d)
 
 
-def write_safetensors(shape: str, d: str, tok_dir: str, tok: dict, seed: int, shard_gb: float) -> None:
+def write_safetensors(shape: str, d: str, tok_dir: str, tok: dict, seed: int, shard_gb: float,
+                      layers: int = 0) -> None:
     from safetensors.torch import save_file
 
-    c = shape_config(shape)
+    c = shape_config(shape, layers)
     os.makedirs(d, exist_ok=True)
     for stale in os.listdir(d):  # the index goes first, so an interrupted run never looks complete
         if stale == INDEX or ".gguf" in stale or (stale.startswith("model-") and ".safetensors" in stale):
@@ -362,6 +411,8 @@ def main() -> None:
     ap.add_argument("--force", action="store_true", help="rewrite outputs that already exist")
     ap.add_argument("--int4", default="", help=f"comma-separated subset of {','.join(INT4_FORMATS)}: also write "
                     "OUT/<shape>-<format>-int4 (module docstring)")
+    ap.add_argument("--layers", type=int, default=0, help="keep only the first N layers of each shape (written to "
+                    "OUT/<shape>-<N>l; safetensors only): a deep shape's per-layer figures on a smaller machine")
     ap.add_argument("--tokenizer-dir", default=None,
                     help="a folder with SmolLM2's tokenizer files (default: those of the installed SmolLM2 package)")
     args = ap.parse_args()
@@ -369,8 +420,10 @@ def main() -> None:
     gguf_types = list(GGUF_TYPES) if args.gguf == "all" else [t.lower() for t in args.gguf.split(",") if t]
     for bad in [s for s in shapes if s not in SHAPES] + [t for t in gguf_types if t not in GGUF_TYPES]:
         ap.error(f"unknown shape or GGUF type {bad!r}: shapes {', '.join(SHAPES)}; GGUF {', '.join(GGUF_TYPES)}, all")
-    if (gguf_types or args.int4) and any(SHAPES[s].get("gemma3") for s in shapes):
-        ap.error("--gguf and --int4 write Llama layouts: not for the Gemma 3 shapes")
+    if (gguf_types or args.int4) and (args.layers or any(SHAPES[s].get("gemma3") or SHAPES[s].get("deepseek")
+                                                         for s in shapes)):
+        ap.error("--gguf and --int4 write Llama layouts of whole shapes: not for the Gemma 3 / DeepSeek shapes or "
+                 "with --layers")
     out = os.path.expanduser(args.out)
     if args.tokenizer_dir:
         tok_dir = os.path.expanduser(args.tokenizer_dir)
@@ -380,10 +433,10 @@ def main() -> None:
         tok_dir = resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")  # its tokenizer files, not its weights
     tok = load_tokenizer(tok_dir)
     for shape in shapes:
-        d = os.path.join(out, shape)
+        d = os.path.join(out, f"{shape}-{args.layers}l" if args.layers else shape)
         if args.force or not safetensors_complete(d):
             timed(f"{shape} bf16 safetensors", d,
-                  lambda: write_safetensors(shape, d, tok_dir, tok, args.seed, args.shard_gb))
+                  lambda: write_safetensors(shape, d, tok_dir, tok, args.seed, args.shard_gb, args.layers))
         else:
             print(f"skip {shape} safetensors: {d} is complete (--force to rewrite)")
         for t in gguf_types:

@@ -302,6 +302,27 @@ def test_engine_serves_moe_from_blocks_with_transformers_greedy_tokens(tmp_path,
         assert_same_or_near_tie(reference, tokenizer, prompt, ours, theirs, BF16_MARGIN)
 
 
+def test_experts_keep_no_int8_copy_where_the_plan_picks_the_int8_gemm(tmp_path):
+    """Where the startup measurement picks the int8 GEMM for large batches, the dense linears get their int8 copies
+    beside the blocks but the experts multiply their own blocks (the plan's float GEMM over them): an int8 copy of
+    every expert would double most of such a model's bytes."""
+    from sglang.srt.layers.int8_linear import Int8LinearMethod
+
+    hf_model = save_bf16_moe("qwen3_moe", tmp_path)
+    plan = choose_arithmetic("cpu", cpu_flags=BF16_VNNI_FLAGS, measurements={"float32": 2.0, "bfloat16": 1.0,
+                                                                              "int8": 3.0}, **BLOCKS_PLAN)
+    assert plan.large_batch_gemm == "int8" and plan.block_gemm == "float32"
+    ours: Any = load_for_plan(str(tmp_path), torch.float32, torch.device("cpu"), None, MAX_ROWS, plan)
+    attach_fast_paths(ours, None, hf_model.config, MAX_ROWS, plan)
+    experts = expert_linear_methods(ours)
+    assert experts and {type(m.large) for m in experts} == {BlockGEMMLinearMethod}
+    linears = [m for m in ours.modules() if isinstance(m, Linear)]
+    assert {type(m.linear_method.large) for m in linears} == {Int8LinearMethod}
+    copies = weight_bytes_by_format(ours)["int8 GEMM copies"]
+    assert copies == sum(m.linear_method.large.nbytes for m in linears) + \
+        ours.logits_processor.head_method.large.nbytes
+
+
 def test_the_plan_counts_every_expert_in_the_model_size():
     """The size that decides whether blocks serve every batch (`linear_float_bytes`, float32 bytes of the linears)
     counts every expert: Mixtral-8x7B's and Qwen1.5-MoE's published shapes are their parameter counts, not those

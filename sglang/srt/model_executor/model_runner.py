@@ -92,7 +92,10 @@ def attach_fast_paths(model: Any, gguf_path: Optional[str], hf_config: Any, gguf
     if quant_bytes == 0 and arithmetic is not None and arithmetic.small_batch_quantization != "none":
         qtype = arithmetic.small_batch_quantization.upper()
         if has_experts(model):
-            quant_bytes = attach_expert_blocks(model, gguf_kernel_max_rows, large, qtype, arithmetic.gguf_activations)
+            # the experts' large batches multiply their blocks (no int8 copy of every expert)
+            expert_large = blocks_large_method(arithmetic.block_gemm, arithmetic.block_gemm) if large else None
+            quant_bytes = attach_expert_blocks(model, gguf_kernel_max_rows, large, qtype, arithmetic.gguf_activations,
+                                               expert_large)
         else:
             quant_bytes = attach_q8_0_blocks(model, gguf_kernel_max_rows, large, qtype)
     only_blocks = only_blocks and quant_bytes > 0

@@ -143,12 +143,14 @@ def _expert_blocks(fused: FusedMoE, max_rows: int, large: LargeFromBlocks, qtype
 
 
 def attach_expert_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlocks], qtype: str = "Q8_0",
-                         activations: str = "float32") -> int:
+                         activations: str = "float32", expert_large: Optional[LargeFromBlocks] = None) -> int:
     """Serve every linear layer, expert and the LM head of a float32 MoE decoder from `qtype` blocks made at load
     (the LM head Q8_0 either way, as q8_blocks.attach_q8_0_blocks keeps it), for every batch: the block kernels up
-    to `max_rows` rows (with int8 activations for `activations` "int8"), the method `large` makes beyond. Float
-    weights are released as their blocks are made. Returns the bytes of the blocks (0 when it does not apply, with
-    the reason logged)."""
+    to `max_rows` rows (with int8 activations for `activations` "int8"), the method `large` makes beyond, for the
+    experts the one `expert_large` makes where given (the GEMM over their blocks: an int8 copy of every expert would
+    double what the experts, most of such a model, hold, for the few rows a prefill routes to each). Float weights
+    are released as their blocks are made. Returns the bytes of the blocks (0 when it does not apply, with the
+    reason logged)."""
     reason = why_no_expert_blocks(model, max_rows, large)
     if reason is not None:
         logger.info("No %s blocks for the experts and linear layers: %s", qtype, reason)
@@ -170,7 +172,7 @@ def attach_expert_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlo
         attached += method.quant_weight.nbytes
     expert_bytes = 0
     for fused in experts:  # one layer at a time: its float experts go as soon as their blocks exist
-        blocks = _expert_blocks(fused, max_rows, large, qtype, activations == "int8", dtype)
+        blocks = _expert_blocks(fused, max_rows, expert_large or large, qtype, activations == "int8", dtype)
         fused.serve_from_blocks(blocks, dtype)
         expert_bytes += blocks.nbytes
     logger.info("Attached %.1f MB of %s blocks (quantized at load) for every matmul (no float weights kept), "
