@@ -282,10 +282,10 @@ def test_runner_keeps_the_fused_step_and_records_its_states(spec_models, algorit
     assert torch.equal(recorded[True][:22], recorded[False][:22])
 
 
-def test_engine_with_eagle_heads_keeps_the_fused_step(spec_models, capfd):
+def test_engine_with_eagle_heads_keeps_the_fused_step(spec_models):
     """In-process engines on Q8_0 blocks (the fused step up to 64 rows: every verify step here): with an EAGLE and an
-    EAGLE3 head the startup log says the fused step hands the head its states, requests are verified, and greedy
-    outputs, in a batch and alone, are plain decoding's token for token."""
+    EAGLE3 head the decode path (the startup log's line, in get_server_info) says the fused step hands the head its
+    states, requests are verified, and greedy outputs, in a batch and alone, are plain decoding's token for token."""
     from sglang import Engine
     from tests.test_speculative_standalone import PROMPTS, STEPS, assert_engine_idle
 
@@ -296,9 +296,9 @@ def test_engine_with_eagle_heads_keeps_the_fused_step(spec_models, capfd):
     plain = Engine(**common)
     try:
         want = [g["output_ids"] for g in plain.generate(prompt=prompts, sampling_params=params)]
+        assert "run the fused CPU decode step" in plain.get_server_info()["decode_path"]
     finally:
         plain.shutdown()
-    assert "run the fused CPU decode step" in capfd.readouterr().err
     for algorithm in ("EAGLE", "EAGLE3"):
         engine = Engine(**common, speculative_algorithm=algorithm,
                         speculative_draft_model_path=spec_models[algorithm], speculative_num_steps=STEPS)
@@ -309,8 +309,8 @@ def test_engine_with_eagle_heads_keeps_the_fused_step(spec_models, capfd):
             assert one["output_ids"] == want[0], algorithm
             assert all(g["meta_info"]["spec_verify_ct"] > 0 for g in [*got, one])
             assert_engine_idle(engine)
+            path = engine.get_server_info()["decode_path"]
         finally:
             engine.shutdown()
-        log = capfd.readouterr().err
-        assert f"with {algorithm} the fused step also returns {STATES[algorithm]} from its one call" in log, algorithm
-        assert "every batch runs layer by layer" not in log
+        assert f"with {algorithm} the fused step also returns {STATES[algorithm]} from its one call" in path, path
+        assert "every batch runs layer by layer" not in path

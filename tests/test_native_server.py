@@ -55,6 +55,8 @@ def test_get_server_info_cell(base_url):
     assert info["schedule_policy"] == "lpm" and info["grammar_backend"] == "xgrammar"
     assert info["status"] == "ready" and isinstance(info["internal_states"], list)
     assert "version" in info
+    # the startup log's decode path line: SmolLM2's GGUF blocks run in the fused CPU step
+    assert info["decode_path"].startswith("Decode path: ") and "fused CPU decode step" in info["decode_path"]
     assert requests.get(f"{base_url}/server_info").json()["model_path"] == SMOLLM2
 
 

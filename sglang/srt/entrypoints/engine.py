@@ -255,6 +255,7 @@ def engine_server_info(server_args: ServerArgs, states: list[SchedulerState]) ->
         arithmetic=state["arithmetic"],
         weights={"bytes": state["weight_bytes"], "by_format": state["weights"]},
         kv_pools=state["kv_pools"],
+        decode_path=state["decode_path"],
         internal_states=[s.to_dict() for s in states],
         version=_version(),
     )

@@ -136,6 +136,7 @@ async def server_info(request: Request):
         max_total_num_tokens=internal.info.max_total_num_tokens,
         max_req_input_len=internal.info.max_req_input_len,
         kv_pools=internal.info.kv_pools,
+        decode_path=internal.info.decode_path,
         arithmetic=internal.info.arithmetic,
         weights={"bytes": internal.info.weight_bytes, "by_format": internal.info.weights},
         loaded_lora_adapters=dict(state.tm.lora_adapters),

@@ -82,6 +82,9 @@ class SchedulerInfo:
     # The KV pools' token counts and bytes (MemoryPools.pool_report): a window pool beside the full one where the
     # sliding-window layers keep only their window's K/V.
     kv_pools: dict[str, int] = field(default_factory=dict)
+    # How decode batches run (the startup log's `Decode path:` line: the fused CPU step or layer by layer, and what
+    # speculation takes from it).
+    decode_path: str = ""
 
 
 @dataclass(frozen=True)

@@ -153,6 +153,7 @@ class Scheduler:
                         if self.runner.arithmetic is not None else {}),
             dp_rank=self.dp_rank,
             weights=dict(self.runner.weights_by_format),
+            decode_path=self.runner.decode_plan.description if self.runner.decode_plan is not None else "",
         )
 
     # ---- main loop ------------------------------------------------------------------------------------
