@@ -131,6 +131,15 @@ def copy_checked(target: torch.Tensor, tensor: torch.Tensor, checkpoint_name: st
     target.copy_(tensor)
 
 
+def hold_as(owner: nn.Module, name: str, dtype: torch.dtype, device: Optional[torch.device | str] = None) -> None:
+    """Replace the parameter `owner.<name>` with an empty one of the same shape in `dtype` on `device` (None: the
+    old one's): before a checkpoint is read, to store it in another dtype; once its values live elsewhere, "meta"
+    releases it, keeping the shape and dtype that code reads."""
+    old: torch.Tensor = getattr(owner, name)
+    empty = torch.empty(old.shape, dtype=dtype, device=old.device if device is None else device)
+    setattr(owner, name, nn.Parameter(empty, requires_grad=False))
+
+
 # ---- tensor parallelism ---------------------------------------------------------------------------------------
 # With --tp-size N each scheduler rank holds 1/N of every projection: column-parallel layers (q/k/v, gate/up)
 # keep a slice of the output rows of each shard and need no communication; row-parallel layers (o_proj,

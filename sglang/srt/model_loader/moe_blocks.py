@@ -27,16 +27,19 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from sglang.srt.layers.linear import Linear
+from sglang.srt.layers.linear import Linear, hold_as
 from sglang.srt.layers.moe.expert_blocks import ExpertBlocks
 from sglang.srt.layers.moe.fused_moe import FusedMoE
-from sglang.srt.layers.quantization.gguf_blocks import QK, kernels_available, kernels_unavailable_reason
+from sglang.srt.layers.quantization.gguf_blocks import QK
 from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
 from sglang.srt.model_loader.q8_blocks import (
     LargeFromBlocks,
     blocks_method,
+    float32_on_cpu_except,
+    head_for_blocks,
+    kept_owners,
+    kernels_missing,
     quantize_blocks,
-    table_kept_as_stored,
     untied_head,
 )
 from sglang.srt.model_loader.quant_config import describe_checkpoint_quantization
@@ -59,8 +62,9 @@ def _parts(model: Any) -> tuple[list[Linear], list[FusedMoE]]:
 
 def _shape_reason(model: Any) -> Optional[str]:
     """Why the decoder of `model` cannot be held as blocks, or None."""
-    if not kernels_available():
-        return f"the GGUF kernels are unavailable ({kernels_unavailable_reason()})"
+    missing = kernels_missing()
+    if missing is not None:
+        return missing
     linears, experts = _parts(model)
     if not experts:
         return f"{type(model).__name__} has no stacked experts"
@@ -76,19 +80,6 @@ def _shape_reason(model: Any) -> Optional[str]:
     return None
 
 
-def _kept_owners(model: Any, dtype: torch.dtype) -> list[nn.Module]:
-    """The modules whose `weight` may be held in the checkpoint's `dtype` until blocks replace it."""
-    linears, _ = _parts(model)
-    owners: list[nn.Module] = list(linears)
-    head = untied_head(model)
-    if head is not None:
-        owners.append(head)
-    table = table_kept_as_stored(model, dtype)
-    if table is not None:
-        owners.append(table)
-    return owners
-
-
 def keep_experts_in(model: nn.Module, dtype: torch.dtype, from_gguf: bool = False) -> Optional[str]:
     """On an MoE model built on the meta device, give the decoder's linear weights, the stacked experts (and an LM
     head that is not the input embeddings, a bf16 input embedding table) `dtype`, so that loading a checkpoint stored
@@ -98,14 +89,12 @@ def keep_experts_in(model: nn.Module, dtype: torch.dtype, from_gguf: bool = Fals
     reason = "a GGUF file's experts are quantized from its float32 values" if from_gguf else _shape_reason(model)
     if reason is not None:
         return reason
-    for module in _kept_owners(model, dtype):
-        old: torch.Tensor = module.weight  # type: ignore[assignment]
-        module.weight = nn.Parameter(torch.empty(old.shape, dtype=dtype, device=old.device), requires_grad=False)
-    for fused in _parts(model)[1]:
+    linears, experts = _parts(model)
+    for module in kept_owners(model, linears, dtype):
+        hold_as(module, "weight", dtype)
+    for fused in experts:
         for name in ("gate_up_proj", "down_proj"):
-            stacked: torch.Tensor = getattr(fused, name)
-            setattr(fused, name, nn.Parameter(torch.empty(stacked.shape, dtype=dtype, device=stacked.device),
-                                              requires_grad=False))
+            hold_as(fused, name, dtype)
     return None
 
 
@@ -118,10 +107,11 @@ def why_no_expert_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlo
     reason = _shape_reason(model)
     if reason is not None:
         return reason
-    # the kept weights may be in the checkpoint's dtype (keep_experts_in); everything else float32
-    kept = {id(m.weight) for m in _kept_owners(model, torch.bfloat16)}
-    kept.update(id(p) for fused in _parts(model)[1] for p in (fused.gate_up_proj, fused.down_proj))
-    if any(p.device.type != "cpu" or (p.dtype != torch.float32 and id(p) not in kept) for p in model.parameters()):
+    # the kept weights may be in the checkpoint's dtype (keep_experts_in)
+    linears, experts = _parts(model)
+    kept = {id(m.weight) for m in kept_owners(model, linears, torch.bfloat16)}
+    kept.update(id(p) for fused in experts for p in (fused.gate_up_proj, fused.down_proj))
+    if not float32_on_cpu_except(model, kept):
         return "the model is not float32 on CPU"
     return None
 
@@ -163,12 +153,12 @@ def attach_expert_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlo
         method = blocks_method(module, quantize_blocks(module.weight, qtype), max_rows, large, dtype)
         module.set_linear_method(method)
         attached += method.quant_weight.nbytes
-    head, processor = getattr(model, "lm_head", None), getattr(model, "logits_processor", None)
-    if head is not None and processor is not None and head.weight.shape[1] % QK == 0:
+    head = head_for_blocks(model)
+    if head is not None:
         own_weight = untied_head(model) is not None  # else it is the input embeddings, which stay
         method = blocks_method(head, quantize_blocks(head.weight, "Q8_0"), max_rows, large,
                                dtype if own_weight else None)
-        processor.set_head_method(method)
+        model.logits_processor.set_head_method(method)
         attached += method.quant_weight.nbytes
     expert_bytes = 0
     for fused in experts:  # one layer at a time: its float experts go as soon as their blocks exist

@@ -24,14 +24,14 @@ is then released; large batches multiply the blocks through the float32 or bf16 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import numpy as np
 import torch
 from torch import nn
 
-from sglang.srt.layers.linear import Linear, LinearMethod
+from sglang.srt.layers.linear import Linear, LinearMethod, hold_as
 from sglang.srt.layers.quantization.gguf_blocks import (
     QK,
     GGUFQuantWeight,
@@ -80,7 +80,25 @@ def untied_head(model: Any) -> Optional[nn.Module]:
     return head
 
 
+def head_for_blocks(model: Any) -> Any:
+    """The LM head module when it can get blocks: the logits processor multiplies with it (set_head_method) and its
+    input width is a multiple of the block size; else None."""
+    head = getattr(model, "lm_head", None)
+    if head is None or getattr(model, "logits_processor", None) is None or head.weight.shape[1] % QK:
+        return None
+    return head
+
+
+def kernels_missing() -> Optional[str]:
+    """Why no blocks can be multiplied here, or None."""
+    return None if kernels_available() else f"the GGUF kernels are unavailable ({kernels_unavailable_reason()})"
+
+
 def _shape_reason(model: Any) -> Optional[str]:
+    """Why the decoder of `model` cannot be held as blocks, or None."""
+    missing = kernels_missing()
+    if missing is not None:
+        return missing
     linears = _decoder_linears(model)
     if not linears:
         return f"{type(model).__name__} is not a dense Llama-family decoder"
@@ -91,22 +109,12 @@ def _shape_reason(model: Any) -> Optional[str]:
 
 def why_no_q8_0_blocks(model: Any) -> str | None:
     """Why `attach_q8_0_blocks` leaves `model` as it is, or None when it applies."""
-    if not kernels_available():
-        return f"the GGUF kernels are unavailable ({kernels_unavailable_reason()})"
     reason = _shape_reason(model)
     if reason is not None:
         return reason
-    linear_weights = {id(m.weight) for m in _decoder_linears(model)}
-    head = untied_head(model)
-    if head is not None:
-        linear_weights.add(id(head.weight))
-    table = table_kept_as_stored(model, torch.bfloat16)
-    if table is not None:
-        linear_weights.add(id(table.weight))
-    # the linear weights (and a bf16 embedding table) may be in the checkpoint's dtype (keep_linears_in); everything
-    # else float32
-    if any(p.device.type != "cpu" or (p.dtype != torch.float32 and id(p) not in linear_weights)
-           for p in model.parameters()):
+    # the linear weights (and a bf16 embedding table) may be in the checkpoint's dtype (keep_linears_in)
+    kept = {id(m.weight) for m in kept_owners(model, _decoder_linears(model), torch.bfloat16)}
+    if not float32_on_cpu_except(model, kept):
         return "the model is not float32 on CPU"
     if any(isinstance(m.linear_method, GGUFLinearMethod) for m in _decoder_linears(model)):
         return "the model already has GGUF blocks"
@@ -128,6 +136,28 @@ def table_kept_as_stored(model: Any, dtype: torch.dtype) -> Optional[nn.Module]:
     return embed
 
 
+def kept_owners(model: Any, linears: Sequence[nn.Module], dtype: torch.dtype,
+                keep_table: bool = True) -> list[nn.Module]:
+    """The modules whose `weight` may be held in the checkpoint's `dtype` until blocks replace it: `linears`, an LM
+    head that is not the input embeddings and, with `keep_table`, the input embeddings where `table_kept_as_stored`
+    keeps them."""
+    owners: list[nn.Module] = list(linears)
+    head = untied_head(model)
+    if head is not None:
+        owners.append(head)
+    table = table_kept_as_stored(model, dtype) if keep_table else None
+    if table is not None:
+        owners.append(table)
+    return owners
+
+
+def float32_on_cpu_except(model: nn.Module, kept: set[int]) -> bool:
+    """Whether every parameter of `model` is on CPU and, but for those whose id is in `kept` (held in the
+    checkpoint's dtype), float32."""
+    return not any(p.device.type != "cpu" or (p.dtype != torch.float32 and id(p) not in kept)
+                   for p in model.parameters())
+
+
 def keep_linears_in(model: nn.Module, dtype: torch.dtype, keep_table: bool = True) -> Optional[str]:
     """On a model built on the meta device, give the decoder's linear weights (and an LM head that is not the input
     embeddings) `dtype` instead of the model's, so that loading a checkpoint stored in `dtype` makes no wider copy;
@@ -135,28 +165,12 @@ def keep_linears_in(model: nn.Module, dtype: torch.dtype, keep_table: bool = Tru
     stores the table in `dtype`: not a GGUF file's dequantized values) a bf16 input embedding table stays bf16 too
     (`table_kept_as_stored`): half the bytes of a float32 one. Returns why it does not apply (the model is left as
     it is), or None."""
-    reason = (f"the GGUF kernels are unavailable ({kernels_unavailable_reason()})" if not kernels_available()
-              else _shape_reason(model))
+    reason = _shape_reason(model)
     if reason is not None:
         return reason
-    owners: list[nn.Module] = list(_decoder_linears(model))
-    head = untied_head(model)
-    if head is not None:
-        owners.append(head)
-    table = table_kept_as_stored(model, dtype) if keep_table else None
-    if table is not None:
-        owners.append(table)
-    for module in owners:
-        old: torch.Tensor = module.weight  # type: ignore[assignment]
-        module.weight = nn.Parameter(torch.empty(old.shape, dtype=dtype, device=old.device), requires_grad=False)
+    for module in kept_owners(model, _decoder_linears(model), dtype, keep_table):
+        hold_as(module, "weight", dtype)
     return None
-
-
-def _release(module: nn.Module, dtype: torch.dtype) -> None:
-    """Drop a layer's float weight once its blocks serve every batch: a meta tensor of the model's dtype keeps the
-    shape and dtype that code reads, and any arithmetic on it fails loudly instead of reading stale values."""
-    old: torch.Tensor = module.weight  # type: ignore[assignment]
-    module.weight = nn.Parameter(torch.empty(old.shape, dtype=dtype, device="meta"), requires_grad=False)
 
 
 # Makes the method for the large batches of a layer whose float weight is released: from its blocks and, while it is
@@ -176,8 +190,8 @@ def blocks_method(module: nn.Module, weight: GGUFQuantWeight, max_rows: int, lar
     if large is not None:
         values = module.weight if weight.qtype == "Q8_0" and not from_file else weight.dequantize()
         method.large = large(weight, values)  # type: ignore[arg-type]
-        if release_dtype is not None:
-            _release(module, release_dtype)
+        if release_dtype is not None:  # a meta tensor: arithmetic on it fails loudly instead of reading stale values
+            hold_as(module, "weight", release_dtype, "meta")
     return method
 
 
@@ -203,15 +217,14 @@ def attach_q8_0_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlock
         release_made_blocks(model)  # those made from a quantized checkpoint's integers as it was read
         return 0
     dtype = model.model.norm.weight.dtype  # the model's (the embedding table may be kept bf16: keep_linears_in)
-    head = getattr(model, "lm_head", None)
-    processor = getattr(model, "logits_processor", None)
-    with_head = head is not None and processor is not None and head.weight.shape[1] % QK == 0
+    head = head_for_blocks(model)
+    heads = [head] if head is not None else []
     source = getattr(model, "quantized_checkpoint", None)
     from_file: dict[int, Any] = {}
     if source is not None:
         from sglang.srt.model_loader.checkpoint_blocks import checkpoint_blocks
 
-        found = checkpoint_blocks(model, source, _decoder_linears(model), [head] if with_head else [])
+        found = checkpoint_blocks(model, source, _decoder_linears(model), heads)
         from_file = found if isinstance(found, dict) else {}
 
     def make(module: nn.Module, fallback: str) -> GGUFLinearMethod:
@@ -231,12 +244,12 @@ def attach_q8_0_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlock
 
     attached = made_here = 0
     made_types: set[str] = set()
-    for module, fallback in [(m, qtype) for m in _decoder_linears(model)] + ([(head, "Q8_0")] if with_head else []):
+    for module, fallback in [(m, qtype) for m in _decoder_linears(model)] + [(h, "Q8_0") for h in heads]:
         # the LM head Q8_0 as llama.cpp keeps a Q4 model's output weight wider
         from_checkpoint = id(module) in from_file
         method = make(module, fallback)
         if module is head:
-            processor.set_head_method(method)
+            model.logits_processor.set_head_method(method)
         else:
             module.set_linear_method(method)
         attached += method.quant_weight.nbytes

@@ -28,7 +28,7 @@ from torch import nn
 
 from sglang.srt.distributed.parallel_state import get_tp_group
 from sglang.srt.distributed.partition import check_partition_fits, partition
-from sglang.srt.layers.linear import LinearMethod, copy_checked
+from sglang.srt.layers.linear import LinearMethod, copy_checked, hold_as
 from sglang.srt.layers.moe.expert_blocks import ExpertBlocks
 from sglang.srt.layers.moe.topk import TopKOutput
 from sglang.srt.model_loader.dtype import dtype_name
@@ -156,9 +156,7 @@ class FusedMoE(nn.Module):
                              f"for a layer of {self.num_experts} x {self.intermediate_size}")
         self.expert_blocks = blocks
         for name in ("gate_up_proj", "down_proj"):
-            old: torch.Tensor = getattr(self, name)
-            setattr(self, name, nn.Parameter(torch.empty(old.shape, dtype=release_dtype, device="meta"),
-                                             requires_grad=False))
+            hold_as(self, name, release_dtype, "meta")
 
     def served_values(self, param: torch.Tensor) -> Optional[torch.Tensor]:
         """The values the experts compute with for a released stacked parameter (`gate_up_proj` or `down_proj`,
