@@ -314,6 +314,9 @@ def test_log_requests_flag_logs_finished_requests(tmp_path):
     import subprocess
     import sys
 
+    import psutil
+
+    from sglang import huge_pages
     from sglang.test.test_utils import find_free_port, popen_launch_server
     from sglang.utils import terminate_process
 
@@ -326,9 +329,14 @@ def test_log_requests_flag_logs_finished_requests(tmp_path):
     try:
         requests.post(f"{url}/generate", json={"text": "Hello there", "rid": "logged-request-1",
                                                 "sampling_params": {"max_new_tokens": 4}})
+        huge = sum(huge_pages.anon_huge_bytes(p.pid) for p in psutil.Process(proc.pid).children(recursive=True))
     finally:
         terminate_process(proc)
     text = log.read_text()
+    # the scheduler holds its weights and K/V in 2 MB pages (sglang/huge_pages.py) where the kernel allows them
+    assert f"Memory pages: {huge_pages.describe()}" in text
+    if huge_pages.kernel_mode() in ("madvise", "always"):
+        assert huge > 100 * 2**20, huge
     assert "The server is fired up and ready to roll!" in text
     assert "Finish: rid=logged-request-1" in text
     assert "Prefill batch. #new-seq: 1" in text

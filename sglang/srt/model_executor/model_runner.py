@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import torch
 
+from sglang import huge_pages
 from sglang.srt.distributed.parallel_state import get_tp_group
 from sglang.srt.distributed.partition import head_partition
 from sglang.srt.forward_batch import ForwardBatch
@@ -174,6 +175,8 @@ class ModelRunner:
         if self.arithmetic is not None:
             logger.info(self.arithmetic.describe())
         logger.info(self.decode_plan.description)
+        if self.device.type == "cpu":
+            logger.info("Memory pages: %s", huge_pages.describe())
 
     # ---- one step ---------------------------------------------------------------------------------------
     def forward(self, forward_batch: ForwardBatch, sampling: Optional[SamplingBatchInfo]) -> StepOutput:
