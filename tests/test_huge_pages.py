@@ -59,3 +59,24 @@ def test_the_environment_can_keep_4_kb_pages():
     assert "4 KB pages" in subprocess.run(
         [sys.executable, "-c", "from sglang import huge_pages; print(huge_pages.describe())"],
         env={**os.environ, huge_pages.ENV: "0"}, capture_output=True, text=True, timeout=60).stdout
+
+
+POOL_PROBE = """
+import sglang, torch
+from sglang.huge_pages import anon_huge_bytes
+from sglang.srt.mem_cache.kv_pool import KVPool
+pool = KVPool(32768, 2, 8, 64, torch.bfloat16)  # 2 layers x 8 heads x 4 MB per K or V head-major stretch
+for layer in range(2):
+    pool.k_buffer[layer][1:17] = 1.0  # one short request's tokens in every head's stretch
+    pool.v_buffer[layer][1:17] = 1.0
+print(anon_huge_bytes())
+"""
+
+
+@pytest.mark.skipif(huge_pages.kernel_mode() not in ("madvise", "always"),
+                    reason=f"transparent huge pages unavailable here ({huge_pages.kernel_mode()})")
+def test_kv_pool_stays_in_small_pages():
+    # 32 stretches touched: 64 MB resident in 2 MB pages, 32 x 4 KB in small ones
+    out = subprocess.run([sys.executable, "-c", POOL_PROBE], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[-1]) < 8 * MB

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from sglang.huge_pages import keep_small_pages
 from sglang.srt.mem_cache.kv_dtype import to_kv_dtype
 
 
@@ -51,6 +52,7 @@ class KVPool:
             buf = torch.empty(heads, size + 1, dim, dtype=self.dtype, device=self.device).transpose(0, 1)
         else:
             buf = torch.empty(size + 1, heads, dim, dtype=self.dtype, device=self.device)
+        keep_small_pages(buf)  # resident as tokens are written (sglang/huge_pages.py)
         buf[0].zero_()
         return buf
 
