@@ -1,0 +1,234 @@
+"""Write a transformers model as a GGUF file laid out as llama.cpp's converter (convert_hf_to_gguf.py) writes its
+architecture with `--outtype q8_0`, and give the model the values the file holds.
+
+Per architecture, as that converter does:
+- Gemma 2 (`gemma2`) and Gemma 3 (`gemma3`): every `*norm.weight` stored as 1 + w (the QK-norms of Gemma 3 too), the
+  tied LM head not written, the soft-capping values and the sliding window in the metadata (Gemma 2 writes no RoPE
+  base; Gemma 3 writes the global base, the sliding layers' base and the global layers' linear scaling).
+- Mistral: written as arch `llama` (no sliding window in the file), Q and K rows permuted from the split-half rotary
+  layout to llama.cpp's interleaved one.
+- Qwen2-MoE (`qwen2moe`) and Qwen3-MoE (`qwen3moe`): the experts stacked into `ffn_{gate,up,down}_exps`, the expert
+  and shared-expert widths in `expert_feed_forward_length` / `expert_shared_feed_forward_length`.
+- GPT-OSS (`gpt-oss`): the experts split into `ffn_{gate,up}_exps` ([experts, intermediate, hidden], from
+  transformers' [experts, hidden, 2 * intermediate] with gate and up interleaved by column) and `ffn_down_exps`
+  ([experts, hidden, intermediate]), stored MXFP4 as llama.cpp publishes them, with their biases split alike; the
+  sinks as `attn_sinks.weight`; YaRN, the sliding window and the expert width in the metadata.
+Other weights of two or more dimensions are Q8_0 blocks (the embeddings too); norms, biases, sinks, 1-D tensors
+and the routers (`ffn_gate_inp`, `ffn_gate_inp_shexp`) are F32. The file carries a small vocabulary of its family's
+kind (_write_vocab).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ARCHITECTURES = {"gemma2": "gemma2", "gemma3_text": "gemma3", "mistral": "llama", "qwen2_moe": "qwen2moe",
+                 "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss"}
+# The size of the vocabulary the file carries (_write_vocab), by architecture family
+VOCAB_SIZES = {"gemma": 261, "other": 260}
+# Tensors llama.cpp's converter keeps in F32 whatever the output type.
+FLOAT_ROLES = ("ffn_gate_inp", "ffn_gate_inp_shexp")
+
+
+def _rope_parameters(config: Any) -> tuple[dict, dict]:
+    """(global layers' RoPE parameters, sliding layers' ones) as the config states them."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if "full_attention" in params:
+        return dict(params["full_attention"]), dict(params.get("sliding_attention", {}))
+    return params, {}
+
+
+def _write_metadata(writer: Any, config: Any, arch: str) -> None:
+    import gguf
+
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    full, sliding = _rope_parameters(config)
+    if arch != "gemma2":  # Gemma 2's converter writes none of the generic keys below
+        if full.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(full["factor"])
+        elif full.get("rope_type") == "yarn":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            writer.add_rope_scaling_factor(full["factor"])
+            writer.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
+            writer.add_rope_scaling_yarn_beta_fast(full["beta_fast"])
+            writer.add_rope_scaling_yarn_beta_slow(full["beta_slow"])
+        if "rope_theta" in full:
+            writer.add_rope_freq_base(full["rope_theta"])
+        if "rope_theta" in sliding:
+            writer.add_rope_freq_base_swa(sliding["rope_theta"])
+        experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+        if experts:
+            writer.add_expert_count(experts)
+            writer.add_expert_used_count(config.num_experts_per_tok)
+        if "head_dim" in config.to_dict():
+            writer.add_key_length(head_dim)
+            writer.add_value_length(head_dim)
+    if arch == "gemma2":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+        writer.add_sliding_window(config.sliding_window)
+    elif arch == "gemma3":
+        if config.final_logit_softcapping:
+            writer.add_final_logit_softcapping(config.final_logit_softcapping)
+        writer.add_sliding_window(config.sliding_window)
+    elif arch == "llama":
+        writer.add_vocab_size(config.vocab_size)
+        writer.add_rope_dimension_count(head_dim)
+    elif arch == "gpt-oss":
+        writer.add_sliding_window(config.sliding_window)
+        writer.add_expert_feed_forward_length(config.intermediate_size)
+    else:  # qwen2moe, qwen3moe
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+        shared = getattr(config, "shared_expert_intermediate_size", None)
+        if shared:
+            writer.add_expert_shared_feed_forward_length(shared)
+
+
+def _write_vocab(writer: Any, vocab_size: int, arch: str) -> None:
+    """Gemma's converter writes a sentencepiece vocabulary (tokenizer model `llama`): here its special tokens, the
+    word boundary and the 256 byte tokens the rest falls back to (VOCAB_SIZES["gemma"] tokens). The others get the
+    byte-level BPE vocabulary of tests/test_model_loader.py."""
+    from tests.test_model_loader import _byte_level_vocab
+
+    if arch.startswith("gemma"):
+        tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "\u2581"] + [f"<0x{b:02X}>" for b in range(256)]
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores([0.0] * len(tokens))
+        writer.add_token_types([3, 3, 3, 2, 1] + [6] * 256)  # control, unknown, the word boundary, bytes
+        writer.add_bos_token_id(2)
+        writer.add_eos_token_id(1)
+        writer.add_pad_token_id(0)
+        writer.add_unk_token_id(3)
+    else:
+        tokens, merges = _byte_level_vocab()
+        writer.add_tokenizer_model("gpt2")
+        writer.add_token_list(tokens)
+        writer.add_token_merges(merges)
+        writer.add_token_types([1] * (len(tokens) - 2) + [3, 3])  # the last two are control tokens
+        writer.add_bos_token_id(len(tokens) - 2)
+        writer.add_eos_token_id(len(tokens) - 1)
+    assert len(tokens) == vocab_size, (len(tokens), vocab_size)
+    writer.add_chat_template("{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}")
+
+
+def llama_cpp_permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's Q/K row order for Llama-arch files: each head's split-half rotary pairs interleaved."""
+    return weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
+        weight.shape)
+
+
+def llama_cpp_unpermute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    return weight.reshape(n_head, weight.shape[0] // n_head // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
+        weight.shape)
+
+
+# What puts a stored tensor's values (dequantized, float32) back into the transformers model.
+Restore = Callable[[torch.Tensor], None]
+
+
+def _into(param: torch.Tensor, change: Callable[[torch.Tensor], torch.Tensor] = lambda v: v) -> Restore:
+    def restore(stored: torch.Tensor) -> None:
+        param.copy_(change(stored).reshape(param.shape))
+    return restore
+
+
+def _file_tensors(model: Any, arch: str) -> Iterator[tuple[str, torch.Tensor, Restore]]:
+    """(GGUF name, value as the file stores it before quantization, how its stored values go back into the model)
+    per tensor the converter writes."""
+    import gguf
+
+    config = model.config
+    names = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], config.num_hidden_layers)
+    for hf_name, param in model.named_parameters():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # the converter writes no tied head
+        value = param.detach().float()
+        stem, _, suffix = hf_name.rpartition(".")
+        if suffix not in ("weight", "bias"):  # transformers' fused experts (`mlp.experts.gate_up_proj`), sinks
+            stem, suffix = hf_name, "weight"
+        if stem.endswith("_bias"):  # GPT-OSS's expert biases (`mlp.experts.down_proj_bias`)
+            stem, suffix = stem.removesuffix("_bias"), "bias"
+        if arch == "gpt-oss" and stem.endswith("experts.gate_up_proj"):
+            # [E, H, 2I] (bias [E, 2I]), gate and up interleaved by column -> [E, I, H] (bias [E, I]) each
+            base = stem.removesuffix("gate_up_proj")
+            for part, column in (("gate_proj", 0), ("up_proj", 1)):
+                rows = value[..., column::2]
+                rows = rows.transpose(1, 2) if suffix == "weight" else rows
+
+                def restore(stored: torch.Tensor, param: torch.Tensor = param, column: int = column) -> None:
+                    target = param[..., column::2]
+                    target.copy_(stored.transpose(1, 2) if target.dim() == 3 else stored)
+                yield f"{names.get_name(base + part)}.{suffix}", rows, restore
+            continue
+        if arch == "gpt-oss" and stem.endswith("experts.down_proj") and suffix == "weight":  # [E, I, H] -> [E, H, I]
+            yield f"{names.get_name(stem)}.weight", value.transpose(1, 2), _into(param, lambda v: v.transpose(1, 2))
+            continue
+        if stem.endswith("experts.gate_up_proj"):  # [E, 2I, H]: gate rows then up rows
+            half = value.shape[1] // 2
+            base = stem.removesuffix("gate_up_proj")
+            for part, rows in (("gate_proj", slice(0, half)), ("up_proj", slice(half, None))):
+                yield f"{names.get_name(base + part)}.{suffix}", value[:, rows], _into(param[:, rows])
+            continue
+        gguf_name = f"{names.get_name(stem)}.{suffix}"
+        assert not gguf_name.startswith("None"), hf_name
+        if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
+            yield gguf_name, value + 1, _into(param, lambda v: v - 1)
+        elif arch == "llama" and stem.endswith(("q_proj", "k_proj")):
+            heads = config.num_attention_heads if stem.endswith("q_proj") else config.num_key_value_heads
+            yield gguf_name, llama_cpp_permute(value, heads), _into(param, partial(llama_cpp_unpermute, n_head=heads))
+        else:
+            yield gguf_name, value, _into(param)
+
+
+def write_gguf(model: Any, path: Path, name: str) -> dict[str, str]:
+    """Write `model` (a transformers causal LM of one of ARCHITECTURES) to `path` as llama.cpp's converter writes it
+    with Q8_0 weights (GPT-OSS's experts MXFP4), then set the model's parameters to the values the file holds (as a
+    reader turns them back: Gemma norms stored - 1, Q/K rows unpermuted); returns the stored type of each tensor."""
+    import gguf
+
+    arch = ARCHITECTURES[model.config.model_type]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(name)
+    _write_metadata(writer, model.config, arch)
+    _write_vocab(writer, model.config.vocab_size, arch)
+    types: dict[str, str] = {}
+    with torch.no_grad():
+        for gguf_name, value, restore in list(_file_tensors(model, arch)):
+            role = gguf_name.split(".")[-2]
+            array = value.contiguous().numpy().astype(np.float32)
+            if value.dim() >= 2 and gguf_name.endswith(".weight") and role not in FLOAT_ROLES \
+                    and not role.endswith(("norm", "sinks")):
+                qtype = gguf.GGMLQuantizationType.MXFP4 if arch == "gpt-oss" and role.endswith("_exps") \
+                    else gguf.GGMLQuantizationType.Q8_0
+                raw = gguf.quants.quantize(array, qtype)
+                writer.add_tensor(gguf_name, raw, raw_dtype=qtype)
+                stored = torch.from_numpy(gguf.quants.dequantize(raw, qtype).copy())
+            else:
+                qtype = gguf.GGMLQuantizationType.F32
+                writer.add_tensor(gguf_name, array)
+                stored = torch.from_numpy(array.copy())
+            types[gguf_name] = qtype.name
+            restore(stored)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return types

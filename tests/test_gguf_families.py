@@ -1,0 +1,290 @@
+"""GGUF files of Gemma 2, Gemma 3, Mistral, Qwen2-MoE, Qwen3-MoE and GPT-OSS, written as llama.cpp's converter
+writes each architecture (tests/gguf_writer.py: Q8_0 weights, GPT-OSS's experts MXFP4), give the model of their HF
+checkpoint.
+
+Each tiny random checkpoint has its family's distinctive features on: attention and final soft-capping and windows
+shorter than the prompts (Gemma 2), QK-norms, a sliding-layer RoPE base of its own, linear scaling of the global
+layers and a final soft-cap (Gemma 3, one global layer in six as llama.cpp lays them out), random norms and
+biases, several experts with top-2 routing (the MoE families), a gated shared expert (Qwen2-MoE), sinks, biased
+experts, alternating windows and YaRN past its original length (GPT-OSS).
+
+The file converted by the loader gives the config of the checkpoint (what llama.cpp reads from the same file), the
+tensors the file holds, prefill logits within float32 tolerance of transformers' on the file's values, and greedy
+tokens equal to transformers' `generate` on prompts several windows long. Under the blocks plan the dense
+families' linear layers and LM head run the file's own Q8_0 blocks; the Qwen MoE families' layers and experts run
+Q8_0 blocks made at load from the file's values, which are those values again; GPT-OSS runs float32 weights (the
+file's MXFP4 experts dequantized).
+
+Mistral files carry no sliding window (llama.cpp writes them as arch `llama` and attends to every position), so the
+converted model is a Llama and matches transformers' Mistral with the window off.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from sglang.srt.layers.arithmetic import choose_arithmetic  # noqa: E402
+from sglang.srt.layers.linear import Linear  # noqa: E402
+from sglang.srt.layers.quantization.gguf_blocks import kernels_available  # noqa: E402
+from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod  # noqa: E402
+from tests.gguf_writer import VOCAB_SIZES, write_gguf  # noqa: E402
+from tests.test_cpu_arithmetic import BF16_VNNI_FLAGS  # noqa: E402
+from tests.test_models import FLOAT32_TOL, PagedCache, assert_logits_close, reference_logits  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not kernels_available(), reason="the compiled GGUF kernels are unavailable")
+
+FAMILIES = ["gemma2", "gemma3", "mistral", "qwen2_moe", "qwen3_moe", "gpt_oss"]
+DENSE = {"gemma2", "gemma3", "mistral"}
+FLOAT_SERVED = {"gpt_oss"}
+PROMPTS = ["Once upon a time, in a small village near the mountains,", "def fibonacci(n): return n"]
+MAX_NEW = 12
+MAX_ROWS = 8  # batches of up to this many rows run the block kernels, larger ones the GEMM over the blocks
+
+
+def tiny_config(family: str):
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        GptOssConfig,
+        MistralConfig,
+        Qwen2MoeConfig,
+        Qwen3MoeConfig,
+    )
+
+    vocab = VOCAB_SIZES["gemma" if family.startswith("gemma") else "other"]
+    common: dict[str, Any] = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                  num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2,
+                                  rms_norm_eps=1e-6)
+    # Gemma's query scale is head_dim ** -0.5 in llama.cpp (no key for it in the file), as in the published models
+    gemma = dict(common, head_dim=16, query_pre_attn_scalar=16, sliding_window=6)
+    moe = dict(common, intermediate_size=96, num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
+               moe_intermediate_size=32, tie_word_embeddings=False)
+    if family == "gemma2":
+        return Gemma2Config(**gemma, num_hidden_layers=4, attn_logit_softcapping=4.0, final_logit_softcapping=5.0,
+                            attn_implementation="eager")
+    if family == "gemma3":
+        return Gemma3TextConfig(**gemma, num_hidden_layers=6, final_logit_softcapping=5.0,
+                                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                                                 "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                    "rope_theta": 1000.0}})
+    if family == "mistral":
+        return MistralConfig(**common, num_hidden_layers=2, sliding_window=5, tie_word_embeddings=False)
+    if family == "qwen2_moe":
+        return Qwen2MoeConfig(**moe, shared_expert_intermediate_size=64)
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(**moe, head_dim=32, norm_topk_prob=True)
+    # alternating sliding (window 8) and full layers, YaRN past a short original length; llama.cpp fixes the SwiGLU
+    # limit at the config class's 7 (no key for it)
+    return GptOssConfig(**dict(common, intermediate_size=64, num_hidden_layers=4, head_dim=16, sliding_window=8,
+                               num_local_experts=6, num_experts_per_tok=2, max_position_embeddings=128,
+                               tie_word_embeddings=False, pad_token_id=None,
+                               rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+                                                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                "original_max_position_embeddings": 16}))
+
+
+def random_checkpoint(family: str):
+    """A transformers model of `family` with random weights, norms (Gemma's about 0, the others' about 1), biases
+    (attention, GPT-OSS's router and experts) and sinks."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(6)
+    model = AutoModelForCausalLM.from_config(tiny_config(family)).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(torch.randn_like(param) * 0.2 + (0.0 if family.startswith("gemma") else 1.0))
+            elif name.endswith((".bias", "_bias")):
+                param.normal_(0, 0.5)
+            elif name.endswith(".sinks"):
+                param.normal_(0, 1.5)
+        if model.config.tie_word_embeddings:  # smaller, so that the tied head does not just repeat the last token
+            model.model.embed_tokens.weight.mul_(0.3)
+    return model
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """A cache of its own for the conversions of the test files, sharing the compiled CPU kernels of the usual
+    one (built once per source version, not once per run)."""
+    from sglang.srt.model_loader.disk_cache import cache_root
+
+    kernels = cache_root() / "torch_extensions"
+    kernels.mkdir(parents=True, exist_ok=True)
+    path = tmp_path_factory.mktemp("cache")
+    (path / "torch_extensions").symlink_to(kernels, target_is_directory=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SGLANG_CACHE_DIR", str(path))
+        yield path
+
+
+def blocks_plan():
+    """float32 arithmetic over the blocks for every batch (no float weights kept)."""
+    return choose_arithmetic("cpu", cpu_gemm="float32", cpu_flags=BF16_VNNI_FLAGS, gguf_activations="float32",
+                             small_batch_quantization="q8_0", large_batch_weights="blocks", gguf_checkpoint=True)
+
+
+def generate_paged(ours, config, prompts: list[list[int]]) -> tuple[list[list[int]], torch.Tensor]:
+    """Greedy tokens of every prompt, prefilled in one batch and decoded together through the paged KV cache;
+    and the prefill logits of the first prompt."""
+    cache = PagedCache(config, torch.float32)
+    logits = cache.forward(ours, list(enumerate(prompts)), all_logits=True)
+    first = logits[: len(prompts[0])]
+    ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
+    tokens = [[int(t)] for t in logits[ends].argmax(-1)]
+    for _ in range(MAX_NEW - 1):
+        logits = cache.forward(ours, [(row, out[-1:]) for row, out in enumerate(tokens)])
+        for out, row_logits in zip(tokens, logits):
+            out.append(int(row_logits.argmax()))
+    return tokens, first
+
+
+def hf_generate(reference, ids: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+    continuation = out[0, len(ids):].tolist()
+    assert len(set(continuation)) > 2  # not a degenerate repetition
+    return continuation
+
+
+def assert_served_from_blocks(ours, reference, family: str) -> None:
+    """Every linear layer and the LM head run Q8_0 blocks with their float weight released: the file's own blocks
+    for the dense families; for the MoE ones blocks made at load, the experts' too, whose values are the file's.
+    GPT-OSS runs on float32 weights (no blocks for it: models/gpt_oss.py), its experts the file's MXFP4 values."""
+    from sglang.srt.layers.moe.fused_moe import FusedMoE
+
+    linears = [m for m in ours.modules() if isinstance(m, Linear)]
+    if family in FLOAT_SERVED:
+        assert linears and not any(isinstance(m.linear_method, GGUFLinearMethod) for m in linears)
+        assert all(m.weight.dtype == torch.float32 for m in linears)
+        return
+    assert linears and all(isinstance(m.linear_method, GGUFLinearMethod) for m in linears)
+    assert {m.linear_method.quant_weight.qtype for m in linears} == {"Q8_0"}
+    assert all(m.weight.device.type == "meta" for m in linears)
+    head = ours.logits_processor.head_method
+    assert isinstance(head, GGUFLinearMethod) and head.quant_weight.qtype == "Q8_0"
+    experts = [m for m in ours.modules() if isinstance(m, FusedMoE)]
+    assert bool(experts) == (family not in DENSE)
+    for layer, fused in enumerate(experts):
+        assert fused.expert_blocks is not None
+        theirs = reference.model.layers[layer].mlp.experts
+        for name in ("gate_up_proj", "down_proj"):
+            assert torch.equal(fused.served_values(getattr(fused, name)), getattr(theirs, name)), (layer, name)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gguf_file_gives_the_checkpoint_model(tmp_path, cache_dir, family, caplog):
+    """The converted file's config and tensors, what serves its layers under the blocks plan, prefill logits and
+    greedy tokens of two prompts batched through the paged KV cache, against transformers on the file's values."""
+    import json
+    import logging
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from sglang.srt.model_executor.model_runner import attach_fast_paths, load_for_plan
+    from sglang.srt.model_loader.resolve import resolve_model_path
+    from sglang.srt.model_loader.weights import iterate_weights
+
+    reference = random_checkpoint(family)
+    gguf_path = tmp_path / f"tiny-{family}.gguf"
+    types = write_gguf(reference, gguf_path, f"tiny-{family}")  # the reference now holds the file's values
+    assert types["blk.0.attn_q.weight"] == "Q8_0" and types["output_norm.weight"] == "F32"
+    assert types.get("blk.0.ffn_gate_exps.weight") == {"gpt_oss": "MXFP4", "qwen2_moe": "Q8_0",
+                                                       "qwen3_moe": "Q8_0"}.get(family)
+    model_dir = resolve_model_path(str(gguf_path))
+
+    # the converted checkpoint: the config llama.cpp reads from the file, the values the file holds
+    converted = json.loads((Path(model_dir) / "config.json").read_text())
+    expected = reference.config.to_dict()
+    if family == "mistral":
+        assert converted["architectures"] == ["LlamaForCausalLM"] and converted.get("sliding_window") is None
+        reference = without_sliding_window(reference)
+    else:
+        assert converted["architectures"] == [type(reference).__name__]
+        for key in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "sliding_window",
+                    "layer_types", "rope_parameters", "moe_intermediate_size", "shared_expert_intermediate_size",
+                    "num_experts", "num_local_experts", "num_experts_per_tok", "norm_topk_prob", "head_dim",
+                    "intermediate_size", "tie_word_embeddings"):
+            assert converted.get(key) == expected.get(key), key
+    weights = dict(iterate_weights(model_dir))
+    state = {k: v for k, v in reference.state_dict().items() if not (k == "lm_head.weight" and
+                                                                      reference.config.tie_word_embeddings)}
+    assert set(weights) == set(state)
+    for name, value in state.items():
+        assert torch.equal(weights[name], value), name
+
+    config = AutoConfig.from_pretrained(model_dir)  # as served
+    plan = blocks_plan()
+    ours = load_for_plan(model_dir, torch.float32, torch.device("cpu"), str(gguf_path), MAX_ROWS, plan)
+    with caplog.at_level(logging.INFO, logger="sglang.srt.model_loader.gguf_quant"):
+        attached = attach_fast_paths(ours, str(gguf_path), config, MAX_ROWS, plan)
+    assert (attached > 0) == (family not in FLOAT_SERVED)
+    from_file = any("Attached" in r.getMessage() and "GGUF blocks" in r.getMessage() for r in caplog.records)
+    assert from_file == (family in DENSE), [r.getMessage() for r in caplog.records]
+    assert_served_from_blocks(ours, reference, family)
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    assert min(len(p) for p in prompts) > 3 * (getattr(reference.config, "sliding_window", None) or 6)
+    tokens, prefill = generate_paged(ours, config, prompts)
+    assert_logits_close(prefill, reference_logits(reference, prompts[0]), FLOAT32_TOL, "prefill")
+    assert tokens == [hf_generate(reference, ids) for ids in prompts]
+
+
+def without_sliding_window(model):
+    """The same transformers model with its config's sliding window off."""
+    config = copy.deepcopy(model.config)
+    config.sliding_window = None
+    other = type(model)(config).eval()
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_moe"])
+def test_engine_serves_the_file_from_its_blocks(tmp_path, cache_dir, family):
+    """Through `sglang.Engine` on the .gguf path (the tokenizer, scheduler and paged cache of a server): greedy
+    tokens equal transformers' `generate` on the file's values, and the weights report counts Q8_0 blocks for every
+    linear layer, expert and the LM head, float32 for the embeddings, norms, biases and routers alone."""
+    from transformers import AutoTokenizer
+
+    from sglang import Engine
+    from sglang.srt.model_loader.resolve import resolve_model_path
+
+    reference = random_checkpoint(family)
+    gguf_path = tmp_path / f"tiny-{family}.gguf"
+    write_gguf(reference, gguf_path, f"tiny-{family}")
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(str(gguf_path)))
+    expected = [hf_generate(reference, tokenizer.encode(p)) for p in PROMPTS]
+    with Engine(model_path=str(gguf_path), dtype="float32", cpu_gemm="float32", gguf_activations="float32",
+                small_batch_quantization="q8_0", large_batch_weights="blocks", gguf_kernel_max_rows=MAX_ROWS,
+                max_total_tokens=2048) as engine:
+        outputs = engine.generate(prompt=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": MAX_NEW,
+                                                                   "ignore_eos": True})
+        info = engine.get_server_info()
+    assert [o["output_ids"] for o in outputs] == expected
+    by_format = dict(info["weights"]["by_format"])
+    by_format.pop("int8 GEMM copies", None)
+    state = reference.state_dict()
+    floats = [k for k, v in state.items() if v.dim() == 1 or k.endswith(FLOAT_KEPT)]
+    assert by_format == {"float32": 4 * sum(state[k].numel() for k in floats),
+                         "Q8_0 blocks": sum(q8_0_bytes(v) for k, v in state.items() if k not in floats)}
+
+
+# Parameters kept float32: the embeddings (read by row) and the routers; the norms and biases too (one dimension).
+FLOAT_KEPT = ("embed_tokens.weight", "mlp.gate.weight", "shared_expert_gate.weight")
+
+
+def q8_0_bytes(weight: torch.Tensor) -> int:
+    """Bytes of the Q8_0 blocks of a [n, k] weight (or of each of a stack of experts) as the kernels pack them:
+    34 bytes per 32 values, rows in groups of 16."""
+    *stack, n, k = weight.shape
+    return int(torch.tensor(stack).prod()) * -(-n // 16) * 16 * k // 32 * 34
