@@ -1,10 +1,7 @@
 """SGLang-compatible serving engine and frontend language."""
 
 from sglang.global_config import global_config  # noqa: F401 - the object, not the module of that name
-from sglang.huge_pages import request_huge_pages
 from sglang.version import __version__
-
-request_huge_pages()  # before torch loads: large CPU tensors (weights, K/V) in 2 MB pages (sglang/huge_pages.py)
 
 # Public names and the module that defines each. They load on first use, so `import sglang` stays light
 # (no torch for frontend-only users, no HTTP client for engine-only users).

@@ -1,42 +1,46 @@
-"""Large CPU tensors in 2 MB pages (Linux transparent huge pages).
+"""A model's weights in 2 MB pages (Linux transparent huge pages).
 
-A CPU decode step streams every weight of the model once (1.8 GB at 1.7B parameters) and, late in a long generation,
-as many bytes of K/V. In 4 KB pages that is one TLB miss and one page walk per 4 KB, and the hardware prefetchers
-stop at each page boundary: a batch-1 step of a 1.7B model took 2x longer than with the same weights in 2 MB pages
-(benchmarks/RESULTS.md, "Huge pages").
+A CPU decode step streams every weight of the model once (1.8 GB at 1.7B parameters). In 4 KB pages that is a TLB
+miss and a page walk per 4 KB, and the hardware prefetchers stop at every page boundary: batch-1 matmuls over a 1.7B
+model's Q8_0 blocks read 22 GB/s from 4 KB pages and 26 GB/s from 2 MB pages on one 2-core machine, and when other
+processes share the cores the gap grows to 2x (benchmarks/RESULTS.md, "Huge pages").
 
-PyTorch's CPU allocator asks the kernel for huge pages (madvise(MADV_HUGEPAGE) on each allocation of 2 MB or more)
-when the environment variable THP_MEM_ALLOC_ENABLE is 1 as it makes its first allocation (not at `import torch`); it
-reads the variable once. `import sglang` sets it unless it is set already, so it holds in every process that imports
-sglang before it allocates a tensor (the server, its scheduler processes, `python -m sglang.*`, scripts that import
-torch and then sglang) and in every process they start. THP_MEM_ALLOC_ENABLE=0
-keeps 4 KB pages. Where the kernel's mode (/sys/kernel/mm/transparent_hugepage/enabled) is `never` nothing changes;
-under `always` every large allocation gets huge pages anyway.
+Once a model is loaded (its blocks, GEMM copies and float weights final), `move_weights` copies every large CPU
+tensor it holds into one anonymous mapping advised into huge pages (madvise(MADV_HUGEPAGE)) and points the tensors at
+it (`Tensor.set_`: every holder of the tensor object sees the move). Only the weights: activations, allocated and
+freed at every step, stay in the allocator's pages (PyTorch's own THP_MEM_ALLOC_ENABLE=1 puts every allocation of
+2 MB or more in huge pages, which made a 900-token prefill ~10% slower here: each fresh buffer faults in 2 MB pages,
+compacting memory for them). A buffer that fills slowly (the K/V pool: sized for the whole memory budget, written a
+token at a time) is kept in 4 KB pages even where the kernel would give huge pages to everything (mode `always`):
+`keep_small_pages`.
 
-A buffer that fills up slowly (the K/V pool: sized for the whole memory budget, written a token at a time) is the
-exception: in 2 MB pages the first token written to each layer's and head's stretch of the head-major pool would make
-2 MB resident (3 GB of a 1.7B model's 5.6 GB pool after one request). `keep_small_pages` keeps such a buffer in 4 KB
-pages, resident as it is written.
-
-This module imports nothing heavy: it runs before torch is loaded.
+Where the kernel's mode (/sys/kernel/mm/transparent_hugepage/enabled) is `never`, or SGLANG_HUGE_PAGES=0, nothing is
+moved. This module imports torch only inside its functions.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import logging
+import mmap
 import os
 import sys
+import time
+from collections.abc import Iterable
 from typing import Any, Optional
 
-ENV = "THP_MEM_ALLOC_ENABLE"
+logger = logging.getLogger(__name__)
+
+ENV = "SGLANG_HUGE_PAGES"
 MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
-
-
-def request_huge_pages() -> None:
-    """Ask PyTorch for huge pages in this process (if torch has not allocated yet) and the processes it starts,
-    unless the environment says otherwise."""
-    os.environ.setdefault(ENV, "1")
+HUGE = 2 << 20
+PAGE = 4096
+MADV_NOHUGEPAGE = 15  # linux/mman.h
+# Tensors whose storage is smaller stay where they are (a few norms and biases: not worth a page of their own).
+MIN_BYTES = 256 << 10
+# While weights move, the heap's free pages are handed back after each this many bytes.
+TRIM_BYTES = 256 << 20
 
 
 def kernel_mode(path: str = MODE_FILE) -> Optional[str]:
@@ -50,18 +54,14 @@ def kernel_mode(path: str = MODE_FILE) -> Optional[str]:
     return text[start + 1 : end] if 0 <= start < end else None
 
 
-def describe() -> str:
-    """One line on the pages that large CPU tensors get in this process, for the startup log."""
+def why_not_huge() -> Optional[str]:
+    """Why weights stay in the allocator's pages here, or None."""
+    if os.environ.get(ENV, "1") == "0":
+        return f"{ENV}=0"
     mode = kernel_mode()
-    if mode is None:
-        return "large CPU tensors in the system's default pages (no transparent huge pages on this system)"
-    if mode == "never":
-        return "large CPU tensors in 4 KB pages (transparent huge pages are off in the kernel: never)"
-    if mode == "always":
-        return "large CPU tensors in 2 MB pages (transparent huge pages: always)"
-    if os.environ.get(ENV) == "1":
-        return f"large CPU tensors in 2 MB pages (transparent huge pages: madvise, {ENV}=1)"
-    return f"large CPU tensors in 4 KB pages ({ENV}={os.environ.get(ENV, '')!r}; 1 asks for 2 MB pages)"
+    if mode not in ("madvise", "always") or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return f"no transparent huge pages on this system (mode {mode})"
+    return None
 
 
 def anon_huge_bytes(pid: int | str = "self") -> int:
@@ -76,22 +76,113 @@ def anon_huge_bytes(pid: int | str = "self") -> int:
     return 0
 
 
-MADV_NOHUGEPAGE = 15  # linux/mman.h
-PAGE = 4096
+def held_tensors(model: Any, depth: int = 4) -> list[Any]:
+    """Every tensor `model` holds: its modules' parameters and buffers and the tensors of the objects their
+    attributes hold (linear methods, their blocks and GEMM copies), up to `depth` objects deep."""
+    import torch
+    from torch import nn
+
+    found: dict[int, Any] = {}
+
+    def visit(obj: Any, left: int) -> None:
+        if isinstance(obj, torch.Tensor):
+            found.setdefault(id(obj), obj)
+        elif left > 0 and not isinstance(obj, (nn.Module, str, bytes, int, float, type)):
+            if isinstance(obj, dict):
+                values: Iterable[Any] = obj.values()
+            elif isinstance(obj, (list, tuple)):
+                values = obj
+            else:  # an object's attributes, those of __slots__ classes (GGUFQuantWeight) included
+                slots = (getattr(obj, name, None) for c in type(obj).__mro__ for name in getattr(c, "__slots__", ()))
+                values = [*getattr(obj, "__dict__", {}).values(), *slots]
+            for value in values:
+                visit(value, left - 1)
+
+    for module in model.modules():
+        for value in vars(module).values():  # _parameters and _buffers are dicts here; submodules are walked above
+            visit(value, depth)
+    return list(found.values())
+
+
+def move_to_huge_pages(tensors: Iterable[Any]) -> int:
+    """Copy the storages of `tensors` (CPU, strided, of MIN_BYTES or more) into one mapping advised into huge pages
+    and point every given tensor at its copy, views included (same offsets, sizes and strides); returns the bytes
+    moved. A storage some tensor not given here also uses keeps its old copy for that one."""
+    import torch
+
+    groups: dict[int, list[Any]] = {}
+    for t in tensors:
+        if (t.device.type == "cpu" and t.layout == torch.strided and not t.is_quantized
+                and t.untyped_storage().nbytes() >= MIN_BYTES):
+            groups.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    if not groups:
+        return 0
+    sizes = {ptr: ts[0].untyped_storage().nbytes() for ptr, ts in groups.items()}
+    places, total = {}, 0
+    for ptr, size in sizes.items():
+        places[ptr] = total
+        total += -(-size // PAGE) * PAGE  # each storage on its own 4 KB pages
+    arena = mmap.mmap(-1, total + HUGE, flags=mmap.MAP_PRIVATE)  # anonymous: shared memory has its own THP rule
+    arena.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(arena, dtype=torch.uint8)  # keeps the mapping alive as long as a tensor uses it
+    start = (-raw.data_ptr()) % HUGE
+    unreleased = 0
+    with torch.no_grad():
+        for ptr, ts in groups.items():
+            at = start + places[ptr]
+            old = torch.empty(0, dtype=torch.uint8).set_(ts[0].untyped_storage())
+            raw[at : at + sizes[ptr]].copy_(old)
+            del old
+            for t in ts:
+                t.set_(raw.untyped_storage(), at // t.element_size() + t.storage_offset(), t.size(), t.stride())
+            unreleased += sizes[ptr]
+            if unreleased >= TRIM_BYTES:  # the old copies' pages go back as the new ones fill: no second model at once
+                release_free_heap()
+                unreleased = 0
+    release_free_heap()
+    return sum(sizes.values())
+
+
+def move_weights(model: Any) -> str:
+    """Move the large CPU tensors `model` holds into huge pages (see the module's docstring); returns the startup
+    log's line on it."""
+    reason = why_not_huge()
+    if reason is not None:
+        return f"weights in the allocator's pages ({reason})"
+    before, start = anon_huge_bytes(), time.perf_counter()
+    moved = move_to_huge_pages(held_tensors(model))
+    return (f"{moved / 1e9:.2f} GB of weights moved to 2 MB pages in {time.perf_counter() - start:.1f} s "
+            f"({(anon_huge_bytes() - before) / 1e9:.2f} GB backed by huge pages; {ENV}=0 leaves them where they are)")
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
 
 
 @functools.lru_cache(maxsize=1)
 def _madvise() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
+    libc = _libc()
+    if libc is None:
         return None
     fn = libc.madvise
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
+
+
+def release_free_heap() -> None:
+    """Hand the heap's free pages back to the kernel (glibc's malloc_trim): the weights' old copies leave holes in
+    the heap that would otherwise stay resident until activations happen to reuse them."""
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None) if libc is not None else None
+    if trim is not None:
+        trim(0)
 
 
 def keep_small_pages(tensor: Any) -> bool:

@@ -1,6 +1,6 @@
-"""Large CPU tensors in 2 MB pages: `import sglang` asks PyTorch's allocator for transparent huge pages
-(sglang/huge_pages.py) in its own process, unless torch allocated first, and in every process it starts; the
-environment can say no. (The server's scheduler holding its weights in huge pages: test_native_server.py.)"""
+"""A loaded model's weights in 2 MB pages (sglang/huge_pages.py): held tensors found through the objects modules
+hold, moved with their views and values intact, the K/V pool kept in 4 KB pages. (The server's scheduler holding its
+weights in huge pages: test_native_server.py.)"""
 
 from __future__ import annotations
 
@@ -9,23 +9,27 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from torch import nn
 
 from sglang import huge_pages
 
 MB = 1 << 20
-
-# Allocates 64 MB with torch after importing sglang, and prints the process's anonymous bytes in huge pages.
-PROBE = ("import sglang, torch; from sglang.huge_pages import anon_huge_bytes; "
-         "x = torch.ones(16 * 2**20); print(anon_huge_bytes())")
+HUGE_PAGES = huge_pages.kernel_mode() in ("madvise", "always")
 
 
-def probe(env_value: str | None) -> int:
-    env = {k: v for k, v in os.environ.items() if k != huge_pages.ENV}
-    if env_value is not None:
-        env[huge_pages.ENV] = env_value
-    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    return int(out.stdout.split()[-1])
+class Method:  # as a linear method holds its blocks: an object with a tensor inside another object
+    def __init__(self, blocks: torch.Tensor) -> None:
+        self.weight = type("Blocks", (), {})()
+        self.weight.packed = blocks
+
+
+def tiny_model() -> nn.Module:
+    model = nn.Sequential(nn.Linear(1024, 2048), nn.Linear(2048, 64))
+    model[0].method = Method(torch.randint(-128, 127, (4096, 1024), dtype=torch.int8))
+    model[0].rows = model[0].weight[:512]  # a view that must keep sharing the weight's storage
+    model[1].tied = model[0].weight  # the same tensor object again
+    return model
 
 
 def test_kernel_mode_reads_the_bracketed_choice(tmp_path):
@@ -36,29 +40,59 @@ def test_kernel_mode_reads_the_bracketed_choice(tmp_path):
     assert huge_pages.kernel_mode(str(tmp_path / "missing")) is None
 
 
-def test_import_sets_the_allocator_variable_unless_given():
-    assert os.environ.get(huge_pages.ENV) is not None  # this process imported sglang
-    code = f"import os, sglang; print(os.environ.get({huge_pages.ENV!r}))"
-    for given, expected in [(None, "1"), ("0", "0")]:
-        env = {k: v for k, v in os.environ.items() if k != huge_pages.ENV}
-        if given is not None:
-            env[huge_pages.ENV] = given
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
-        assert out.stdout.split()[-1] == expected
+def test_held_tensors_reach_into_the_objects_modules_hold():
+    model = tiny_model()
+    held = {id(t) for t in huge_pages.held_tensors(model)}
+    for t in (model[0].weight, model[0].bias, model[1].weight, model[0].method.weight.packed, model[0].rows):
+        assert id(t) in held
 
 
-@pytest.mark.skipif(huge_pages.kernel_mode() not in ("madvise", "always"),
-                    reason=f"transparent huge pages unavailable here ({huge_pages.kernel_mode()})")
-def test_large_torch_tensors_land_in_huge_pages():
-    assert probe(None) >= 32 * MB  # of the 64 MB tensor (the pages that straddle its ends may stay 4 KB)
+def test_moved_tensors_keep_values_views_and_sharing():
+    model = tiny_model()
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    blocks = model[0].method.weight.packed.clone()
+    old_ptr = model[0].weight.data_ptr()
+    moved = huge_pages.move_to_huge_pages(huge_pages.held_tensors(model))
+    assert moved >= model[0].weight.nbytes + blocks.nbytes
+    assert model[0].weight.data_ptr() != old_ptr
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, before[name]), name
+    assert torch.equal(model[0].method.weight.packed, blocks)
+    assert model[0].rows.data_ptr() == model[0].weight.data_ptr()  # the view moved with its base
+    assert model[1].tied is model[0].weight
+    with torch.no_grad():
+        model[0].weight[0, 0] = 5.0
+    assert model[0].rows[0, 0].item() == 5.0
+    assert isinstance(model[0].weight, nn.Parameter)
+    x = torch.randn(3, 1024)
+    assert model(x).shape == (3, 64)
 
 
-@pytest.mark.skipif(huge_pages.kernel_mode() != "madvise", reason="only the madvise mode leaves the choice to torch")
-def test_the_environment_can_keep_4_kb_pages():
-    assert probe("0") < 8 * MB
-    assert "4 KB pages" in subprocess.run(
-        [sys.executable, "-c", "from sglang import huge_pages; print(huge_pages.describe())"],
-        env={**os.environ, huge_pages.ENV: "0"}, capture_output=True, text=True, timeout=60).stdout
+PROBE = """
+import torch, sys
+from torch import nn
+from sglang import huge_pages
+model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)])  # 64 MB of float32 weights
+print(huge_pages.move_weights(model), file=sys.stderr)
+print(huge_pages.anon_huge_bytes())
+"""
+
+
+def probe(env: dict[str, str]) -> int:
+    out = subprocess.run([sys.executable, "-c", PROBE], env={**os.environ, **env}, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout.split()[-1])
+
+
+@pytest.mark.skipif(not HUGE_PAGES, reason=f"transparent huge pages unavailable ({huge_pages.kernel_mode()})")
+def test_moved_weights_are_backed_by_huge_pages():
+    assert probe({"THP_MEM_ALLOC_ENABLE": "0"}) >= 56 * MB  # of 64 MB: the pages that straddle the ends may stay 4 KB
+
+
+@pytest.mark.skipif(huge_pages.kernel_mode() != "madvise", reason="only the madvise mode leaves the choice to us")
+def test_the_environment_can_keep_the_allocators_pages():
+    assert probe({"THP_MEM_ALLOC_ENABLE": "0", huge_pages.ENV: "0"}) < 8 * MB
 
 
 POOL_PROBE = """
@@ -73,10 +107,10 @@ print(anon_huge_bytes())
 """
 
 
-@pytest.mark.skipif(huge_pages.kernel_mode() not in ("madvise", "always"),
-                    reason=f"transparent huge pages unavailable here ({huge_pages.kernel_mode()})")
-def test_kv_pool_stays_in_small_pages():
+@pytest.mark.skipif(not HUGE_PAGES, reason=f"transparent huge pages unavailable ({huge_pages.kernel_mode()})")
+def test_kv_pool_stays_in_small_pages_where_torch_asks_for_huge_ones():
     # 32 stretches touched: 64 MB resident in 2 MB pages, 32 x 4 KB in small ones
-    out = subprocess.run([sys.executable, "-c", POOL_PROBE], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", POOL_PROBE], env={**os.environ, "THP_MEM_ALLOC_ENABLE": "1"},
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.split()[-1]) < 8 * MB

@@ -129,6 +129,8 @@ class ModelRunner:
                                    config=hf_config)
         self.arithmetic = arithmetic
         self.quant_bytes = attach_fast_paths(self.model, gguf_path, hf_config, gguf_kernel_max_rows, arithmetic)
+        if self.device.type == "cpu":  # before the fused decode step takes the weights' addresses (bind_kv_pool)
+            logger.info("Memory pages: %s", huge_pages.move_weights(self.model))
         self.vocab_size = hf_config.get_text_config().vocab_size
         self.weights_by_format: dict[str, int] = {}
         self.weight_bytes = 0
@@ -175,8 +177,6 @@ class ModelRunner:
         if self.arithmetic is not None:
             logger.info(self.arithmetic.describe())
         logger.info(self.decode_plan.description)
-        if self.device.type == "cpu":
-            logger.info("Memory pages: %s", huge_pages.describe())
 
     # ---- one step ---------------------------------------------------------------------------------------
     def forward(self, forward_batch: ForwardBatch, sampling: Optional[SamplingBatchInfo]) -> StepOutput:
