@@ -87,7 +87,16 @@ def probe(env: dict[str, str]) -> int:
 
 @pytest.mark.skipif(not HUGE_PAGES, reason=f"transparent huge pages unavailable ({huge_pages.kernel_mode()})")
 def test_moved_weights_are_backed_by_huge_pages():
-    assert probe({"THP_MEM_ALLOC_ENABLE": "0"}) >= 56 * MB  # of 64 MB: the pages that straddle the ends may stay 4 KB
+    # of 64 MB: the pages that straddle the ends may stay 4 KB
+    assert probe({"THP_MEM_ALLOC_ENABLE": "0", huge_pages.ENV: "1"}) >= 56 * MB
+
+
+@pytest.mark.skipif(huge_pages.kernel_mode() != "madvise", reason="only the madvise mode leaves the choice to us")
+def test_small_models_keep_their_pages_unless_asked(monkeypatch):
+    assert probe({"THP_MEM_ALLOC_ENABLE": "0", huge_pages.ENV: ""}) < 8 * MB  # 64 MB of weights: below the bound
+    model = nn.Sequential(nn.Linear(1024, 1024))
+    monkeypatch.delenv(huge_pages.ENV, raising=False)
+    assert huge_pages.move_weights(model).startswith("weights in the allocator's pages (0.00 GB, below 1 GiB")
 
 
 @pytest.mark.skipif(huge_pages.kernel_mode() != "madvise", reason="only the madvise mode leaves the choice to us")

@@ -325,7 +325,7 @@ def test_log_requests_flag_logs_finished_requests(tmp_path):
     log = tmp_path / "server.log"
     proc = popen_launch_server(SMOLLM2, url, other_args=["--log-requests", "--max-total-tokens", "2048",
                                                          "--tp-size", "1", "--cuda-graph-max-bs", "4"],
-                               log_path=str(log))
+                               log_path=str(log), env={huge_pages.ENV: "1"})  # moved although under 1 GiB
     try:
         requests.post(f"{url}/generate", json={"text": "Hello there", "rid": "logged-request-1",
                                                 "sampling_params": {"max_new_tokens": 4}})
