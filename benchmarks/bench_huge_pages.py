@@ -18,24 +18,14 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 SHAPES = [(6144, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]  # qkv, o, gate/up, down of the 1.7B shape
 LAYERS = 24
 
 
-def best_seconds(fn, passes: int = 15) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(passes):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def measure(huge: bool) -> dict:
     import torch
+    from bench_block_gemm import best_of  # the script beside this one
 
     from sglang.huge_pages import anon_huge_bytes, move_to_huge_pages
     from sglang.srt.layers.quantization.gguf_blocks import GGUFQuantWeight
@@ -44,7 +34,7 @@ def measure(huge: bool) -> dict:
     x = torch.ones(256 << 20, dtype=torch.bfloat16)
     if huge:
         move_to_huge_pages([x])
-    read = x.numel() * 2 / best_seconds(x.sum) / 1e9
+    read = x.numel() * 2 / best_of(x.sum, 15) / 1e9
     del x
     torch.manual_seed(0)
     protos = [quantize_q8_0(torch.randn(n, k) * 0.02) for n, k in SHAPES]
@@ -58,7 +48,7 @@ def measure(huge: bool) -> dict:
         for w in weights:
             w.linear(inputs[w.k], int8=True)
 
-    gemv = sum(w.nbytes for w in weights) / best_seconds(step) / 1e9
+    gemv = sum(w.nbytes for w in weights) / best_of(step, 15) / 1e9
     return {"read_gbs": round(read, 1), "gemv_gbs": round(gemv, 1), "huge_mb": anon_huge_bytes() >> 20}
 
 

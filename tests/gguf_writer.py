@@ -105,7 +105,7 @@ def _write_vocab(writer: Any, vocab_size: int, arch: str) -> None:
     """Gemma's converter writes a sentencepiece vocabulary (tokenizer model `llama`): here its special tokens, the
     word boundary and the 256 byte tokens the rest falls back to (VOCAB_SIZES["gemma"] tokens). The others get the
     byte-level BPE vocabulary of tests/test_model_loader.py."""
-    from tests.test_model_loader import _byte_level_vocab
+    from tests.test_model_loader import add_byte_level_tokenizer
 
     if arch.startswith("gemma"):
         tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "\u2581"] + [f"<0x{b:02X}>" for b in range(256)]
@@ -117,16 +117,10 @@ def _write_vocab(writer: Any, vocab_size: int, arch: str) -> None:
         writer.add_eos_token_id(1)
         writer.add_pad_token_id(0)
         writer.add_unk_token_id(3)
+        writer.add_chat_template("{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}")
     else:
-        tokens, merges = _byte_level_vocab()
-        writer.add_tokenizer_model("gpt2")
-        writer.add_token_list(tokens)
-        writer.add_token_merges(merges)
-        writer.add_token_types([1] * (len(tokens) - 2) + [3, 3])  # the last two are control tokens
-        writer.add_bos_token_id(len(tokens) - 2)
-        writer.add_eos_token_id(len(tokens) - 1)
+        tokens = add_byte_level_tokenizer(writer)
     assert len(tokens) == vocab_size, (len(tokens), vocab_size)
-    writer.add_chat_template("{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}")
 
 
 def llama_cpp_permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:

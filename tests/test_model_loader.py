@@ -205,6 +205,20 @@ def _byte_level_vocab() -> tuple[list[str], list[str]]:
     return tokens, merges
 
 
+def add_byte_level_tokenizer(writer) -> list[str]:
+    """Write the byte-level BPE vocabulary of _byte_level_vocab (its last two tokens control tokens: BOS, EOS) and a
+    chat template into a GGUFWriter; returns the tokens."""
+    tokens, merges = _byte_level_vocab()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(merges)
+    writer.add_token_types([1] * (len(tokens) - 2) + [3, 3])
+    writer.add_bos_token_id(len(tokens) - 2)
+    writer.add_eos_token_id(len(tokens) - 1)
+    writer.add_chat_template("{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}")
+    return tokens
+
+
 def _write_tiny_gguf(path: Path, tensors: dict[str, np.ndarray], t: dict = TINY, linear_qtype: str = "") -> None:
     """A llama GGUF of `tensors` (dims `t`); `linear_qtype` (e.g. "Q4_0") stores the 2-D weights other than the
     embeddings in those blocks, as llama.cpp's quantizer writes them."""
@@ -222,14 +236,7 @@ def _write_tiny_gguf(path: Path, tensors: dict[str, np.ndarray], t: dict = TINY,
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(t["vocab"])
-    tokens, merges = _byte_level_vocab()
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_merges(merges)
-    writer.add_token_types([1] * (len(tokens) - 2) + [3, 3])  # the last two are control tokens
-    writer.add_bos_token_id(len(tokens) - 2)
-    writer.add_eos_token_id(len(tokens) - 1)
-    writer.add_chat_template("{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}")
+    add_byte_level_tokenizer(writer)
     for name, value in tensors.items():
         if name.endswith("q_proj.weight"):
             value = _llama_cpp_permute(value, t["heads"])
