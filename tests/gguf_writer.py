@@ -9,6 +9,9 @@ Per architecture, as that converter does:
   layout to llama.cpp's interleaved one.
 - Qwen2-MoE (`qwen2moe`) and Qwen3-MoE (`qwen3moe`): the experts stacked into `ffn_{gate,up,down}_exps`, the expert
   and shared-expert widths in `expert_feed_forward_length` / `expert_shared_feed_forward_length`.
+- Phi-3 (`phi3`): the fused `qkv_proj` / `gate_up_proj` as `attn_qkv` / `ffn_up`, the rotary width
+  (`rope.dimension_count`: partial rotary), the original context length, the window (0: none) and, for LongRoPE,
+  the long and short factors as F32 tensors `rope_factors_long` / `rope_factors_short` with the attention factor.
 - GPT-OSS (`gpt-oss`): the experts split into `ffn_{gate,up}_exps` ([experts, intermediate, hidden], from
   transformers' [experts, hidden, 2 * intermediate] with gate and up interleaved by column) and `ffn_down_exps`
   ([experts, hidden, intermediate]), stored MXFP4 as llama.cpp publishes them, with their biases split alike; the
@@ -20,6 +23,7 @@ kind (_write_vocab).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -29,7 +33,7 @@ import numpy as np
 import torch
 
 ARCHITECTURES = {"gemma2": "gemma2", "gemma3_text": "gemma3", "mistral": "llama", "qwen2_moe": "qwen2moe",
-                 "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss"}
+                 "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss", "phi3": "phi3"}
 # The size of the vocabulary the file carries (_write_vocab), by architecture family
 VOCAB_SIZES = {"gemma": 261, "other": 260}
 # Tensors llama.cpp's converter keeps in F32 whatever the output type.
@@ -91,6 +95,15 @@ def _write_metadata(writer: Any, config: Any, arch: str) -> None:
     elif arch == "llama":
         writer.add_vocab_size(config.vocab_size)
         writer.add_rope_dimension_count(head_dim)
+    elif arch == "phi3":
+        writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
+        writer.add_rope_dimension_count(_phi3_rope_dims(config))
+        writer.add_sliding_window(config.sliding_window or 0)  # 0: none (Phi-4)
+        if full.get("rope_type") == "longrope":
+            original = config.original_max_position_embeddings
+            scale = config.max_position_embeddings / original
+            factor = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+            writer.add_rope_scaling_attn_factors(factor)
     elif arch == "gpt-oss":
         writer.add_sliding_window(config.sliding_window)
         writer.add_expert_feed_forward_length(config.intermediate_size)
@@ -99,6 +112,18 @@ def _write_metadata(writer: Any, config: Any, arch: str) -> None:
         shared = getattr(config, "shared_expert_intermediate_size", None)
         if shared:
             writer.add_expert_shared_feed_forward_length(shared)
+
+
+def _phi3_rope_dims(config: Any) -> int:
+    return int(getattr(config, "partial_rotary_factor", 1.0) * config.hidden_size) // config.num_attention_heads
+
+
+def _extra_tensors(config: Any, arch: str) -> Iterator[tuple[str, torch.Tensor, Restore]]:
+    """Tensors the converter writes that the model has no parameter for: Phi-3's LongRoPE factors."""
+    full, _ = _rope_parameters(config)
+    if arch == "phi3" and full.get("rope_type") == "longrope":
+        for kind in ("long", "short"):
+            yield f"rope_factors_{kind}.weight", torch.tensor(full[f"{kind}_factor"]), lambda stored: None
 
 
 def _write_vocab(writer: Any, vocab_size: int, arch: str) -> None:
@@ -205,7 +230,7 @@ def write_gguf(model: Any, path: Path, name: str) -> dict[str, str]:
     _write_vocab(writer, model.config.vocab_size, arch)
     types: dict[str, str] = {}
     with torch.no_grad():
-        for gguf_name, value, restore in list(_file_tensors(model, arch)):
+        for gguf_name, value, restore in [*_file_tensors(model, arch), *_extra_tensors(model.config, arch)]:
             role = gguf_name.split(".")[-2]
             array = value.contiguous().numpy().astype(np.float32)
             if value.dim() >= 2 and gguf_name.endswith(".weight") and role not in FLOAT_ROLES \

@@ -39,8 +39,8 @@ from tests.test_models import FLOAT32_TOL, PagedCache, assert_logits_close, refe
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="the compiled GGUF kernels are unavailable")
 
-FAMILIES = ["gemma2", "gemma3", "mistral", "qwen2_moe", "qwen3_moe", "gpt_oss"]
-DENSE = {"gemma2", "gemma3", "mistral"}
+FAMILIES = ["gemma2", "gemma3", "mistral", "phi3", "qwen2_moe", "qwen3_moe", "gpt_oss"]
+DENSE = {"gemma2", "gemma3", "mistral", "phi3"}
 FLOAT_SERVED = {"gpt_oss"}
 PROMPTS = ["Once upon a time, in a small village near the mountains,", "def fibonacci(n): return n"]
 MAX_NEW = 12
@@ -53,6 +53,7 @@ def tiny_config(family: str):
         Gemma3TextConfig,
         GptOssConfig,
         MistralConfig,
+        Phi3Config,
         Qwen2MoeConfig,
         Qwen3MoeConfig,
     )
@@ -75,6 +76,14 @@ def tiny_config(family: str):
                                                                     "rope_theta": 1000.0}})
     if family == "mistral":
         return MistralConfig(**common, num_hidden_layers=2, sliding_window=5, tie_word_embeddings=False)
+    if family == "phi3":
+        # partial rotary (8 of 16 channels), LongRoPE with both prompts past the original length, a window; the
+        # factors exact in float32, as the file stores them
+        return Phi3Config(**common, num_hidden_layers=2, tie_word_embeddings=False, partial_rotary_factor=0.5,
+                          sliding_window=7, original_max_position_embeddings=16, pad_token_id=None,
+                          rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                           "short_factor": [1.0, 1.25, 1.875, 2.5],
+                                           "long_factor": [1.75, 3.125, 5.25, 11.0]})
     if family == "qwen2_moe":
         return Qwen2MoeConfig(**moe, shared_expert_intermediate_size=64)
     if family == "qwen3_moe":
@@ -196,7 +205,8 @@ def test_gguf_file_gives_the_checkpoint_model(tmp_path, cache_dir, family, caplo
     reference = random_checkpoint(family)
     gguf_path = tmp_path / f"tiny-{family}.gguf"
     types = write_gguf(reference, gguf_path, f"tiny-{family}")  # the reference now holds the file's values
-    assert types["blk.0.attn_q.weight"] == "Q8_0" and types["output_norm.weight"] == "F32"
+    assert types["blk.0.attn_qkv.weight" if family == "phi3" else "blk.0.attn_q.weight"] == "Q8_0"
+    assert types["output_norm.weight"] == "F32"
     assert types.get("blk.0.ffn_gate_exps.weight") == {"gpt_oss": "MXFP4", "qwen2_moe": "Q8_0",
                                                        "qwen3_moe": "Q8_0"}.get(family)
     model_dir = resolve_model_path(str(gguf_path))
@@ -212,7 +222,8 @@ def test_gguf_file_gives_the_checkpoint_model(tmp_path, cache_dir, family, caplo
         for key in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar", "sliding_window",
                     "layer_types", "rope_parameters", "moe_intermediate_size", "shared_expert_intermediate_size",
                     "num_experts", "num_local_experts", "num_experts_per_tok", "norm_topk_prob", "head_dim",
-                    "intermediate_size", "tie_word_embeddings"):
+                    "intermediate_size", "tie_word_embeddings", "partial_rotary_factor",
+                    "original_max_position_embeddings"):
             assert converted.get(key) == expected.get(key), key
     weights = dict(iterate_weights(model_dir))
     state = {k: v for k, v in reference.state_dict().items() if not (k == "lm_head.weight" and

@@ -197,8 +197,9 @@ def _gpt_oss_part(name: str, weights, shapes: dict, gathered: dict) -> Optional[
 
 
 def _read_metadata(gguf_path: str) -> tuple[str, dict[str, Any], dict[str, tuple[int, ...]]]:
-    """(architecture, the `<architecture>.*` keys without that prefix and the `tokenizer.ggml.*_token_id` keys,
-    each tensor's shape in GGML order)."""
+    """(architecture, the `<architecture>.*` keys without that prefix, the `tokenizer.ggml.*_token_id` keys and the
+    values of the LongRoPE factor tensors (`rope_factors_long` / `rope_factors_short`, as lists), each tensor's shape
+    in GGML order)."""
     from gguf import GGUFReader, GGUFValueType
     from transformers.modeling_gguf_pytorch_utils import read_field
 
@@ -210,6 +211,9 @@ def _read_metadata(gguf_path: str) -> tuple[str, dict[str, Any], dict[str, tuple
             values = read_field(reader, key)
             name = key.removeprefix(architecture + ".")
             keys[name] = values if field.types[0] == GGUFValueType.ARRAY else values[0]
+    for tensor in reader.tensors:
+        if tensor.name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+            keys[tensor.name.removesuffix(".weight")] = [float(v) for v in tensor.data]
     return architecture, keys, {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}
 
 
@@ -282,10 +286,32 @@ def _correct_config(config: Any, architecture: str, keys: dict[str, Any], shapes
         if architecture == "qwen2moe":
             config.shared_expert_intermediate_size = (keys.get("expert_shared_feed_forward_length")
                                                       or shapes["blk.0.ffn_up_shexp.weight"][1])
+    elif architecture == "phi3":
+        _correct_phi3(config, keys, shapes)
     elif getattr(config, "model_type", None) == "mistral":
         # transformers reads a `llama` file named "mistral" as Mistral, whose config class defaults to a 4096-token
         # window; llama.cpp attends to every position of such a file
         config.sliding_window = None
+
+
+def _correct_phi3(config: Any, keys: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> None:
+    """Phi-3's partial rotary width, window and LongRoPE, which transformers' GGUF reader leaves at full rotary, no
+    window and plain RoPE: the rotary width is `rope.dimension_count`, the factors are the file's
+    `rope_factors_long` / `rope_factors_short` tensors (read by the caller into `keys`), a window of 0 is none. The
+    padding id is the file's (the config class's default, 32000, is outside a smaller vocabulary)."""
+    config.pad_token_id = keys.get("tokenizer.ggml.padding_token_id")
+    head_dim = config.hidden_size // config.num_attention_heads
+    rotary = keys.get("rope.dimension_count") or head_dim
+    config.partial_rotary_factor = rotary / head_dim
+    config.sliding_window = keys.get("attention.sliding_window") or None
+    original = keys.get("rope.scaling.original_context_length") or config.max_position_embeddings
+    config.original_max_position_embeddings = original
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": keys.get("rope.freq_base", 10_000.0),
+                            "partial_rotary_factor": config.partial_rotary_factor}
+    if "rope_factors_long" in keys and "rope_factors_short" in keys:
+        rope.update(rope_type="longrope", long_factor=keys["rope_factors_long"],
+                    short_factor=keys["rope_factors_short"], original_max_position_embeddings=original)
+    config.rope_parameters = rope
 
 
 def _write_hf_dir(gguf_path: str, out_dir: Path) -> None:

@@ -47,6 +47,8 @@ DEFAULT_MAX_ROWS = 64
 RawBlocks = tuple[str, torch.Tensor, int, int]
 # What a candidate for one layer's weight yields: one matrix, or several stacked along N (fused QKV, gate/up).
 Parts = list[RawBlocks]
+# Ways to read one weight from the file, tried in turn (the first whose values equal the loaded weight wins).
+Candidates = list[Callable[[], Optional[RawBlocks | Parts]]]
 
 
 def _rows(blocks: RawBlocks, index: torch.Tensor) -> RawBlocks:
@@ -164,18 +166,21 @@ def attach_gguf_quant_weights(model: Any, gguf_path: str, config: Any, max_rows:
         attn, mlp = layer.self_attn, layer.mlp
         q, k, v = (block(f"blk.{i}.attn_{n}.weight") for n in ("q", "k", "v"))
         if q is None or k is None or v is None:
-            return 0
+            # Phi-3's files hold Q, K and V as one tensor, and gate and up as `ffn_up`, in the checkpoint's row order
+            qkv_candidates: Candidates = [partial(block, f"blk.{i}.attn_qkv.weight")]
+            gate_up_candidates: Candidates = [partial(block, f"blk.{i}.ffn_up.weight")]
+        else:
+            def qkv_hf_order(q: RawBlocks = q, k: RawBlocks = k, v: RawBlocks = v) -> Optional[Parts]:
+                # llama.cpp's converter interleaves the rotary halves of Q and K for Llama models.
+                return _stack([_rows(q, rotary_rows_gguf_to_hf(q[2], num_heads)),
+                               _rows(k, rotary_rows_gguf_to_hf(k[2], num_kv_heads)), v])
 
-        def qkv_hf_order(q: RawBlocks = q, k: RawBlocks = k, v: RawBlocks = v) -> Optional[Parts]:
-            # llama.cpp's converter interleaves the rotary halves of Q and K for Llama models.
-            return _stack([_rows(q, rotary_rows_gguf_to_hf(q[2], num_heads)),
-                           _rows(k, rotary_rows_gguf_to_hf(k[2], num_kv_heads)), v])
-
-        gate_up = partial(_stack, [block(f"blk.{i}.ffn_gate.weight"), block(f"blk.{i}.ffn_up.weight")])
+            qkv_candidates = [qkv_hf_order, partial(_stack, [q, k, v])]
+            gate_up_candidates = [partial(_stack, [block(f"blk.{i}.ffn_gate.weight"), block(f"blk.{i}.ffn_up.weight")])]
         matches = [
-            (attn.qkv_proj, _matching_parts([qkv_hf_order, partial(_stack, [q, k, v])], attn.qkv_proj.weight)),
+            (attn.qkv_proj, _matching_parts(qkv_candidates, attn.qkv_proj.weight)),
             (attn.o_proj, _matching_parts([partial(block, f"blk.{i}.attn_output.weight")], attn.o_proj.weight)),
-            (mlp.gate_up_proj, _matching_parts([gate_up], mlp.gate_up_proj.weight)),
+            (mlp.gate_up_proj, _matching_parts(gate_up_candidates, mlp.gate_up_proj.weight)),
             (mlp.down_proj, _matching_parts([partial(block, f"blk.{i}.ffn_down.weight")], mlp.down_proj.weight)),
         ]
         if any(parts is None for _, parts in matches):
