@@ -92,6 +92,25 @@ def test_update_rebuilds_or_drops_every_fast_path(runner_and_pool, checkpoints, 
     _assert_bf16_copies_match(runner)
 
 
+def test_update_moves_the_new_weights_to_huge_pages(runner_and_pool, checkpoints, monkeypatch):
+    from sglang import huge_pages
+
+    if huge_pages.why_not_huge() is not None:
+        pytest.skip(huge_pages.why_not_huge())
+    runner, kv_pool = runner_and_pool
+    monkeypatch.setenv(huge_pages.ENV, "1")  # SmolLM2-135M is under the size moved by default
+    replace_weights(runner, kv_pool, str(checkpoints / "perturbed"), None)
+    try:
+        large = [p for p in runner.model.parameters() if p.untyped_storage().nbytes() >= huge_pages.MIN_BYTES]
+        assert large and len({p.untyped_storage().data_ptr() for p in large}) == 1  # all in the one mapping
+        from safetensors.torch import load_file
+
+        saved = load_file(str(checkpoints / "perturbed" / "model.safetensors"))
+        assert torch.equal(checkpoint_tensor(runner.model, PERTURBED_PARAM), saved[PERTURBED_PARAM])
+    finally:
+        replace_weights(runner, kv_pool, SMOLLM2, "auto")
+
+
 def test_failed_updates_leave_the_runner_untouched(runner_and_pool, checkpoints, tmp_path):
     runner, kv_pool = runner_and_pool
     model, plan = runner.model, runner.decode_plan
