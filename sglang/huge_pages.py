@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import mmap
 import os
 import sys
@@ -33,13 +32,10 @@ import time
 from collections.abc import Iterable
 from typing import Any, Optional
 
-logger = logging.getLogger(__name__)
-
 ENV = "SGLANG_HUGE_PAGES"
 MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
 HUGE = 2 << 20
 PAGE = 4096
-MADV_NOHUGEPAGE = 15  # linux/mman.h
 # Tensors whose storage is smaller stay where they are (a few norms and biases: not worth a page of their own).
 MIN_BYTES = 256 << 10
 # Models with fewer bytes of weights keep them where they are unless SGLANG_HUGE_PAGES=1.
@@ -121,18 +117,16 @@ def _storage_groups(tensors: Iterable[Any]) -> dict[int, list[Any]]:
     return groups
 
 
-def movable_bytes(tensors: Iterable[Any]) -> int:
-    """The bytes `move_to_huge_pages` would copy for `tensors`."""
-    return sum(ts[0].untyped_storage().nbytes() for ts in _storage_groups(tensors).values())
-
-
 def move_to_huge_pages(tensors: Iterable[Any]) -> int:
     """Copy the storages of `tensors` (CPU, strided, of MIN_BYTES or more) into one mapping advised into huge pages
     and point every given tensor at its copy, views included (same offsets, sizes and strides); returns the bytes
     moved. A storage some tensor not given here also uses keeps its old copy for that one."""
+    return _move_groups(_storage_groups(tensors))
+
+
+def _move_groups(groups: dict[int, list[Any]]) -> int:
     import torch
 
-    groups = _storage_groups(tensors)
     if not groups:
         return 0
     sizes = {ptr: ts[0].untyped_storage().nbytes() for ptr, ts in groups.items()}
@@ -167,13 +161,13 @@ def move_weights(model: Any) -> str:
     reason = why_not_huge()
     if reason is not None:
         return f"weights in the allocator's pages ({reason})"
-    held = held_tensors(model)
-    size = movable_bytes(held)
+    groups = _storage_groups(held_tensors(model))
+    size = sum(ts[0].untyped_storage().nbytes() for ts in groups.values())
     if size < AUTO_MIN_BYTES and os.environ.get(ENV) != "1":
         return (f"weights in the allocator's pages ({size / 1e9:.2f} GB, below {AUTO_MIN_BYTES / 2**30:.0f} GiB: "
                 f"{ENV}=1 moves them to 2 MB pages)")
     before, start = anon_huge_bytes(), time.perf_counter()
-    moved = move_to_huge_pages(held)
+    moved = _move_groups(groups)
     return (f"{moved / 1e9:.2f} GB of weights moved to 2 MB pages in {time.perf_counter() - start:.1f} s "
             f"({(anon_huge_bytes() - before) / 1e9:.2f} GB backed by huge pages; {ENV}=0 leaves them where they are)")
 
@@ -213,9 +207,9 @@ def keep_small_pages(tensor: Any) -> bool:
     as it is written rather than 2 MB at a time; returns whether the kernel took the advice. Only the whole 4 KB pages
     inside the storage are advised."""
     madvise = _madvise()
-    if madvise is None or tensor.device.type != "cpu":
+    if madvise is None or tensor.device.type != "cpu" or not hasattr(mmap, "MADV_NOHUGEPAGE"):
         return False
     storage = tensor.untyped_storage()
     begin, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
     begin, end = (begin + PAGE - 1) // PAGE * PAGE, end // PAGE * PAGE
-    return end > begin and madvise(begin, end - begin, MADV_NOHUGEPAGE) == 0
+    return end > begin and madvise(begin, end - begin, mmap.MADV_NOHUGEPAGE) == 0

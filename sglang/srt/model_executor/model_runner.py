@@ -82,7 +82,8 @@ def load_for_plan(model_dir: str, dtype: torch.dtype, device: torch.device, gguf
 def attach_fast_paths(model: Any, gguf_path: Optional[str], hf_config: Any, gguf_kernel_max_rows: int,
                       arithmetic: Optional[ArithmeticPlan]) -> int:
     """Give a freshly loaded model its derived weight copies (GGUF blocks for small batches, the large-batch GEMM
-    copies); returns their bytes. Every loaded model goes through here, at startup and after a weight update."""
+    copies) and, on CPU, moves its weights into huge pages (sglang/huge_pages.py); returns the copies' bytes. Every
+    loaded model goes through here, at startup and after a weight update."""
     param = next(model.parameters())
     only_blocks = blocks_only(gguf_kernel_max_rows, arithmetic, param.device)
     large = (blocks_large_method(arithmetic.large_batch_gemm, arithmetic.block_gemm)
@@ -106,6 +107,8 @@ def attach_fast_paths(model: Any, gguf_path: Optional[str], hf_config: Any, gguf
     if arithmetic is not None:
         set_gguf_activations(model, arithmetic.gguf_activations)
     release_made_blocks(model)  # blocks a quantized checkpoint's reading made that no layer took (none attached)
+    if param.device.type == "cpu":  # the weights are final; the fused decode step takes their addresses later
+        logger.info("Memory pages: %s", huge_pages.move_weights(model))
     return quant_bytes
 
 
@@ -129,8 +132,6 @@ class ModelRunner:
                                    config=hf_config)
         self.arithmetic = arithmetic
         self.quant_bytes = attach_fast_paths(self.model, gguf_path, hf_config, gguf_kernel_max_rows, arithmetic)
-        if self.device.type == "cpu":  # before the fused decode step takes the weights' addresses (bind_kv_pool)
-            logger.info("Memory pages: %s", huge_pages.move_weights(self.model))
         self.vocab_size = hf_config.get_text_config().vocab_size
         self.weights_by_format: dict[str, int] = {}
         self.weight_bytes = 0

@@ -21,7 +21,6 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from sglang import huge_pages
 from sglang.srt.layers.linear import MergedLinear
 from sglang.srt.layers.moe.fused_moe import FusedMoE
 from sglang.srt.layers.pooler import Pooler
@@ -87,8 +86,6 @@ def replace_weights(runner: ModelRunner, kv_pool: KVPool, model_path: str, load_
                                         runner.arithmetic)
         pooler = Pooler(read_pooling_config(model_dir, runner.is_encoder))
         carry_lora(serving, new_model)  # the loaded LoRA adapters serve on, over the new weights
-        if runner.device.type == "cpu":  # as at startup (model_runner.ModelRunner), before the fused step is planned
-            logger.info("Memory pages: %s", huge_pages.move_weights(new_model))
     except Exception as e:  # any load error: the serving model was never touched
         logger.warning("Weight update from %s failed: %s", model_path, e)
         raise WeightUpdateError(f"Failed to update weights: {e}.\nRolling back to original weights.") from e

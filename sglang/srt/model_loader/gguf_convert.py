@@ -107,7 +107,7 @@ class ShardWriter:
         (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def _stream_tensors(gguf_path: str, config: Any, skeleton, writer: ShardWriter) -> None:
+def _stream_tensors(reader: Any, architecture: str, config: Any, skeleton, writer: ShardWriter) -> None:
     """Dequantize the file's tensors one at a time, rename them as transformers' GGUF loader does (its per-
     architecture tensor processors: Q/K row order, MoE experts gathered; GPT-OSS's experts here), and hand each to
     `writer`."""
@@ -115,16 +115,9 @@ def _stream_tensors(gguf_path: str, config: Any, skeleton, writer: ShardWriter) 
 
     import numpy as np
     import torch
-    from gguf import GGUFReader, dequantize
-    from transformers.modeling_gguf_pytorch_utils import (
-        TENSOR_PROCESSORS,
-        TensorProcessor,
-        get_gguf_hf_weights_map,
-        read_field,
-    )
+    from gguf import dequantize
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    reader = GGUFReader(gguf_path)
-    architecture = read_field(reader, "general.architecture")[0]
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
     mapping = get_gguf_hf_weights_map(skeleton, processor)
     shapes = {name: tuple(p.shape) for name, p in skeleton.state_dict().items()}
@@ -196,14 +189,13 @@ def _gpt_oss_part(name: str, weights, shapes: dict, gathered: dict) -> Optional[
     return target
 
 
-def _read_metadata(gguf_path: str) -> tuple[str, dict[str, Any], dict[str, tuple[int, ...]]]:
-    """(architecture, the `<architecture>.*` keys without that prefix, the `tokenizer.ggml.*_token_id` keys and the
-    values of the LongRoPE factor tensors (`rope_factors_long` / `rope_factors_short`, as lists), each tensor's shape
-    in GGML order)."""
-    from gguf import GGUFReader, GGUFValueType
+def _read_metadata(reader: Any) -> tuple[str, dict[str, Any], dict[str, tuple[int, ...]]]:
+    """From a GGUFReader: (architecture, the `<architecture>.*` keys without that prefix, the
+    `tokenizer.ggml.*_token_id` keys and the values of the LongRoPE factor tensors (`rope_factors_long` /
+    `rope_factors_short`, as lists), each tensor's shape in GGML order)."""
+    from gguf import GGUFValueType
     from transformers.modeling_gguf_pytorch_utils import read_field
 
-    reader = GGUFReader(gguf_path)
     architecture = read_field(reader, "general.architecture")[0]
     keys: dict[str, Any] = {}
     for key, field in reader.fields.items():
@@ -316,6 +308,7 @@ def _correct_phi3(config: Any, keys: dict[str, Any], shapes: dict[str, tuple[int
 
 def _write_hf_dir(gguf_path: str, out_dir: Path) -> None:
     import torch
+    from gguf import GGUFReader
     from transformers import (
         AutoConfig,
         AutoModelForCausalLM,
@@ -325,7 +318,8 @@ def _write_hf_dir(gguf_path: str, out_dir: Path) -> None:
     )
 
     src_dir, file_name = os.path.split(gguf_path)
-    architecture, keys, shapes = _read_metadata(gguf_path)
+    reader = GGUFReader(gguf_path)  # one parse of the file for its metadata and its tensors
+    architecture, keys, shapes = _read_metadata(reader)
     if architecture == "gpt-oss":
         config = _gpt_oss_config(keys, shapes)
     else:
@@ -338,11 +332,11 @@ def _write_hf_dir(gguf_path: str, out_dir: Path) -> None:
     config.architectures = [type(skeleton).__name__]
     writer = ShardWriter(out_dir, SHARD_BYTES, "float32")  # float32 keeps the dequantized values exact
     try:
-        _stream_tensors(gguf_path, config, skeleton, writer)
+        _stream_tensors(reader, architecture, config, skeleton, writer)
         writer.finish()
     except ValueError as err:
         raise ValueError(f"{err}: {gguf_path}") from err
-    del skeleton
+    del skeleton, reader
 
     config.save_pretrained(out_dir)
     try:
