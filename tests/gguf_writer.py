@@ -27,7 +27,7 @@ import math
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -217,10 +217,12 @@ def _file_tensors(model: Any, arch: str) -> Iterator[tuple[str, torch.Tensor, Re
             yield gguf_name, value, _into(param)
 
 
-def write_gguf(model: Any, path: Path, name: str) -> dict[str, str]:
+def write_gguf(model: Any, path: Path, name: str, role_types: Optional[dict[str, Any]] = None) -> dict[str, str]:
     """Write `model` (a transformers causal LM of one of ARCHITECTURES) to `path` as llama.cpp's converter writes it
-    with Q8_0 weights (GPT-OSS's experts MXFP4), then set the model's parameters to the values the file holds (as a
-    reader turns them back: Gemma norms stored - 1, Q/K rows unpermuted); returns the stored type of each tensor."""
+    with Q8_0 weights (GPT-OSS's experts MXFP4; `role_types`: a GGML type per tensor role instead, e.g.
+    {"ffn_down_exps": Q5_0}, as llama-quantize mixes types), then set the model's parameters to the values the file
+    holds (as a reader turns them back: Gemma norms stored - 1, Q/K rows unpermuted); returns the stored type of each
+    tensor."""
     import gguf
 
     arch = ARCHITECTURES[model.config.model_type]
@@ -236,7 +238,7 @@ def write_gguf(model: Any, path: Path, name: str) -> dict[str, str]:
             if value.dim() >= 2 and gguf_name.endswith(".weight") and role not in FLOAT_ROLES \
                     and not role.endswith(("norm", "sinks")):
                 qtype = gguf.GGMLQuantizationType.MXFP4 if arch == "gpt-oss" and role.endswith("_exps") \
-                    else gguf.GGMLQuantizationType.Q8_0
+                    else (role_types or {}).get(role, gguf.GGMLQuantizationType.Q8_0)
                 raw = gguf.quants.quantize(array, qtype)
                 writer.add_tensor(gguf_name, raw, raw_dtype=qtype)
                 stored = torch.from_numpy(gguf.quants.dequantize(raw, qtype).copy())

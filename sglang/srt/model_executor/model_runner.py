@@ -88,14 +88,17 @@ def attach_fast_paths(model: Any, gguf_path: Optional[str], hf_config: Any, gguf
     only_blocks = blocks_only(gguf_kernel_max_rows, arithmetic, param.device)
     large = (blocks_large_method(arithmetic.large_batch_gemm, arithmetic.block_gemm)
              if only_blocks and arithmetic is not None else None)
+    # the experts' large batches multiply their blocks (no int8 copy of every expert)
+    expert_large = (blocks_large_method(arithmetic.block_gemm, arithmetic.block_gemm)
+                    if large is not None and arithmetic is not None else None)
+    int8_experts = arithmetic is not None and arithmetic.gguf_activations == "int8"
     quant_bytes = 0
     if gguf_path and gguf_kernel_max_rows > 0 and param.device.type == "cpu":
-        quant_bytes = attach_gguf_quant_weights(model, gguf_path, hf_config, gguf_kernel_max_rows, large)
+        quant_bytes = attach_gguf_quant_weights(model, gguf_path, hf_config, gguf_kernel_max_rows, large,
+                                                expert_large, int8_experts)
     if quant_bytes == 0 and arithmetic is not None and arithmetic.small_batch_quantization != "none":
         qtype = arithmetic.small_batch_quantization.upper()
         if has_experts(model):
-            # the experts' large batches multiply their blocks (no int8 copy of every expert)
-            expert_large = blocks_large_method(arithmetic.block_gemm, arithmetic.block_gemm) if large else None
             quant_bytes = attach_expert_blocks(model, gguf_kernel_max_rows, large, qtype, arithmetic.gguf_activations,
                                                expert_large)
         else:

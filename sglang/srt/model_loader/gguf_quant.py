@@ -6,7 +6,8 @@ only where their dequantized values equal the loaded float weights bit for bit, 
 same weights. Where the plan serves every batch from blocks (`--large-batch-weights blocks`, the default on CPUs
 with native bf16) the float weights are then released and large batches multiply the blocks too (or an int8 copy
 made from them: model_loader/gemm_methods.blocks_large_method): the model holds the file's bytes, not a float32 copy.
-Otherwise the float weights stay for large batches.
+Otherwise the float weights stay for large batches. In an MoE model the shared experts are linear layers like the
+others, and under that plan each expert of the stacked layers gets its own blocks too (model_loader/gguf_experts.py).
 
 Q4_0 tensors become the Q4_1 blocks of the same values. A file's other types (Q4_K, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K,
 Q6_K, mixed within one file as K-quant "M" files mix them) are checked the same way against their own values, then
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from sglang.srt.layers.linear import Linear
+from sglang.srt.layers.moe.fused_moe import FusedMoE
 from sglang.srt.layers.quantization.gguf_blocks import (
     GGUFQuantWeight,
     kernels_available,
@@ -33,6 +35,7 @@ from sglang.srt.layers.quantization.gguf_blocks import (
     rotary_rows_gguf_to_hf,
 )
 from sglang.srt.model_loader.gguf_block_convert import convert_blocks, file_values, served_type
+from sglang.srt.model_loader.gguf_experts import Served, layer_expert_blocks, serve_layer_experts
 from sglang.srt.model_loader.gguf_reader import read_gguf_block_tensors
 from sglang.srt.model_loader.q8_blocks import LargeFromBlocks, blocks_method
 
@@ -132,10 +135,13 @@ def _matching(candidates: Sequence[Callable[[], Optional[RawBlocks | Parts]]], t
 
 
 def attach_gguf_quant_weights(model: Any, gguf_path: str, config: Any, max_rows: int = DEFAULT_MAX_ROWS,
-                              large: Optional[LargeFromBlocks] = None) -> int:
-    """Attach GGUF blocks to the linear layers of a Llama-family model; returns the bytes attached (0: none were,
-    the float weights serve). `large`: the blocks serve every batch and the float weights are released
-    (model_loader/q8_blocks.blocks_method)."""
+                              large: Optional[LargeFromBlocks] = None, expert_large: Optional[LargeFromBlocks] = None,
+                              int8_activations: bool = False) -> int:
+    """Attach GGUF blocks to the linear layers of a Llama-family model and, where blocks serve every batch, to the
+    experts of its MoE layers (model_loader/gguf_experts.py); returns the bytes attached (0: none were, the float
+    weights serve). `large`: the blocks serve every batch and the float weights are released
+    (model_loader/q8_blocks.blocks_method); `expert_large`: the experts' large-batch method (default `large`), and
+    `int8_activations` their small-batch activations (the linear layers take theirs with set_gguf_activations)."""
     if not kernels_available():
         logger.info("Quantized GGUF kernels unavailable (%s); using float weights only", kernels_unavailable_reason())
         return 0
@@ -147,10 +153,16 @@ def attach_gguf_quant_weights(model: Any, gguf_path: str, config: Any, max_rows:
     # linear weights may have loaded in bf16 (model_executor/model_runner.load_for_plan); everything else float32
     if layers is None or any(p.dtype != torch.float32 and id(p) not in linear_weights for p in model.parameters()):
         return 0
-    if any(not hasattr(layer.mlp, "gate_up_proj") for layer in layers):
-        logger.info("GGUF blocks are attached to dense models only; %s has expert layers", type(model).__name__)
+    experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    if experts and large is None:
+        logger.info("GGUF blocks serve an MoE model only where blocks serve every batch (--large-batch-weights "
+                    "blocks); %s keeps its float weights", type(model).__name__)
         return 0
-    tensors = read_gguf_block_tensors(gguf_path)
+    if any(not hasattr(layer.self_attn, "qkv_proj") or _mlp_linears(layer.mlp) is None for layer in layers):
+        logger.info("GGUF blocks are attached to layers of fused QKV and gate/up projections; %s has others",
+                    type(model).__name__)
+        return 0
+    tensors = read_gguf_block_tensors(gguf_path, stacked=bool(experts))
 
     def block(name: str) -> Optional[RawBlocks]:
         entry = tensors.get(name)
@@ -162,6 +174,7 @@ def attach_gguf_quant_weights(model: Any, gguf_path: str, config: Any, max_rows:
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     plan: list[tuple[nn.Module, Parts]] = []
+    expert_plan: list[tuple[FusedMoE, tuple[list[Served], list[Served]]]] = []
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
         q, k, v = (block(f"blk.{i}.attn_{n}.weight") for n in ("q", "k", "v"))
@@ -180,9 +193,29 @@ def attach_gguf_quant_weights(model: Any, gguf_path: str, config: Any, max_rows:
         matches = [
             (attn.qkv_proj, _matching_parts(qkv_candidates, attn.qkv_proj.weight)),
             (attn.o_proj, _matching_parts([partial(block, f"blk.{i}.attn_output.weight")], attn.o_proj.weight)),
-            (mlp.gate_up_proj, _matching_parts(gate_up_candidates, mlp.gate_up_proj.weight)),
-            (mlp.down_proj, _matching_parts([partial(block, f"blk.{i}.ffn_down.weight")], mlp.down_proj.weight)),
         ]
+        for dense, role in _mlp_linears(mlp) or []:
+            candidates = gate_up_candidates if role == "" else [partial(_stack, [
+                block(f"blk.{i}.ffn_gate{role}.weight"), block(f"blk.{i}.ffn_up{role}.weight")])]
+            matches += [
+                (dense.gate_up_proj, _matching_parts(candidates, dense.gate_up_proj.weight)),
+                (dense.down_proj, _matching_parts([partial(block, f"blk.{i}.ffn_down{role}.weight")],
+                                                  dense.down_proj.weight)),
+            ]
+        fused = getattr(mlp, "experts", None)
+        if isinstance(fused, FusedMoE):
+            try:
+                found = layer_expert_blocks(fused, [block(f"blk.{i}.ffn_{n}_exps.weight")
+                                                    for n in ("gate", "up", "down")], _dequantizes_to, _served)
+            except ValueError as err:
+                logger.info("GGUF expert blocks of layer %d could not be converted (%s); using float weights only",
+                            i, err)
+                return 0
+            if found is None:
+                logger.info("GGUF expert blocks of layer %d do not match the loaded experts; using float weights "
+                            "only", i)
+                return 0
+            expert_plan.append((fused, found))
         if any(parts is None for _, parts in matches):
             logger.info("GGUF blocks of layer %d do not match the loaded weights; using float weights only", i)
             return 0
@@ -194,7 +227,41 @@ def attach_gguf_quant_weights(model: Any, gguf_path: str, config: Any, max_rows:
                                      head.weight)
         if head_parts is not None:
             plan.append((head, head_parts))
-    return _attach(model, plan, max_rows, large, embed.weight.dtype)
+    attached = _attach(model, plan, max_rows, large, embed.weight.dtype)
+    if attached and expert_plan:
+        attached += _attach_experts(model, expert_plan, max_rows, expert_large or large, int8_activations)
+    return attached
+
+
+def _mlp_linears(mlp: nn.Module) -> Optional[list[tuple[Any, str]]]:
+    """The dense SwiGLU MLPs of a layer and the suffix of their file names: the MLP itself (""), or an MoE block's
+    shared expert ("_shexp"; none where it has no shared expert); None for an MLP of any other kind."""
+    if hasattr(mlp, "gate_up_proj"):
+        return [(mlp, "")]
+    shared = getattr(mlp, "shared_expert", None)
+    if not isinstance(getattr(mlp, "experts", None), FusedMoE) or (
+            shared is not None and not hasattr(shared, "gate_up_proj")):
+        return None
+    return [] if shared is None else [(shared, "_shexp")]
+
+
+def _attach_experts(model: Any, plan: list[tuple[FusedMoE, tuple[list[Served], list[Served]]]], max_rows: int,
+                    large: Optional[LargeFromBlocks], int8_activations: bool) -> int:
+    """Serve each MoE layer of `plan` from its experts' file blocks; returns their bytes."""
+    assert large is not None
+    dtype = model.model.norm.weight.dtype
+    origins = model.gguf_block_origins  # _attach's, for the linear layers
+    routes: set[str] = set()
+    for _, found in plan:
+        for weight, read, as_stored in (served for projection in found for served in projection):
+            if not as_stored:
+                origins[id(weight.packed)] = f"GGUF {read}"
+                routes.add(f"{read} as {weight.qtype}")
+    attached = sum(serve_layer_experts(fused, found, max_rows, large, int8_activations, dtype) for fused, found in plan)
+    converted = f" (converted at load: {', '.join(sorted(routes))})" if routes else ""
+    logger.info("Attached %.1f MB of GGUF blocks for %d x %d experts%s", attached / 2**20, len(plan),
+                plan[0][0].num_experts, converted)
+    return attached
 
 
 def _attach(model: Any, plan: list[tuple[nn.Module, Parts]], max_rows: int, large: Optional[LargeFromBlocks],

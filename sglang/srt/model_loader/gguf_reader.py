@@ -109,18 +109,20 @@ def read_gguf_quant_tensors(
 
 
 def read_gguf_block_tensors(
-    path: str | os.PathLike, names: Sequence[str] | None = None
+    path: str | os.PathLike, names: Sequence[str] | None = None, stacked: bool = False
 ) -> dict[str, tuple[str, np.ndarray, int, int]]:
     """The 2-D matrices of a GGUF file in any type of `GGML_BLOCK_TYPES`, as stored: {name: (type name, raw uint8
-    [N, row_bytes] (a read-only view of the memory-mapped file), N, K)}; `names` restricts the result."""
+    [N, row_bytes] (a read-only view of the memory-mapped file), N, K)}; `names` restricts the result. `stacked`:
+    the 3-D tensors too (MoE experts, [experts, N, K] in row-major order), as matrices of experts * N rows."""
     wanted = set(names) if names is not None else None
     data, table = gguf_tensor_table(path)
     out: dict[str, tuple[str, np.ndarray, int, int]] = {}
     for name, dims, ttype, offset in table:
-        if (wanted is not None and name not in wanted) or ttype not in GGML_BLOCK_TYPES or len(dims) != 2:
+        if ((wanted is not None and name not in wanted) or ttype not in GGML_BLOCK_TYPES
+                or len(dims) not in ((2, 3) if stacked else (2,))):
             continue
         qname, per_block, block_bytes = GGML_BLOCK_TYPES[ttype]
-        k, n = dims
+        k, n = dims[0], int(np.prod(dims[1:]))
         if k % per_block:
             continue
         row = k // per_block * block_bytes
