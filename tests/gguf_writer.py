@@ -12,6 +12,17 @@ Per architecture, as that converter does:
 - Phi-3 (`phi3`): the fused `qkv_proj` / `gate_up_proj` as `attn_qkv` / `ffn_up`, the rotary width
   (`rope.dimension_count`: partial rotary), the original context length, the window (0: none) and, for LongRoPE,
   the long and short factors as F32 tensors `rope_factors_long` / `rope_factors_short` with the attention factor.
+- OLMo 2 (`olmo2`): the generic keys, the QK-norms and post-norms under their own names, Q and K rows as they are.
+- Granite (`granite`) and SmolLM3 (`smollm3`): the Llama path (Q and K rows permuted, the vocabulary size and rotary
+  width written); Granite's multipliers as `embedding_scale`, `residual_scale`, `attention.scale`, `logit_scale`
+  (and no head width: its converter ignores one); SmolLM3's NoPE layers in no key (llama.cpp fixes every 4th).
+- DeepSeek-V2 (`deepseek2`): attention as MQA over the latent (`head_count_kv` 1, key length kv_lora_rank + rope,
+  value length kv_lora_rank; the heads' widths in `key_length_mla` / `value_length_mla`), the ranks, the leading
+  dense layers, the experts (stacked as the MoE families'), shared count, routed scaling, group counts and YaRN
+  (its mscale as `rope.scaling.yarn_log_multiplier` = 0.1 * mscale_all_dim); `kv_b_proj` split per head into
+  `attn_k_b` [heads, kv_lora_rank, qk_nope] (transposed) and `attn_v_b` [heads, v, kv_lora_rank]; the gating
+  function of the published configs (`scoring_func`: V2 softmax, V3 sigmoid), V3's correction bias as
+  `exp_probs_b.bias`.
 - GPT-OSS (`gpt-oss`): the experts split into `ffn_{gate,up}_exps` ([experts, intermediate, hidden], from
   transformers' [experts, hidden, 2 * intermediate] with gate and up interleaved by column) and `ffn_down_exps`
   ([experts, hidden, intermediate]), stored MXFP4 as llama.cpp publishes them, with their biases split alike; the
@@ -33,7 +44,10 @@ import numpy as np
 import torch
 
 ARCHITECTURES = {"gemma2": "gemma2", "gemma3_text": "gemma3", "mistral": "llama", "qwen2_moe": "qwen2moe",
-                 "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss", "phi3": "phi3"}
+                 "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss", "phi3": "phi3", "olmo2": "olmo2",
+                 "granite": "granite", "smollm3": "smollm3", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
+# Written as llama.cpp's Llama path writes them (Q/K rows permuted, vocabulary size and rotary width written)
+LLAMA_PATH = ("llama", "granite", "smollm3")
 # The size of the vocabulary the file carries (_write_vocab), by architecture family
 VOCAB_SIZES = {"gemma": 261, "other": 260}
 # Tensors llama.cpp's converter keeps in F32 whatever the output type.
@@ -56,7 +70,7 @@ def _write_metadata(writer: Any, config: Any, arch: str) -> None:
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_head_count_kv(1 if arch == "deepseek2" else config.num_key_value_heads)  # DeepSeek: MQA on the latent
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -75,11 +89,17 @@ def _write_metadata(writer: Any, config: Any, arch: str) -> None:
             writer.add_rope_freq_base(full["rope_theta"])
         if "rope_theta" in sliding:
             writer.add_rope_freq_base_swa(sliding["rope_theta"])
-        experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+        experts = (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+                   or getattr(config, "n_routed_experts", None))
         if experts:
             writer.add_expert_count(experts)
             writer.add_expert_used_count(config.num_experts_per_tok)
-        if "head_dim" in config.to_dict():
+        if getattr(config, "n_group", None) is not None:
+            writer.add_expert_group_count(config.n_group)
+        if getattr(config, "topk_group", None) is not None:
+            writer.add_expert_group_used_count(config.topk_group)
+        # the published configs of Granite (whose converter drops it) and DeepSeek (which writes its own) have none
+        if "head_dim" in config.to_dict() and arch not in ("granite", "deepseek2"):
             writer.add_key_length(head_dim)
             writer.add_value_length(head_dim)
     if arch == "gemma2":
@@ -92,9 +112,17 @@ def _write_metadata(writer: Any, config: Any, arch: str) -> None:
         if config.final_logit_softcapping:
             writer.add_final_logit_softcapping(config.final_logit_softcapping)
         writer.add_sliding_window(config.sliding_window)
-    elif arch == "llama":
+    elif arch in LLAMA_PATH:
         writer.add_vocab_size(config.vocab_size)
-        writer.add_rope_dimension_count(head_dim)
+        writer.add_rope_dimension_count(config.hidden_size // config.num_attention_heads if arch == "granite"
+                                        else head_dim)
+        if arch == "granite":
+            writer.add_attention_scale(config.attention_multiplier)
+            writer.add_embedding_scale(config.embedding_multiplier)
+            writer.add_residual_scale(config.residual_multiplier)
+            writer.add_logit_scale(config.logits_scaling)
+    elif arch == "deepseek2":
+        _write_deepseek2_metadata(writer, config, full)
     elif arch == "phi3":
         writer.add_rope_scaling_orig_ctx_len(config.original_max_position_embeddings)
         writer.add_rope_dimension_count(_phi3_rope_dims(config))
@@ -107,11 +135,35 @@ def _write_metadata(writer: Any, config: Any, arch: str) -> None:
     elif arch == "gpt-oss":
         writer.add_sliding_window(config.sliding_window)
         writer.add_expert_feed_forward_length(config.intermediate_size)
-    else:  # qwen2moe, qwen3moe
+    elif arch in ("qwen2moe", "qwen3moe"):  # (OLMo 2's converter writes no key of its own)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
         shared = getattr(config, "shared_expert_intermediate_size", None)
         if shared:
             writer.add_expert_shared_feed_forward_length(shared)
+
+
+def _write_deepseek2_metadata(writer: Any, config: Any, rope: dict) -> None:
+    import gguf
+
+    writer.add_leading_dense_block_count(config.first_k_dense_replace)
+    writer.add_vocab_size(config.vocab_size)
+    if config.q_lora_rank is not None:
+        writer.add_q_lora_rank(config.q_lora_rank)
+    writer.add_kv_lora_rank(config.kv_lora_rank)
+    writer.add_key_length(config.kv_lora_rank + config.qk_rope_head_dim)
+    writer.add_value_length(config.kv_lora_rank)
+    writer.add_key_length_mla(config.qk_nope_head_dim + config.qk_rope_head_dim)
+    writer.add_value_length_mla(config.v_head_dim)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    writer.add_expert_shared_count(config.n_shared_experts)
+    writer.add_expert_weights_scale(config.routed_scaling_factor)
+    v3 = config.model_type == "deepseek_v3"
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX)
+    if config.norm_topk_prob:
+        writer.add_expert_weights_norm(True)
+    writer.add_rope_dimension_count(config.qk_rope_head_dim)
+    if rope.get("mscale_all_dim") is not None:
+        writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
 
 
 def _phi3_rope_dims(config: Any) -> int:
@@ -169,6 +221,12 @@ def _into(param: torch.Tensor, change: Callable[[torch.Tensor], torch.Tensor] = 
     return restore
 
 
+def checkpoint_tensors(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's parameters and the buffers its checkpoint holds too (DeepSeek-V3's expert correction bias)."""
+    yield from model.named_parameters()
+    yield from ((name, b) for name, b in model.named_buffers() if name.endswith("e_score_correction_bias"))
+
+
 def _file_tensors(model: Any, arch: str) -> Iterator[tuple[str, torch.Tensor, Restore]]:
     """(GGUF name, value as the file stores it before quantization, how its stored values go back into the model)
     per tensor the converter writes."""
@@ -176,7 +234,7 @@ def _file_tensors(model: Any, arch: str) -> Iterator[tuple[str, torch.Tensor, Re
 
     config = model.config
     names = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], config.num_hidden_layers)
-    for hf_name, param in model.named_parameters():
+    for hf_name, param in checkpoint_tensors(model):
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # the converter writes no tied head
         value = param.detach().float()
@@ -200,6 +258,9 @@ def _file_tensors(model: Any, arch: str) -> Iterator[tuple[str, torch.Tensor, Re
         if arch == "gpt-oss" and stem.endswith("experts.down_proj") and suffix == "weight":  # [E, I, H] -> [E, H, I]
             yield f"{names.get_name(stem)}.weight", value.transpose(1, 2), _into(param, lambda v: v.transpose(1, 2))
             continue
+        if arch == "deepseek2" and stem.endswith("kv_b_proj"):
+            yield from _deepseek_kv_b(names, stem, value, param, config)
+            continue
         if stem.endswith("experts.gate_up_proj"):  # [E, 2I, H]: gate rows then up rows
             half = value.shape[1] // 2
             base = stem.removesuffix("gate_up_proj")
@@ -210,11 +271,28 @@ def _file_tensors(model: Any, arch: str) -> Iterator[tuple[str, torch.Tensor, Re
         assert not gguf_name.startswith("None"), hf_name
         if arch.startswith("gemma") and hf_name.endswith("norm.weight"):
             yield gguf_name, value + 1, _into(param, lambda v: v - 1)
-        elif arch == "llama" and stem.endswith(("q_proj", "k_proj")):
+        elif arch in LLAMA_PATH and stem.endswith(("q_proj", "k_proj")):
             heads = config.num_attention_heads if stem.endswith("q_proj") else config.num_key_value_heads
             yield gguf_name, llama_cpp_permute(value, heads), _into(param, partial(llama_cpp_unpermute, n_head=heads))
         else:
             yield gguf_name, value, _into(param)
+
+
+def _deepseek_kv_b(names: Any, stem: str, value: torch.Tensor, param: torch.Tensor,
+                   config: Any) -> Iterator[tuple[str, torch.Tensor, Restore]]:
+    """kv_b_proj [heads * (nope + v), rank] as attn_k_b [heads, rank, nope] and attn_v_b [heads, v, rank]."""
+    nope, heads = config.qk_nope_head_dim, config.num_key_value_heads
+    per_head = value.view(heads, -1, value.shape[-1])
+    target = param.view(heads, -1, value.shape[-1])
+    base = stem.removesuffix("kv_b_proj")
+
+    def restore_k(stored: torch.Tensor) -> None:
+        target[:, :nope].copy_(stored.transpose(1, 2))
+
+    def restore_v(stored: torch.Tensor) -> None:
+        target[:, nope:].copy_(stored)
+    yield f"{names.get_name(base + 'k_b_proj')}.weight", per_head[:, :nope].transpose(1, 2), restore_k
+    yield f"{names.get_name(base + 'v_b_proj')}.weight", per_head[:, nope:], restore_v
 
 
 def write_gguf(model: Any, path: Path, name: str, role_types: Optional[dict[str, Any]] = None) -> dict[str, str]:

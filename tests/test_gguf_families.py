@@ -1,18 +1,23 @@
-"""GGUF files of Gemma 2, Gemma 3, Mistral, Qwen2-MoE, Qwen3-MoE and GPT-OSS, written as llama.cpp's converter
-writes each architecture (tests/gguf_writer.py: Q8_0 weights, GPT-OSS's experts MXFP4), give the model of their HF
-checkpoint.
+"""GGUF files of Gemma 2, Gemma 3, Mistral, Phi-3, Qwen2-MoE, Qwen3-MoE, GPT-OSS, OLMo 2, Granite, SmolLM3 and
+DeepSeek-V2 / V3, written as llama.cpp's converter writes each architecture (tests/gguf_writer.py: Q8_0 weights,
+GPT-OSS's experts MXFP4), give the model of their HF checkpoint.
 
 Each tiny random checkpoint has its family's distinctive features on: attention and final soft-capping and windows
 shorter than the prompts (Gemma 2), QK-norms, a sliding-layer RoPE base of its own, linear scaling of the global
 layers and a final soft-cap (Gemma 3, one global layer in six as llama.cpp lays them out), random norms and
 biases, several experts with top-2 routing (the MoE families), a gated shared expert (Qwen2-MoE), sinks, biased
-experts, alternating windows and YaRN past its original length (GPT-OSS).
+experts, alternating windows and YaRN past its original length (GPT-OSS), QK-norms over all heads and post-norms
+(OLMo 2), embedding / residual / attention / logit multipliers other than 1 (Granite), a NoPE layer (SmolLM3), and
+multi-head latent attention with a rope part, a leading dense layer, shared experts and grouped routing (DeepSeek-V2:
+its queries through `q_lora_rank`, YaRN and routed scaling, and, as V2-Lite has them, straight from `q_proj`;
+DeepSeek-V3's layout: the experts' correction bias).
 
 The file converted by the loader gives the config of the checkpoint (what llama.cpp reads from the same file), the
 tensors the file holds, prefill logits within float32 tolerance of transformers' on the file's values, and greedy
 tokens equal to transformers' `generate` on prompts several windows long. Under the blocks plan the dense
 families' linear layers and LM head, and the Qwen MoE families' experts too, run the file's own Q8_0 blocks; GPT-OSS
-runs float32 weights (the file's MXFP4 experts dequantized).
+runs float32 weights (the file's MXFP4 experts dequantized); DeepSeek, whose attention has no fused QKV, runs Q8_0
+blocks made at load from the file's values (which are those values again) for its linears and experts.
 
 Mistral files carry no sliding window (llama.cpp writes them as arch `llama` and attends to every position), so the
 converted model is a Llama and matches transformers' Mistral with the window off.
@@ -32,15 +37,18 @@ from sglang.srt.layers.arithmetic import choose_arithmetic  # noqa: E402
 from sglang.srt.layers.linear import Linear  # noqa: E402
 from sglang.srt.layers.quantization.gguf_blocks import kernels_available  # noqa: E402
 from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod  # noqa: E402
-from tests.gguf_writer import VOCAB_SIZES, write_gguf  # noqa: E402
+from tests.gguf_writer import VOCAB_SIZES, checkpoint_tensors, write_gguf  # noqa: E402
 from tests.test_cpu_arithmetic import BF16_VNNI_FLAGS  # noqa: E402
 from tests.test_models import FLOAT32_TOL, PagedCache, assert_logits_close, reference_logits  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="the compiled GGUF kernels are unavailable")
 
-FAMILIES = ["gemma2", "gemma3", "mistral", "phi3", "qwen2_moe", "qwen3_moe", "gpt_oss"]
-DENSE = {"gemma2", "gemma3", "mistral", "phi3"}
+FAMILIES = ["gemma2", "gemma3", "mistral", "phi3", "qwen2_moe", "qwen3_moe", "gpt_oss", "olmo2", "granite",
+            "smollm3", "deepseek_v2", "deepseek_v2_lite", "deepseek_v3"]
+DENSE = {"gemma2", "gemma3", "mistral", "phi3", "olmo2", "granite", "smollm3"}
 FLOAT_SERVED = {"gpt_oss"}
+# Q8_0 blocks made at load, not the file's (gguf_quant attaches the file's to fused QKV layers; MLA has none)
+MADE_AT_LOAD = {"deepseek_v2", "deepseek_v2_lite", "deepseek_v3"}
 PROMPTS = ["Once upon a time, in a small village near the mountains,", "def fibonacci(n): return n"]
 MAX_NEW = 12
 MAX_ROWS = 8  # batches of up to this many rows run the block kernels, larger ones the GEMM over the blocks
@@ -51,10 +59,13 @@ def tiny_config(family: str):
         Gemma2Config,
         Gemma3TextConfig,
         GptOssConfig,
+        GraniteConfig,
         MistralConfig,
+        Olmo2Config,
         Phi3Config,
         Qwen2MoeConfig,
         Qwen3MoeConfig,
+        SmolLM3Config,
     )
 
     vocab = VOCAB_SIZES["gemma" if family.startswith("gemma") else "other"]
@@ -83,6 +94,16 @@ def tiny_config(family: str):
                           rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
                                            "short_factor": [1.0, 1.25, 1.875, 2.5],
                                            "long_factor": [1.75, 3.125, 5.25, 11.0]})
+    if family == "olmo2":
+        return Olmo2Config(**common, num_hidden_layers=2, tie_word_embeddings=False, pad_token_id=None)
+    if family == "granite":
+        # multipliers other than 1, binary fractions that the file's float32 keys hold exactly
+        return GraniteConfig(**common, num_hidden_layers=2, tie_word_embeddings=True, embedding_multiplier=2.5,
+                             residual_multiplier=0.375, attention_multiplier=0.1875, logits_scaling=1.25)
+    if family == "smollm3":  # layer 3 of 4 without rotary embedding (llama.cpp's fixed interval of 4)
+        return SmolLM3Config(**common, num_hidden_layers=4, tie_word_embeddings=True, pad_token_id=None)
+    if family.startswith("deepseek"):
+        return deepseek_config(family, common)
     if family == "qwen2_moe":
         return Qwen2MoeConfig(**moe, shared_expert_intermediate_size=64)
     if family == "qwen3_moe":
@@ -97,15 +118,38 @@ def tiny_config(family: str):
                                                 "original_max_position_embeddings": 16}))
 
 
+def deepseek_config(family: str, common: dict[str, Any]):
+    """DeepSeek's: MLA (a rope part of 16 channels, widths that Q8_0 rows of 32 divide), one leading dense layer,
+    8 routed experts in 4 groups (top-3, so that a token's experts often span more groups than the 2 allowed) and
+    2 shared ones. V2: queries through q_lora_rank, `group_limited_greedy`, routed scaling, YaRN past a short
+    original length; V2-Lite: queries straight from q_proj, one group, plain RoPE; V3: its correction bias
+    (`noaux_tc`), renormalized weights, routed scaling."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    options = dict(common, num_key_value_heads=4, num_hidden_layers=3, first_k_dense_replace=1, kv_lora_rank=32,
+                   qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32, n_routed_experts=8, n_shared_experts=2,
+                   num_experts_per_tok=3, moe_intermediate_size=32, tie_word_embeddings=False, q_lora_rank=32,
+                   n_group=4, topk_group=2, routed_scaling_factor=2.5)
+    if family == "deepseek_v3":
+        return DeepseekV3Config(**options, norm_topk_prob=True)
+    if family == "deepseek_v2_lite":
+        return DeepseekV2Config(**dict(options, q_lora_rank=None, n_group=1, topk_group=1,
+                                       routed_scaling_factor=1.0), topk_method="greedy")
+    return DeepseekV2Config(**dict(options, max_position_embeddings=128), topk_method="group_limited_greedy",
+                            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+                                             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707,
+                                             "mscale_all_dim": 0.707, "original_max_position_embeddings": 16})
+
+
 def random_checkpoint(family: str):
     """A transformers model of `family` with random weights, norms (Gemma's about 0, the others' about 1), biases
-    (attention, GPT-OSS's router and experts) and sinks."""
+    (attention, GPT-OSS's router and experts, DeepSeek-V3's expert correction) and sinks."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(6)
     model = AutoModelForCausalLM.from_config(tiny_config(family)).eval()
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in checkpoint_tensors(model):
             if name.endswith("norm.weight"):
                 param.copy_(torch.randn_like(param) * 0.2 + (0.0 if family.startswith("gemma") else 1.0))
             elif name.endswith((".bias", "_bias")):
@@ -140,8 +184,10 @@ def blocks_plan():
 
 def generate_paged(ours, config, prompts: list[list[int]]) -> tuple[list[list[int]], torch.Tensor]:
     """Greedy tokens of every prompt, prefilled in one batch and decoded together through the paged KV cache;
-    and the prefill logits of the first prompt."""
-    cache = PagedCache(config, torch.float32)
+    and the prefill logits of the first prompt. DeepSeek's cache holds the latent (mem_cache/mla_kv_pool.py)."""
+    from tests.test_models_deepseek_v2 import latent_cache
+
+    cache = latent_cache(config) if hasattr(config, "kv_lora_rank") else PagedCache(config, torch.float32)
     logits = cache.forward(ours, list(enumerate(prompts)), all_logits=True)
     first = logits[: len(prompts[0])]
     ends = torch.tensor([len(p) for p in prompts]).cumsum(0) - 1
@@ -177,9 +223,10 @@ def assert_served_from_blocks(ours, reference, family: str) -> None:
     assert all(m.weight.device.type == "meta" for m in linears)
     head = ours.logits_processor.head_method
     assert isinstance(head, GGUFLinearMethod) and head.quant_weight.qtype == "Q8_0"
-    experts = [m for m in ours.modules() if isinstance(m, FusedMoE)]
+    experts = [(i, layer.mlp.experts) for i, layer in enumerate(ours.model.layers)
+               if isinstance(getattr(layer.mlp, "experts", None), FusedMoE)]  # DeepSeek's first layer is dense
     assert bool(experts) == (family not in DENSE)
-    for layer, fused in enumerate(experts):
+    for layer, fused in experts:
         assert fused.expert_blocks is not None
         theirs = reference.model.layers[layer].mlp.experts
         for name in ("gate_up_proj", "down_proj"):
@@ -203,7 +250,9 @@ def test_gguf_file_gives_the_checkpoint_model(tmp_path, cache_dir, family, caplo
     reference = random_checkpoint(family)
     gguf_path = tmp_path / f"tiny-{family}.gguf"
     types = write_gguf(reference, gguf_path, f"tiny-{family}")  # the reference now holds the file's values
-    assert types["blk.0.attn_qkv.weight" if family == "phi3" else "blk.0.attn_q.weight"] == "Q8_0"
+    first = {"phi3": "attn_qkv", "deepseek_v2": "attn_q_a", "deepseek_v2_lite": "attn_q",
+             "deepseek_v3": "attn_q_a"}.get(family, "attn_q")
+    assert types[f"blk.0.{first}.weight"] == "Q8_0"
     assert types["output_norm.weight"] == "F32"
     assert types.get("blk.0.ffn_gate_exps.weight") == {"gpt_oss": "MXFP4", "qwen2_moe": "Q8_0",
                                                        "qwen3_moe": "Q8_0"}.get(family)
@@ -221,7 +270,11 @@ def test_gguf_file_gives_the_checkpoint_model(tmp_path, cache_dir, family, caplo
                     "layer_types", "rope_parameters", "moe_intermediate_size", "shared_expert_intermediate_size",
                     "num_experts", "num_local_experts", "num_experts_per_tok", "norm_topk_prob", "head_dim",
                     "intermediate_size", "tie_word_embeddings", "partial_rotary_factor",
-                    "original_max_position_embeddings"):
+                    "original_max_position_embeddings", "embedding_multiplier", "residual_multiplier",
+                    "attention_multiplier", "logits_scaling", "no_rope_layers", "no_rope_layer_interval",
+                    "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+                    "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "routed_scaling_factor",
+                    "n_group", "topk_group", "topk_method", "attention_bias", "rope_interleave"):
             assert converted.get(key) == expected.get(key), key
     weights = dict(iterate_weights(model_dir))
     state = {k: v for k, v in reference.state_dict().items() if not (k == "lm_head.weight" and
@@ -237,7 +290,7 @@ def test_gguf_file_gives_the_checkpoint_model(tmp_path, cache_dir, family, caplo
         attached = attach_fast_paths(ours, str(gguf_path), config, MAX_ROWS, plan)
     assert (attached > 0) == (family not in FLOAT_SERVED)
     from_file = any("Attached" in r.getMessage() and "GGUF blocks" in r.getMessage() for r in caplog.records)
-    assert from_file == (family not in FLOAT_SERVED), [r.getMessage() for r in caplog.records]
+    assert from_file == (family not in FLOAT_SERVED | MADE_AT_LOAD), [r.getMessage() for r in caplog.records]
     assert_served_from_blocks(ours, reference, family)
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -4,9 +4,10 @@ The dequantization is slow (tens of seconds for a 135M model), so the result is 
 the cache root and published with an atomic rename: a process that races another one either sees no directory or
 a complete one, never a half-written one.
 
-The config is transformers' reading of the file's metadata, corrected where it leaves keys llama.cpp writes unread
-(Gemma 2 / 3, Qwen2-MoE / Qwen3-MoE, Mistral: _correct_config), or built from the metadata for GPT-OSS, which
-transformers' reader cannot read (_gpt_oss_config).
+The config is transformers' reading of the file's metadata, corrected where it leaves keys llama.cpp writes unread,
+or built from the metadata for the architectures transformers' reader cannot read (model_loader/gguf_configs.py).
+Tensors are renamed as transformers' GGUF loader names them, with the file's layouts it does not know (GPT-OSS's
+experts, DeepSeek's split `kv_b_proj`) put back in the checkpoint's here.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 from sglang.srt.model_loader.disk_cache import build_cached_dir, cache_root
+from sglang.srt.model_loader.gguf_configs import KEY_BUILT, config_from_keys, correct_config
 
 logger = logging.getLogger(__name__)
 
 # Part of every cache key: bump it when the layout of a converted directory changes, so stale entries are rebuilt.
-CONVERTER_VERSION = "4"
+CONVERTER_VERSION = "5"
 
 
 def file_fingerprint(path: str | os.PathLike) -> str:
@@ -109,8 +111,8 @@ class ShardWriter:
 
 def _stream_tensors(reader: Any, architecture: str, config: Any, skeleton, writer: ShardWriter) -> None:
     """Dequantize the file's tensors one at a time, rename them as transformers' GGUF loader does (its per-
-    architecture tensor processors: Q/K row order, MoE experts gathered; GPT-OSS's experts here), and hand each to
-    `writer`."""
+    architecture tensor processors: Q/K row order, MoE experts gathered; GPT-OSS's experts and DeepSeek's split
+    kv_b_proj here: _file_part), and hand each to `writer`."""
     from collections import Counter
 
     import numpy as np
@@ -118,9 +120,15 @@ def _stream_tensors(reader: Any, architecture: str, config: Any, skeleton, write
     from gguf import dequantize
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
-    mapping = get_gguf_hf_weights_map(skeleton, processor)
+    processor_arch = _PROCESSOR_OF.get(architecture, architecture)
+    processor = TENSOR_PROCESSORS.get(processor_arch, TensorProcessor)(config=config.to_dict())
+    # transformers finds the file's tensor names by the config's model type, which for DeepSeek is not the arch
+    mapping = get_gguf_hf_weights_map(skeleton, processor, model_type=architecture if architecture in KEY_BUILT
+                                      else None)
     shapes = {name: tuple(p.shape) for name, p in skeleton.state_dict().items()}
+    for name in shapes:  # V3's expert correction bias, which the file stores as a bias of its own tensor
+        if name.endswith(".mlp.gate.e_score_correction_bias"):
+            mapping[f"blk.{name.split('.')[2]}.exp_probs_b.bias"] = name
     # A gathered tensor (MoE experts: ffn_gate_exps and ffn_up_exps fill one gate_up_proj) is written once every
     # file tensor mapped to it has been read; writing it earlier would store the half read so far.
     parts = Counter(mapping.values())
@@ -129,10 +137,10 @@ def _stream_tensors(reader: Any, architecture: str, config: Any, skeleton, write
     parsed = {"config": config.to_dict(), "tensors": gathered}
     for tensor in reader.tensors:
         weights = dequantize(tensor.data, tensor.tensor_type)
-        placed = _gpt_oss_part(tensor.name, weights, shapes, gathered) if architecture == "gpt-oss" else None
+        placed = _file_part(architecture, tensor.name, weights, shapes, config, gathered)
         if placed is not None:
-            parts[placed] = 2 if placed.endswith(("gate_up_proj", "gate_up_proj_bias")) else 1
-            seen[placed] += 1
+            parts[placed[0]] = placed[1]
+            seen[placed[0]] += 1
         else:
             result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=mapping,
                                        parsed_parameters=parsed)
@@ -149,7 +157,48 @@ def _stream_tensors(reader: Any, architecture: str, config: Any, skeleton, write
         for name in [n for n in gathered if n not in parts or seen[n] >= parts[n]]:
             writer.add(name, gathered.pop(name))
     if gathered:
-        raise ValueError(f"GGUF expert tensors missing a part (gate or up): {sorted(gathered)}")
+        raise ValueError(f"GGUF tensors missing a part (experts' gate or up, DeepSeek's k_b or v_b): "
+                         f"{sorted(gathered)}")
+
+
+# transformers' tensor processor for the architectures it has none for: the Llama path's Q/K rows (Granite and
+# SmolLM3 are converted as Llama models), gathered experts (DeepSeek)
+_PROCESSOR_OF = {"granite": "llama", "smollm3": "llama", "deepseek2": "qwen2moe"}
+
+
+def _file_part(architecture: str, name: str, weights, shapes: dict, config: Any,
+               gathered: dict) -> Optional[tuple[str, int]]:
+    """Put a tensor of the file that transformers' processors do not know, in transformers' layout, into
+    `gathered`; returns (the parameter it went to, how many file tensors make that parameter), None for the
+    others."""
+    block, _, rest = name.partition(".")
+    layer, _, role = rest.partition(".")
+    if block != "blk":
+        return None
+    if architecture == "gpt-oss" and role in _GPT_OSS_PARTS:
+        return _gpt_oss_part(layer, role, weights, shapes, gathered)
+    if architecture == "deepseek2" and role in ("attn_k_b.weight", "attn_v_b.weight"):
+        return _deepseek_kv_b_part(layer, role, weights, config, gathered)
+    return None
+
+
+def _deepseek_kv_b_part(layer: str, role: str, weights, config: Any, gathered: dict) -> tuple[str, int]:
+    """DeepSeek's kv_b_proj [heads * (qk_nope + v), kv_lora_rank], which llama.cpp's converter splits per head for
+    its absorbed attention: attn_k_b [heads, kv_lora_rank, qk_nope] (the key rows transposed) and attn_v_b [heads,
+    v, kv_lora_rank]. (Older files hold kv_b_proj whole as attn_kv_b: transformers' name map reads it.)"""
+    import numpy as np
+    import torch
+
+    nope, v_dim = config.qk_nope_head_dim, config.v_head_dim
+    heads, rank = config.num_attention_heads, config.kv_lora_rank
+    target = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
+    whole = gathered.setdefault(target, torch.zeros(heads * (nope + v_dim), rank)).view(heads, nope + v_dim, rank)
+    value = torch.from_numpy(np.copy(weights))
+    if role == "attn_k_b.weight":
+        whole[:, :nope] = value.transpose(1, 2)
+    else:
+        whole[:, nope:] = value
+    return target, 2
 
 
 # GPT-OSS tensors as llama.cpp's converter writes them (transformers' GGUF processor expects other names):
@@ -168,25 +217,21 @@ _GPT_OSS_PARTS = {
 }
 
 
-def _gpt_oss_part(name: str, weights, shapes: dict, gathered: dict) -> Optional[str]:
-    """Put a GPT-OSS expert tensor or sink of the file, in transformers' layout, into `gathered`; returns the
-    parameter it went to (None: not one of _GPT_OSS_PARTS)."""
+def _gpt_oss_part(layer: str, role: str, weights, shapes: dict, gathered: dict) -> tuple[str, int]:
+    """A GPT-OSS expert tensor or sink of the file (one of _GPT_OSS_PARTS) into `gathered`, in transformers'
+    layout."""
     import numpy as np
     import torch
 
-    block, _, rest = name.partition(".")
-    layer, _, role = rest.partition(".")
-    if block != "blk" or role not in _GPT_OSS_PARTS:
-        return None
     target, column, transposed = _GPT_OSS_PARTS[role]
     target = f"model.layers.{layer}.{target}"
     value = torch.from_numpy(np.copy(weights))
     value = value.transpose(-1, -2) if transposed else value
     if column is None:
         gathered[target] = value.contiguous()
-    else:
-        gathered.setdefault(target, torch.zeros(shapes[target]))[..., column::2] = value
-    return target
+        return target, 1
+    gathered.setdefault(target, torch.zeros(shapes[target]))[..., column::2] = value
+    return target, 2
 
 
 def _read_metadata(reader: Any) -> tuple[str, dict[str, Any], dict[str, tuple[int, ...]]]:
@@ -209,103 +254,6 @@ def _read_metadata(reader: Any) -> tuple[str, dict[str, Any], dict[str, tuple[in
     return architecture, keys, {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}
 
 
-def _gpt_oss_config(keys: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> Any:
-    """GPT-OSS's config from the keys llama.cpp writes. transformers' reader cannot be used: it fails on the YaRN
-    keys (it reads a field's first part, the key's length, as the value) and maps neither the window nor the head
-    width. llama.cpp fixes the SwiGLU limit at 7 and alternates sliding and full layers, the first sliding: the
-    config class's defaults. YaRN keeps the model's own untruncated correction range (`truncate` False, as
-    transformers' GPT-OSS config has it)."""
-    from transformers import GptOssConfig
-
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": keys.get("rope.freq_base", 150_000.0)}
-    if keys.get("rope.scaling.type") == "yarn":
-        rope.update(rope_type="yarn", factor=keys["rope.scaling.factor"],
-                    original_max_position_embeddings=keys["rope.scaling.original_context_length"],
-                    beta_fast=keys.get("rope.scaling.yarn_beta_fast", 32.0),
-                    beta_slow=keys.get("rope.scaling.yarn_beta_slow", 1.0), truncate=False)
-    return GptOssConfig(
-        vocab_size=shapes["token_embd.weight"][1], hidden_size=keys["embedding_length"],
-        intermediate_size=keys.get("expert_feed_forward_length") or shapes["blk.0.ffn_up_exps.weight"][1],
-        num_hidden_layers=keys["block_count"], num_attention_heads=keys["attention.head_count"],
-        num_key_value_heads=keys["attention.head_count_kv"], head_dim=keys["attention.key_length"],
-        num_local_experts=keys["expert_count"], num_experts_per_tok=keys["expert_used_count"],
-        sliding_window=keys.get("attention.sliding_window", 128), max_position_embeddings=keys["context_length"],
-        rms_norm_eps=keys["attention.layer_norm_rms_epsilon"], rope_parameters=rope,
-        tie_word_embeddings="output.weight" not in shapes, bos_token_id=keys.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=keys.get("tokenizer.ggml.eos_token_id"), pad_token_id=keys.get("tokenizer.ggml.padding_token_id"))
-
-
-# llama.cpp scales Gemma's queries by head_dim ** -0.5, by (hidden / heads) ** -0.5 for the 27B models, which it
-# knows by their layer count (the file has no key for the scale).
-_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
-
-
-def _correct_config(config: Any, architecture: str, keys: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> None:
-    """Set what transformers' GGUF reader leaves at its config class's defaults to what llama.cpp reads from the
-    same file: Gemma 2 / 3 soft-capping, query scale, sliding-window layer pattern and (Gemma 3) the RoPE of each
-    layer type; the expert widths of Qwen2-MoE / Qwen3-MoE; no sliding window for Mistral, whose files are written
-    as arch `llama` without one. `keys`, `shapes`: _read_metadata's."""
-    if architecture in _GEMMA_27B_LAYERS:
-        head_dim = keys.get("attention.key_length") or config.hidden_size // config.num_attention_heads
-        big = config.num_hidden_layers == _GEMMA_27B_LAYERS[architecture]
-        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if big else head_dim
-        window = keys.get("attention.sliding_window", 4096 if architecture == "gemma2" else 0)
-        config.sliding_window = window or None
-        pattern = keys.get("attention.sliding_window_pattern", 2 if architecture == "gemma2" else 6)
-        if isinstance(pattern, list):  # one flag per layer
-            sliding = [bool(flag) for flag in pattern]
-        else:  # every pattern-th layer global
-            sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(config.num_hidden_layers)]
-        config.layer_types = ["sliding_attention" if s and window else "full_attention" for s in sliding]
-    # transformers maps neither soft-cap key (its config classes' 50 / 30 stood for every Gemma 2 file and none for
-    # Gemma 3), nor the sliding layers' RoPE base or the global layers' scaling of Gemma 3
-    if architecture == "gemma2":  # llama.cpp's defaults where the keys are absent
-        config.attn_logit_softcapping = keys.get("attn_logit_softcapping", 50.0)
-        config.final_logit_softcapping = keys.get("final_logit_softcapping", 30.0)
-    elif architecture == "gemma3":
-        config.final_logit_softcapping = keys.get("final_logit_softcapping") or None
-        full: dict[str, Any] = {"rope_type": "default", "rope_theta": keys.get("rope.freq_base", 1_000_000.0)}
-        if keys.get("rope.scaling.type") == "linear" and keys.get("rope.scaling.factor"):
-            full.update(rope_type="linear", factor=keys["rope.scaling.factor"])
-        config.rope_parameters = {
-            "full_attention": full,
-            "sliding_attention": {"rope_type": "default", "rope_theta": keys.get("rope.freq_base_swa", 10_000.0)},
-        }
-    elif architecture in ("qwen2moe", "qwen3moe"):
-        # transformers' key mapping has no expert widths: its config classes' defaults (Qwen1.5-MoE-A2.7B's and
-        # Qwen3-30B-A3B's) stood for every file. GGML shapes are [hidden, width(, experts)].
-        config.moe_intermediate_size = keys.get("expert_feed_forward_length") or shapes["blk.0.ffn_up_exps.weight"][1]
-        if architecture == "qwen2moe":
-            config.shared_expert_intermediate_size = (keys.get("expert_shared_feed_forward_length")
-                                                      or shapes["blk.0.ffn_up_shexp.weight"][1])
-    elif architecture == "phi3":
-        _correct_phi3(config, keys, shapes)
-    elif getattr(config, "model_type", None) == "mistral":
-        # transformers reads a `llama` file named "mistral" as Mistral, whose config class defaults to a 4096-token
-        # window; llama.cpp attends to every position of such a file
-        config.sliding_window = None
-
-
-def _correct_phi3(config: Any, keys: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> None:
-    """Phi-3's partial rotary width, window and LongRoPE, which transformers' GGUF reader leaves at full rotary, no
-    window and plain RoPE: the rotary width is `rope.dimension_count`, the factors are the file's
-    `rope_factors_long` / `rope_factors_short` tensors (read by the caller into `keys`), a window of 0 is none. The
-    padding id is the file's (the config class's default, 32000, is outside a smaller vocabulary)."""
-    config.pad_token_id = keys.get("tokenizer.ggml.padding_token_id")
-    head_dim = config.hidden_size // config.num_attention_heads
-    rotary = keys.get("rope.dimension_count") or head_dim
-    config.partial_rotary_factor = rotary / head_dim
-    config.sliding_window = keys.get("attention.sliding_window") or None
-    original = keys.get("rope.scaling.original_context_length") or config.max_position_embeddings
-    config.original_max_position_embeddings = original
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": keys.get("rope.freq_base", 10_000.0),
-                            "partial_rotary_factor": config.partial_rotary_factor}
-    if "rope_factors_long" in keys and "rope_factors_short" in keys:
-        rope.update(rope_type="longrope", long_factor=keys["rope_factors_long"],
-                    short_factor=keys["rope_factors_short"], original_max_position_embeddings=original)
-    config.rope_parameters = rope
-
-
 def _write_hf_dir(gguf_path: str, out_dir: Path) -> None:
     import torch
     from gguf import GGUFReader
@@ -320,11 +268,10 @@ def _write_hf_dir(gguf_path: str, out_dir: Path) -> None:
     src_dir, file_name = os.path.split(gguf_path)
     reader = GGUFReader(gguf_path)  # one parse of the file for its metadata and its tensors
     architecture, keys, shapes = _read_metadata(reader)
-    if architecture == "gpt-oss":
-        config = _gpt_oss_config(keys, shapes)
-    else:
+    config = config_from_keys(architecture, keys, shapes)
+    if config is None:
         config = AutoConfig.from_pretrained(src_dir, gguf_file=file_name)
-        _correct_config(config, architecture, keys, shapes)
+        correct_config(config, architecture, keys, shapes)
     # The meta-device skeleton only supplies the HF parameter names for the GGUF -> HF name mapping.
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
@@ -344,9 +291,9 @@ def _write_hf_dir(gguf_path: str, out_dir: Path) -> None:
     except (ValueError, TypeError) as err:
         logger.warning("No generation_config.json derived from %s: %s", gguf_path, err)
     try:
-        # AutoTokenizer would read the config with transformers' reader, which fails on GPT-OSS files; GPT-OSS's
-        # tokenizer class is the generic fast one
-        tokenizer_class = PreTrainedTokenizerFast if architecture == "gpt-oss" else AutoTokenizer
+        # AutoTokenizer would read the config with transformers' reader, which fails on the files whose config is
+        # built from the keys; their tokenizer class is the generic fast one
+        tokenizer_class = PreTrainedTokenizerFast if architecture in KEY_BUILT else AutoTokenizer
         tokenizer = tokenizer_class.from_pretrained(src_dir, gguf_file=file_name)
     except (KeyError, ValueError, OSError) as err:
         # A weights-only GGUF is still a usable model when the tokenizer is supplied separately.
