@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -299,10 +300,18 @@ def test_tiny_gguf_converts_to_matching_hf_dir(monkeypatch, tmp_path):
     assert tokenizer.eos_token == "<|im_end|>"
     assert tokenizer.decode(tokenizer.encode(" the", add_special_tokens=False)) == " the"
 
-    # Replacing the file (new size/mtime) must not serve the stale conversion.
+    # Replacing the file (new size/mtime) must not serve the stale conversion, and removes it (with one left by an
+    # earlier converter version, which records no source); a conversion of a file of the same name elsewhere stays.
+    older = Path(model_dir).parent / "tiny-llama-0123456789ab"
+    shutil.copytree(model_dir, older)
+    (older / "gguf_source.json").unlink()
+    elsewhere = Path(model_dir).parent / "tiny-llama-ba9876543210"
+    shutil.copytree(model_dir, elsewhere)
+    (elsewhere / "gguf_source.json").write_text(json.dumps({"path": str(tmp_path / "other" / "tiny-llama.gguf")}))
     _write_tiny_gguf(gguf_path, _tiny_llama_tensors(seed=1))
     os.utime(gguf_path, ns=(time.time_ns(), time.time_ns() + 10**9))
     assert resolve_model_path(str(gguf_path)) != model_dir
+    assert not Path(model_dir).exists() and not older.exists() and elsewhere.is_dir()
 
 
 def test_conversion_is_cached_and_atomic(monkeypatch, tmp_path):

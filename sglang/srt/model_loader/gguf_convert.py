@@ -13,10 +13,13 @@ experts, DeepSeek's split `kv_b_proj`) put back in the checkpoint's here.
 from __future__ import annotations
 
 import functools
+import glob
 import hashlib
 import json
 import logging
 import os
+import re
+import shutil
 from pathlib import Path
 from typing import Any, Optional
 
@@ -45,14 +48,45 @@ def converted_dir_for(gguf_path: str | os.PathLike) -> Path:
 
 
 def convert_gguf_to_hf_dir(gguf_path: str | os.PathLike) -> str:
-    """Return a local HF directory equivalent to the GGUF file, converting it on the first call."""
+    """Return a local HF directory equivalent to the GGUF file, converting it on the first call (and then removing
+    the conversions of the same file that this one replaces: _remove_stale_conversions)."""
     gguf_path = os.path.realpath(os.path.expanduser(str(gguf_path)))
     if not os.path.isfile(gguf_path):
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
     target = converted_dir_for(gguf_path)
-    if not target.is_dir():
-        logger.info("Converting %s to a Hugging Face checkpoint in %s", gguf_path, target)
-    return str(build_cached_dir(target, functools.partial(_write_hf_dir, gguf_path)))
+    if target.is_dir():
+        return str(target)
+    logger.info("Converting %s to a Hugging Face checkpoint in %s", gguf_path, target)
+    built = build_cached_dir(target, functools.partial(_write_source_and_hf_dir, gguf_path))
+    _remove_stale_conversions(gguf_path, built)
+    return str(built)
+
+
+# What a converted directory records of the file it was made from.
+SOURCE_RECORD = "gguf_source.json"
+
+
+def _write_source_and_hf_dir(gguf_path: str, out_dir: Path) -> None:
+    _write_hf_dir(gguf_path, out_dir)
+    (out_dir / SOURCE_RECORD).write_text(json.dumps({"path": gguf_path, "converter_version": CONVERTER_VERSION}))
+
+
+def _remove_stale_conversions(gguf_path: str, kept: Path) -> None:
+    """Remove the other conversions of `gguf_path` (made by another converter version, or before the file was
+    replaced or edited): each is a float32 copy of the whole model, gigabytes that would otherwise stay behind with
+    every upgrade. A directory of the same file name that records no source (made before sources were recorded) is
+    one of them too; one recording another file is not (a file of the same name elsewhere)."""
+    stem = kept.name[: -len(file_fingerprint(gguf_path)) - 1]
+    for other in kept.parent.glob(f"{glob.escape(stem)}-*"):
+        if other == kept or not other.is_dir() or not re.fullmatch(rf"{re.escape(stem)}-[0-9a-f]{{12}}", other.name):
+            continue
+        try:
+            source = json.loads((other / SOURCE_RECORD).read_text()).get("path")
+        except (OSError, ValueError, AttributeError):
+            source = None
+        if source in (None, gguf_path):
+            logger.info("Removing %s: an earlier conversion of %s", other, gguf_path)
+            shutil.rmtree(other, ignore_errors=True)
 
 
 # Tensors go to safetensors shards of about this many bytes, each written as soon as it fills: the conversion holds
