@@ -94,7 +94,7 @@ def load_served(tmp_path, family: str, role_types: dict, plan):
     model_dir = resolve_model_path(str(gguf_path))
     config = AutoConfig.from_pretrained(model_dir)
     ours = load_for_plan(model_dir, torch.float32, torch.device("cpu"), str(gguf_path), MAX_ROWS, plan)
-    logger = logging.getLogger("sglang.srt.model_loader.gguf_quant")
+    logger = logging.getLogger("sglang.srt.model_loader")
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append  # type: ignore[method-assign]
@@ -124,7 +124,8 @@ def test_experts_run_the_files_own_blocks(monkeypatch, tmp_path, cache_dir, case
     if case.endswith("-k"):
         with_k_quants(monkeypatch)
     reference, ours, config, log = load_served(tmp_path, family, role_types, blocks_plan())
-    assert any("GGUF blocks for 3 x 8 experts" in line for line in log), log
+    # read from the file alone: the stacked experts were never loaded as floats
+    assert any("GGUF blocks for 3 x 8 experts" in line and "never loaded as floats" in line for line in log), log
     experts = [m for m in ours.modules() if isinstance(m, FusedMoE)]
     assert len(experts) == 3
     for layer, fused in enumerate(experts):
@@ -168,3 +169,23 @@ def test_report_names_the_files_expert_blocks(tmp_path, cache_dir):
     # 3 layers x 8 experts: gate/up 64 x 64 values as Q4_1 (20 bytes per 32), down 64 x 32 as Q8_0 (34 per 32)
     assert formats["Q4_1 blocks from GGUF Q4_0"] >= 3 * 8 * 64 * 64 // 32 * 20
     assert formats["Q8_0 blocks from GGUF Q5_0"] >= 3 * 8 * 64 * 32 // 32 * 34
+
+
+def test_experts_in_a_float_type_load_as_floats_and_get_blocks_made_at_load(tmp_path, cache_dir):
+    """A file whose down experts are F16 (no blocks): the experts load as floats (the file's values) and every
+    expert gets Q8_0 blocks made at load from them; the other layers keep the file's own blocks."""
+    reference, ours, config, log = load_served(tmp_path, "qwen3_moe", {"ffn_down_exps": T.F16}, blocks_plan())
+    assert any("GGUF expert blocks of layer 0 are not blocks" in line for line in log), log
+    assert any("quantized at load) for the matmuls the file's blocks do not serve" in line
+               and "for the experts of 3 layers" in line for line in log), log
+    for layer, fused in enumerate(m for m in ours.modules() if isinstance(m, FusedMoE)):
+        assert fused.expert_blocks is not None
+        theirs = reference.model.layers[layer].mlp.experts
+        for name in ("gate_up_proj", "down_proj"):
+            served, stored = fused.served_values(getattr(fused, name)), getattr(theirs, name)
+            # Q8_0 blocks of the file's values as llama.cpp's quantizer makes them (q = round(w / d), d = max|w| / 127
+            # stored fp16: d / 2 plus 127 times d's fp16 rounding): the Q8_0 gate / up exactly, the F16 down within
+            bound = block_bound(stored) * (1 + 127 * 2**-10)
+            assert (served - stored).abs().le(bound).all(), (layer, name)
+            if name == "gate_up_proj":
+                assert torch.equal(served, stored)

@@ -30,6 +30,7 @@ from sglang.srt.model_executor.decode_strategy import DecodePlan, plan_decode
 from sglang.srt.model_loader.checkpoint_blocks import release_made_blocks
 from sglang.srt.model_loader.dtype import checkpoint_dtype
 from sglang.srt.model_loader.gemm_methods import attach_large_batch_gemm, blocks_large_method
+from sglang.srt.model_loader.gguf_experts import experts_read_from_file
 from sglang.srt.model_loader.gguf_quant import attach_gguf_quant_weights
 from sglang.srt.model_loader.loader import load_model
 from sglang.srt.model_loader.moe_blocks import attach_expert_blocks, has_experts, keep_experts_in
@@ -71,11 +72,14 @@ def load_for_plan(model_dir: str, dtype: torch.dtype, device: torch.device, gguf
         # rounding, which halves what the load holds before the linear weights are released.
         stored = torch.bfloat16 if gguf_path else checkpoint_dtype(config if config is not None else model_dir)
         if stored in (torch.bfloat16, torch.float16):
-            def prepare(meta_model: Any) -> None:
-                reason = (keep_experts_in(meta_model, stored, from_gguf=bool(gguf_path)) if has_experts(meta_model)
+            def prepare(meta_model: Any) -> Optional[Callable[[Any], None]]:
+                experts = has_experts(meta_model)
+                reason = (keep_experts_in(meta_model, stored, from_gguf=bool(gguf_path)) if experts
                           else keep_linears_in(meta_model, stored, keep_table=not gguf_path))
                 if reason is not None:
                     logger.info("Linear weights load as %s: %s", dtype, reason)
+                # a GGUF file's experts in blocks are read from the file alone, never as floats
+                return experts_read_from_file(meta_model, gguf_path) if experts and gguf_path else None
     return load_model(model_dir, dtype, device, config=config, prepare=prepare)
 
 
@@ -96,12 +100,12 @@ def attach_fast_paths(model: Any, gguf_path: Optional[str], hf_config: Any, gguf
     if gguf_path and gguf_kernel_max_rows > 0 and param.device.type == "cpu":
         quant_bytes = attach_gguf_quant_weights(model, gguf_path, hf_config, gguf_kernel_max_rows, large,
                                                 expert_large, int8_experts)
-    if quant_bytes == 0 and arithmetic is not None and arithmetic.small_batch_quantization != "none":
+    if arithmetic is not None and arithmetic.small_batch_quantization != "none":
         qtype = arithmetic.small_batch_quantization.upper()
-        if has_experts(model):
-            quant_bytes = attach_expert_blocks(model, gguf_kernel_max_rows, large, qtype, arithmetic.gguf_activations,
+        if has_experts(model):  # whatever the file's blocks do not serve (layers/experts that did not match)
+            quant_bytes += attach_expert_blocks(model, gguf_kernel_max_rows, large, qtype, arithmetic.gguf_activations,
                                                expert_large)
-        else:
+        elif quant_bytes == 0:
             quant_bytes = attach_q8_0_blocks(model, gguf_kernel_max_rows, large, qtype)
     only_blocks = only_blocks and quant_bytes > 0
     if (arithmetic is not None and not only_blocks and param.device.type == "cpu"

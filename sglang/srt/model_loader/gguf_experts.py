@@ -16,16 +16,23 @@ quantized from its values took ~1.06) and their values.
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+from torch import nn
 
+from sglang.srt.layers.linear import hold_as
 from sglang.srt.layers.moe.expert_blocks import ExpertBlocks
 from sglang.srt.layers.moe.fused_moe import FusedMoE
-from sglang.srt.layers.quantization.gguf_blocks import GGUFQuantWeight
+from sglang.srt.layers.quantization.gguf_blocks import QK, GGUFQuantWeight, kernels_available
 from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
+from sglang.srt.model_loader.gguf_reader import GGML_BLOCK_TYPES, gguf_tensor_table
 from sglang.srt.model_loader.q8_blocks import LargeFromBlocks
+
+logger = logging.getLogger(__name__)
 
 # (stored type, raw uint8 [rows, row_bytes], rows, K): as model_loader/gguf_quant.RawBlocks
 RawBlocks = tuple[str, torch.Tensor, int, int]
@@ -34,6 +41,56 @@ RawBlocks = tuple[str, torch.Tensor, int, int]
 Served = tuple[GGUFQuantWeight, str, bool]
 Matches = Callable[[list[RawBlocks], torch.Tensor], bool]
 Serve = Callable[[list[RawBlocks]], tuple[GGUFQuantWeight, bool]]
+Block = Callable[[str], Optional[RawBlocks]]
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+
+
+def expert_tensor_names(layer: int) -> list[str]:
+    """The file's stacked gate, up and down expert tensors of `layer`."""
+    return [f"blk.{layer}.ffn_{role}_exps.weight" for role in ("gate", "up", "down")]
+
+
+def _expert_layers(model: Any) -> list[tuple[int, FusedMoE]]:
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    return [(i, layer.mlp.experts) for i, layer in enumerate(layers)
+            if isinstance(getattr(getattr(layer, "mlp", None), "experts", None), FusedMoE)]
+
+
+def experts_read_from_file(model: nn.Module, gguf_path: str | os.PathLike) -> Optional[Callable[[nn.Module], None]]:
+    """For a model built on the meta device whose every `FusedMoE` layer has its experts in the file as stacked
+    tensors of a block type the kernels serve (as stored or converted) and of the layer's shapes: a function to run
+    once the model has storage, before the checkpoint is read, that releases those stacked parameters (meta
+    tensors: reading the checkpoint skips them), so that the experts never exist as floats; `attach_file_experts`
+    then reads them from the file. None where that does not hold (the experts load as floats)."""
+    layers = _expert_layers(model)
+    if not layers or not kernels_available():
+        return None
+    _, table = gguf_tensor_table(gguf_path)
+    listed = {name: (dims, ttype) for name, dims, ttype, _ in table}
+    for i, fused in layers:
+        size, hidden = fused.intermediate_size, fused.down_proj.shape[1]
+        if size % QK or hidden % QK:
+            return None
+        shapes = ([hidden, size, fused.num_experts],) * 2 + ([size, hidden, fused.num_experts],)
+        for name, dims in zip(expert_tensor_names(i), shapes):
+            dims_found, ttype = listed.get(name, (None, None))
+            if dims_found != dims or ttype not in GGML_BLOCK_TYPES:
+                return None
+
+    def release(allocated: nn.Module) -> None:
+        for _, fused in _expert_layers(allocated):
+            for name in EXPERT_PARAMS:
+                hold_as(fused, name, getattr(fused, name).dtype, "meta")
+
+    return release
+
+
+def block_origins(model: Any) -> dict[int, str]:
+    """What each attached block weight converted at load was read from (id of its packed tensor -> "GGUF Q4_K"),
+    for the weights report (model_loader/weight_report.py)."""
+    if getattr(model, "gguf_block_origins", None) is None:
+        model.gguf_block_origins = {}
+    return model.gguf_block_origins
 
 
 def _expert(blocks: RawBlocks, index: int, rows: int) -> Optional[RawBlocks]:
@@ -63,7 +120,10 @@ def layer_expert_blocks(fused: FusedMoE, stacked: list[Optional[RawBlocks]], mat
             return None
         for parts, target, out in (([p for p in pieces if p is not None], fused.gate_up_proj[index], gate_up),
                                    ([own_down], fused.down_proj[index], downs)):
-            if not matches(parts, target):
+            if target.is_meta:  # never loaded (experts_read_from_file): the file's values are the checkpoint's
+                if (sum(p[2] for p in parts), parts[0][3]) != tuple(target.shape):
+                    return None
+            elif not matches(parts, target):
                 return None
             weight, as_stored = serve(parts)
             out.append((weight, "+".join(sorted({p[0] for p in parts})), as_stored))
@@ -83,3 +143,39 @@ def serve_layer_experts(fused: FusedMoE, blocks: tuple[list[Served], list[Served
     experts = ExpertBlocks(methods[0], methods[1], dtype)
     fused.serve_from_blocks(experts, dtype)
     return experts.nbytes
+
+
+def attach_file_experts(model: Any, block: Block, matches: Matches, serve: Serve, max_rows: int,
+                        large: LargeFromBlocks, int8_activations: bool) -> int:
+    """Serve every `FusedMoE` layer of `model` from its experts' blocks in the file (`block`: a file tensor by name,
+    as raw blocks) where those of every layer match; returns their bytes (0: none served, the reason logged).
+    Experts that were never loaded (experts_read_from_file) have no float values to fall back on: a file whose
+    experts then cannot be served is a startup error naming the layer."""
+    layers = _expert_layers(model)
+    unloaded = any(fused.gate_up_proj.is_meta for _, fused in layers)
+    plan: list[tuple[FusedMoE, tuple[list[Served], list[Served]]]] = []
+    for i, fused in layers:
+        try:
+            found = layer_expert_blocks(fused, [block(name) for name in expert_tensor_names(i)], matches, serve)
+            why = "are not blocks holding the loaded experts' values" if found is None else ""
+        except ValueError as err:
+            found, why = None, f"could not be converted ({err})"
+        if found is None:
+            if unloaded:
+                raise ValueError(f"the GGUF expert tensors of layer {i} ({', '.join(expert_tensor_names(i))}) {why}")
+            logger.info("GGUF expert blocks of layer %d %s; the experts keep their float weights", i, why)
+            return 0
+        plan.append((fused, found))
+    origins = block_origins(model)
+    routes: set[str] = set()
+    for _, found in plan:
+        for weight, read, as_stored in (served for projection in found for served in projection):
+            if not as_stored:
+                origins[id(weight.packed)] = f"GGUF {read}"
+                routes.add(f"{read} as {weight.qtype}")
+    dtype = model.model.norm.weight.dtype
+    attached = sum(serve_layer_experts(fused, found, max_rows, large, int8_activations, dtype) for fused, found in plan)
+    converted = f" (converted at load: {', '.join(sorted(routes))})" if routes else ""
+    logger.info("Attached %.1f MB of GGUF blocks for %d x %d experts%s%s", attached / 2**20, len(plan),
+                plan[0][0].num_experts, converted, " (never loaded as floats)" if unloaded else "")
+    return attached

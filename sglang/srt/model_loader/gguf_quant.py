@@ -35,7 +35,7 @@ from sglang.srt.layers.quantization.gguf_blocks import (
     rotary_rows_gguf_to_hf,
 )
 from sglang.srt.model_loader.gguf_block_convert import convert_blocks, file_values, served_type
-from sglang.srt.model_loader.gguf_experts import Served, layer_expert_blocks, serve_layer_experts
+from sglang.srt.model_loader.gguf_experts import attach_file_experts, block_origins
 from sglang.srt.model_loader.gguf_reader import read_gguf_block_tensors
 from sglang.srt.model_loader.q8_blocks import LargeFromBlocks, blocks_method
 
@@ -153,16 +153,12 @@ def attach_gguf_quant_weights(model: Any, gguf_path: str, config: Any, max_rows:
     # linear weights may have loaded in bf16 (model_executor/model_runner.load_for_plan); everything else float32
     if layers is None or any(p.dtype != torch.float32 and id(p) not in linear_weights for p in model.parameters()):
         return 0
-    experts = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    experts = any(isinstance(m, FusedMoE) for m in model.modules())
     if experts and large is None:
         logger.info("GGUF blocks serve an MoE model only where blocks serve every batch (--large-batch-weights "
                     "blocks); %s keeps its float weights", type(model).__name__)
         return 0
-    if any(not hasattr(layer.self_attn, "qkv_proj") or _mlp_linears(layer.mlp) is None for layer in layers):
-        logger.info("GGUF blocks are attached to layers of fused QKV and gate/up projections; %s has others",
-                    type(model).__name__)
-        return 0
-    tensors = read_gguf_block_tensors(gguf_path, stacked=bool(experts))
+    tensors = read_gguf_block_tensors(gguf_path, stacked=experts)
 
     def block(name: str) -> Optional[RawBlocks]:
         entry = tensors.get(name)
@@ -171,10 +167,26 @@ def attach_gguf_quant_weights(model: Any, gguf_path: str, config: Any, max_rows:
         qtype, raw, n, k = entry
         return qtype, torch.from_numpy(np.array(raw, copy=True)), n, k  # copied out of the memory map
 
+    expert_bytes = 0
+    if experts:
+        assert large is not None
+        expert_bytes = attach_file_experts(model, block, _dequantizes_to, _served, max_rows, expert_large or large,
+                                           int8_activations)
+    return expert_bytes + _attach_linears(model, block, config, max_rows, large)
+
+
+def _attach_linears(model: Any, block: Callable[[str], Optional[RawBlocks]], config: Any, max_rows: int,
+                    large: Optional[LargeFromBlocks]) -> int:
+    """The file's blocks for every linear layer (attention, dense MLPs, shared experts) and the LM head, where every
+    one of them matches; returns their bytes (0: none attached, with the reason logged)."""
+    layers = model.model.layers
+    if any(not hasattr(layer.self_attn, "qkv_proj") or _mlp_linears(layer.mlp) is None for layer in layers):
+        logger.info("GGUF blocks are attached to layers of fused QKV and gate/up projections; %s has others",
+                    type(model).__name__)
+        return 0
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     plan: list[tuple[nn.Module, Parts]] = []
-    expert_plan: list[tuple[FusedMoE, tuple[list[Served], list[Served]]]] = []
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
         q, k, v = (block(f"blk.{i}.attn_{n}.weight") for n in ("q", "k", "v"))
@@ -202,66 +214,29 @@ def attach_gguf_quant_weights(model: Any, gguf_path: str, config: Any, max_rows:
                 (dense.down_proj, _matching_parts([partial(block, f"blk.{i}.ffn_down{role}.weight")],
                                                   dense.down_proj.weight)),
             ]
-        fused = getattr(mlp, "experts", None)
-        if isinstance(fused, FusedMoE):
-            try:
-                found = layer_expert_blocks(fused, [block(f"blk.{i}.ffn_{n}_exps.weight")
-                                                    for n in ("gate", "up", "down")], _dequantizes_to, _served)
-            except ValueError as err:
-                logger.info("GGUF expert blocks of layer %d could not be converted (%s); using float weights only",
-                            i, err)
-                return 0
-            if found is None:
-                logger.info("GGUF expert blocks of layer %d do not match the loaded experts; using float weights "
-                            "only", i)
-                return 0
-            expert_plan.append((fused, found))
         if any(parts is None for _, parts in matches):
             logger.info("GGUF blocks of layer %d do not match the loaded weights; using float weights only", i)
             return 0
         plan += [(module, parts) for module, parts in matches if parts is not None]
     head = getattr(model, "lm_head", None)
-    embed = model.model.embed_tokens
     if head is not None and hasattr(model, "logits_processor"):
         head_parts = _matching_parts([lambda: block("output.weight"), lambda: block("token_embd.weight")],
                                      head.weight)
         if head_parts is not None:
             plan.append((head, head_parts))
-    attached = _attach(model, plan, max_rows, large, embed.weight.dtype)
-    if attached and expert_plan:
-        attached += _attach_experts(model, expert_plan, max_rows, expert_large or large, int8_activations)
-    return attached
+    return _attach(model, plan, max_rows, large, model.model.embed_tokens.weight.dtype)
 
 
 def _mlp_linears(mlp: nn.Module) -> Optional[list[tuple[Any, str]]]:
     """The dense SwiGLU MLPs of a layer and the suffix of their file names: the MLP itself (""), or an MoE block's
-    shared expert ("_shexp"; none where it has no shared expert); None for an MLP of any other kind."""
+    shared expert(s) ("_shexp"; none where it has none); None for an MLP of any other kind."""
     if hasattr(mlp, "gate_up_proj"):
         return [(mlp, "")]
-    shared = getattr(mlp, "shared_expert", None)
+    shared = getattr(mlp, "shared_expert", None) or getattr(mlp, "shared_experts", None)
     if not isinstance(getattr(mlp, "experts", None), FusedMoE) or (
             shared is not None and not hasattr(shared, "gate_up_proj")):
         return None
     return [] if shared is None else [(shared, "_shexp")]
-
-
-def _attach_experts(model: Any, plan: list[tuple[FusedMoE, tuple[list[Served], list[Served]]]], max_rows: int,
-                    large: Optional[LargeFromBlocks], int8_activations: bool) -> int:
-    """Serve each MoE layer of `plan` from its experts' file blocks; returns their bytes."""
-    assert large is not None
-    dtype = model.model.norm.weight.dtype
-    origins = model.gguf_block_origins  # _attach's, for the linear layers
-    routes: set[str] = set()
-    for _, found in plan:
-        for weight, read, as_stored in (served for projection in found for served in projection):
-            if not as_stored:
-                origins[id(weight.packed)] = f"GGUF {read}"
-                routes.add(f"{read} as {weight.qtype}")
-    attached = sum(serve_layer_experts(fused, found, max_rows, large, int8_activations, dtype) for fused, found in plan)
-    converted = f" (converted at load: {', '.join(sorted(routes))})" if routes else ""
-    logger.info("Attached %.1f MB of GGUF blocks for %d x %d experts%s", attached / 2**20, len(plan),
-                plan[0][0].num_experts, converted)
-    return attached
 
 
 def _attach(model: Any, plan: list[tuple[nn.Module, Parts]], max_rows: int, large: Optional[LargeFromBlocks],
@@ -277,7 +252,7 @@ def _attach(model: Any, plan: list[tuple[nn.Module, Parts]], max_rows: int, larg
     except ValueError as err:
         logger.info("GGUF blocks could not be converted (%s); using float weights only", err)
         return 0
-    origins: dict[int, str] = {}
+    origins = block_origins(model)
     routes: set[str] = set()
     attached = 0
     for module, weight, as_stored, read in served:
@@ -298,7 +273,6 @@ def _attach(model: Any, plan: list[tuple[nn.Module, Parts]], max_rows: int, larg
         else:
             module.set_linear_method(blocks_method(module, weight, max_rows, large, dtype, from_file=True))  # type: ignore[operator]
         attached += weight.nbytes
-    model.gguf_block_origins = origins
     what = "every matmul (no float weights kept)" if large is not None else f"matmuls of up to {max_rows} rows"
     converted = f" (converted at load: {', '.join(sorted(routes))})" if routes else ""
     logger.info("Attached %.1f MB of GGUF blocks for %s%s", attached / 2**20, what, converted)

@@ -52,7 +52,8 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device, c
 
     `config` (default: the directory's own) lets a weight update build the serving architecture around
     another checkpoint's weights. `prepare` runs on the model while it is still on the meta device, before any
-    storage is allocated (e.g. model_loader/q8_blocks.keep_linears_in)."""
+    storage is allocated (e.g. model_loader/q8_blocks.keep_linears_in); a callable it returns runs once the model has
+    storage, before the checkpoint is read (e.g. model_loader/gguf_experts.experts_read_from_file)."""
     from transformers import AutoConfig
 
     start = time.perf_counter()
@@ -63,9 +64,10 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device, c
     # weights that the checkpoint overwrites anyway would cost seconds for larger models.
     with skip_random_init():
         model: Any = model_class(config, dtype=dtype, device=torch.device("meta"))
-    if prepare is not None:
-        prepare(model)
+    allocated = prepare(model) if prepare is not None else None
     model.to_empty(device=device)
+    if callable(allocated):
+        allocated(model)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.rebuild_cache(device)

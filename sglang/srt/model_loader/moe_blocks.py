@@ -84,9 +84,11 @@ def keep_experts_in(model: nn.Module, dtype: torch.dtype, from_gguf: bool = Fals
     """On an MoE model built on the meta device, give the decoder's linear weights, the stacked experts (and an LM
     head that is not the input embeddings, a bf16 input embedding table) `dtype`, so that loading a checkpoint stored
     in `dtype` makes no wider copy; `attach_expert_blocks` turns them into blocks. Returns why it does not apply (the
-    model is left as it is), or None. A GGUF file's experts are not GGUF blocks here (its values are converted to
-    float32 at load): they stay float32 until their Q8_0 blocks are made, so that no bf16 rounding comes between."""
-    reason = "a GGUF file's experts are quantized from its float32 values" if from_gguf else _shape_reason(model)
+    model is left as it is), or None. A GGUF file's weights stay float32 (its values exactly): its blocks are matched
+    against them, or Q8_0 blocks made of them with no bf16 rounding between; its experts in blocks are not loaded at
+    all (model_loader/gguf_experts.experts_read_from_file)."""
+    reason = ("a GGUF file's values are matched against its blocks, or quantized, in float32 (its experts in blocks "
+              "are read from the file alone)") if from_gguf else _shape_reason(model)
     if reason is not None:
         return reason
     linears, experts = _parts(model)
@@ -107,11 +109,17 @@ def why_no_expert_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlo
     reason = _shape_reason(model)
     if reason is not None:
         return reason
-    # the kept weights may be in the checkpoint's dtype (keep_experts_in)
+    # the kept weights may be in the checkpoint's dtype (keep_experts_in); those a GGUF file's blocks serve, released
     linears, experts = _parts(model)
     kept = {id(m.weight) for m in kept_owners(model, linears, torch.bfloat16)}
     kept.update(id(p) for fused in experts for p in (fused.gate_up_proj, fused.down_proj))
-    if not float32_on_cpu_except(model, kept):
+    released = {id(m.weight) for m in linears if isinstance(m.linear_method, GGUFLinearMethod)}
+    released.update(id(p) for fused in experts if fused.expert_blocks is not None
+                    for p in (fused.gate_up_proj, fused.down_proj))
+    head = head_for_blocks(model)
+    if head is not None and isinstance(model.logits_processor.head_method, GGUFLinearMethod):
+        released.add(id(head.weight))
+    if not float32_on_cpu_except(model, kept, frozenset(released)):
         return "the model is not float32 on CPU"
     return None
 
@@ -141,19 +149,27 @@ def attach_expert_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlo
     double what the experts, most of such a model, hold, for the few rows a prefill routes to each). Float weights
     are released as their blocks are made. Returns the bytes of the blocks (0 when it does not apply, with the
     reason logged)."""
+    all_linears, all_experts = _parts(model)
+    # a GGUF file's own blocks may serve some already (model_loader/gguf_quant.py, gguf_experts.py)
+    linears = [m for m in all_linears if not isinstance(m.linear_method, GGUFLinearMethod)]
+    experts = [m for m in all_experts if m.expert_blocks is None]
+    from_file = len(linears) < len(all_linears) or len(experts) < len(all_experts)
+    head = head_for_blocks(model)
+    if head is not None and isinstance(model.logits_processor.head_method, GGUFLinearMethod):
+        head = None
+    if not linears and not experts and head is None:
+        return 0
     reason = why_no_expert_blocks(model, max_rows, large)
     if reason is not None:
         logger.info("No %s blocks for the experts and linear layers: %s", qtype, reason)
         return 0
     assert large is not None
     dtype = model.model.norm.weight.dtype  # the model's (the embedding table may be kept bf16)
-    linears, experts = _parts(model)
     attached = 0
     for module in linears:
         method = blocks_method(module, quantize_blocks(module.weight, qtype), max_rows, large, dtype)
         module.set_linear_method(method)
         attached += method.quant_weight.nbytes
-    head = head_for_blocks(model)
     if head is not None:
         own_weight = untied_head(model) is not None  # else it is the input embeddings, which stay
         method = blocks_method(head, quantize_blocks(head.weight, "Q8_0"), max_rows, large,
@@ -165,7 +181,8 @@ def attach_expert_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlo
         blocks = _expert_blocks(fused, max_rows, expert_large or large, qtype, activations == "int8", dtype)
         fused.serve_from_blocks(blocks, dtype)
         expert_bytes += blocks.nbytes
-    logger.info("Attached %.1f MB of %s blocks (quantized at load) for every matmul (no float weights kept), "
-                "%.1f MB of them for %d x %d experts; routers stay float32", (attached + expert_bytes) / 2**20,
-                qtype, expert_bytes / 2**20, len(experts), experts[0].num_experts)
+    which = "the matmuls the file's blocks do not serve" if from_file else "every matmul"
+    logger.info("Attached %.1f MB of %s blocks (quantized at load) for %s (no float weights kept), %.1f MB of them "
+                "for the experts of %d layers; routers stay float32", (attached + expert_bytes) / 2**20, qtype, which,
+                expert_bytes / 2**20, len(experts))
     return attached + expert_bytes

@@ -151,10 +151,11 @@ def kept_owners(model: Any, linears: Sequence[nn.Module], dtype: torch.dtype,
     return owners
 
 
-def float32_on_cpu_except(model: nn.Module, kept: set[int]) -> bool:
+def float32_on_cpu_except(model: nn.Module, kept: set[int], released: frozenset[int] = frozenset()) -> bool:
     """Whether every parameter of `model` is on CPU and, but for those whose id is in `kept` (held in the
-    checkpoint's dtype), float32."""
-    return not any(p.device.type != "cpu" or (p.dtype != torch.float32 and id(p) not in kept)
+    checkpoint's dtype), float32; those in `released` (meta tensors: blocks serve their values) aside."""
+    return not any(id(p) not in released and (p.device.type != "cpu" or (p.dtype != torch.float32
+                                                                          and id(p) not in kept))
                    for p in model.parameters())
 
 
