@@ -341,6 +341,31 @@ def test_engine_serves_the_file_from_its_blocks(tmp_path, cache_dir, family):
                          "Q8_0 blocks": sum(q8_0_bytes(v) for k, v in state.items() if k not in floats)}
 
 
+@pytest.mark.parametrize("family", ["smollm3", "deepseek_v2"])
+def test_engine_greedy_equals_transformers_on_files_without_a_transformers_reader(tmp_path, cache_dir, family):
+    """Families whose config is built from the file's keys (NoPE layers; latent attention with grouped routing),
+    through `sglang.Engine` on the .gguf path: greedy tokens equal transformers' `generate` on the file's values,
+    served from blocks (DeepSeek's experts the file's own, its latent projections made at load)."""
+    from transformers import AutoTokenizer
+
+    from sglang import Engine
+    from sglang.srt.model_loader.resolve import resolve_model_path
+
+    reference = random_checkpoint(family)
+    gguf_path = tmp_path / f"tiny-{family}.gguf"
+    write_gguf(reference, gguf_path, f"tiny-{family}")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(str(gguf_path)))
+    expected = [hf_generate(reference, tokenizer.encode(p)) for p in PROMPTS]
+    with Engine(model_path=str(gguf_path), dtype="float32", cpu_gemm="float32", gguf_activations="float32",
+                small_batch_quantization="q8_0", large_batch_weights="blocks", gguf_kernel_max_rows=MAX_ROWS,
+                max_total_tokens=2048) as engine:
+        outputs = engine.generate(prompt=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": MAX_NEW,
+                                                                   "ignore_eos": True})
+        by_format = dict(engine.get_server_info()["weights"]["by_format"])
+    assert [o["output_ids"] for o in outputs] == expected
+    assert by_format.get("Q8_0 blocks", 0) > by_format["float32"] / 4
+
+
 # Parameters kept float32: the embeddings (read by row) and the routers; the norms and biases too (one dimension).
 FLOAT_KEPT = ("embed_tokens.weight", "mlp.gate.weight", "shared_expert_gate.weight")
 
