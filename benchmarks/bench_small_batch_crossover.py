@@ -62,7 +62,7 @@ def main() -> None:
             for n, k in layer_shapes(args.shape):
                 w = torch.randn(n, k) * 0.02
                 blocks = quantize_blocks(w, qtype)
-                mats.append((blocks, make_int8(blocks, blocks.dequantize()), torch.empty(n, k, device="meta")))
+                mats.append((blocks, make_int8(blocks, blocks.dequantize), torch.empty(n, k, device="meta")))
             layers.append(mats)
         print(f"{args.shape} {qtype}: ms per decoder layer (4 matmuls), median of {args.reps} passes over "
               f"{args.layers} layers")

@@ -285,7 +285,13 @@ def test_gguf_file_gives_the_checkpoint_model(tmp_path, cache_dir, family, caplo
 
     config = AutoConfig.from_pretrained(model_dir)  # as served
     plan = blocks_plan()
-    ours = load_for_plan(model_dir, torch.float32, torch.device("cpu"), str(gguf_path), MAX_ROWS, plan)
+    with caplog.at_level(logging.INFO, logger="sglang.srt.model_executor.model_runner"):
+        ours = load_for_plan(model_dir, torch.float32, torch.device("cpu"), str(gguf_path), MAX_ROWS, plan)
+    # the weights the file's blocks serve are never loaded as floats
+    read = {"linear layers": family not in FLOAT_SERVED | MADE_AT_LOAD, "experts": family not in FLOAT_SERVED | DENSE}
+    alone = [r.getMessage() for r in caplog.records if "never loaded as floats" in r.getMessage()]
+    assert {what for what, expected in read.items() if expected} == {w for w in read if any(w in m for m in alone)}
+    caplog.clear()
     with caplog.at_level(logging.INFO, logger="sglang.srt.model_loader.gguf_quant"):
         attached = attach_fast_paths(ours, str(gguf_path), config, MAX_ROWS, plan)
     assert (attached > 0) == (family not in FLOAT_SERVED)

@@ -31,7 +31,7 @@ from sglang.srt.model_loader.checkpoint_blocks import release_made_blocks
 from sglang.srt.model_loader.dtype import checkpoint_dtype
 from sglang.srt.model_loader.gemm_methods import attach_large_batch_gemm, blocks_large_method
 from sglang.srt.model_loader.gguf_experts import experts_read_from_file
-from sglang.srt.model_loader.gguf_quant import attach_gguf_quant_weights
+from sglang.srt.model_loader.gguf_quant import attach_gguf_quant_weights, linears_read_from_file
 from sglang.srt.model_loader.loader import load_model
 from sglang.srt.model_loader.moe_blocks import attach_expert_blocks, has_experts, keep_experts_in
 from sglang.srt.model_loader.pooling_config import read_pooling_config
@@ -78,8 +78,22 @@ def load_for_plan(model_dir: str, dtype: torch.dtype, device: torch.device, gguf
                           else keep_linears_in(meta_model, stored, keep_table=not gguf_path))
                 if reason is not None:
                     logger.info("Linear weights load as %s: %s", dtype, reason)
-                # a GGUF file's experts in blocks are read from the file alone, never as floats
-                return experts_read_from_file(meta_model, gguf_path) if experts and gguf_path else None
+                if not gguf_path:
+                    return None
+                # a GGUF file's blocks are read from the file alone: those weights never exist as floats
+                releases = [linears_read_from_file(meta_model, gguf_path),
+                            experts_read_from_file(meta_model, gguf_path) if experts else None]
+
+                def release(allocated: Any) -> None:
+                    for one in releases:
+                        if one is not None:
+                            one(allocated)
+                    read = [name for name, one in zip(("linear layers", "experts"), releases) if one is not None]
+                    if read:
+                        logger.info("GGUF %s read from the file's blocks alone (never loaded as floats)",
+                                    " and ".join(read))
+
+                return release
     return load_model(model_dir, dtype, device, config=config, prepare=prepare)
 
 

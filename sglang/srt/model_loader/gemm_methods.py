@@ -39,19 +39,19 @@ def method_factory(gemm: str) -> Callable[[torch.Tensor], LinearMethod]:
     raise ValueError(f"no large-batch linear method for GEMM {gemm!r}")
 
 
-def blocks_large_method(large_batch_gemm: str, block_gemm: str) -> Callable[[GGUFQuantWeight, torch.Tensor],
-                                                                         LinearMethod]:
+def blocks_large_method(large_batch_gemm: str, block_gemm: str) -> Callable[
+        [GGUFQuantWeight, Callable[[], torch.Tensor]], LinearMethod]:
     """Makes the large-batch method of a layer whose Q8_0 blocks replace its float weight
-    (model_loader/q8_blocks.py), from its blocks and its float weight: the int8 GEMM where the plan measured it
-    fastest (an int8 copy; the outlier columns' weights are read from the blocks), else the `block_gemm` GEMM
-    (float32 or bf16) over the blocks themselves."""
+    (model_loader/q8_blocks.py), from its blocks and the values its float weight holds (a function: only the int8
+    copy reads them): the int8 GEMM where the plan measured it fastest (an int8 copy; the outlier columns' weights
+    are read from the blocks), else the `block_gemm` GEMM (float32 or bf16) over the blocks themselves."""
     if large_batch_gemm == "int8":
         from sglang.srt.layers.int8_linear import method_for_this_cpu
 
         make = method_for_this_cpu()
-        return lambda blocks, weight: make(weight, columns=blocks, out_dtype=torch.float32)
+        return lambda blocks, values: make(values(), columns=blocks, out_dtype=torch.float32)
     dtype = torch.float32 if block_gemm == "float32" else torch.bfloat16
-    return lambda blocks, weight: BlockGEMMLinearMethod(blocks, dtype)
+    return lambda blocks, values: BlockGEMMLinearMethod(blocks, dtype)
 
 
 def _with_large(current: LinearMethod, weight: torch.Tensor,

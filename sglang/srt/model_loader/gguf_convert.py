@@ -29,7 +29,7 @@ from sglang.srt.model_loader.gguf_configs import KEY_BUILT, config_from_keys, co
 logger = logging.getLogger(__name__)
 
 # Part of every cache key: bump it when the layout of a converted directory changes, so stale entries are rebuilt.
-CONVERTER_VERSION = "5"
+CONVERTER_VERSION = "6"
 
 
 def file_fingerprint(path: str | os.PathLike) -> str:
@@ -67,8 +67,23 @@ SOURCE_RECORD = "gguf_source.json"
 
 
 def _write_source_and_hf_dir(gguf_path: str, out_dir: Path) -> None:
-    _write_hf_dir(gguf_path, out_dir)
-    (out_dir / SOURCE_RECORD).write_text(json.dumps({"path": gguf_path, "converter_version": CONVERTER_VERSION}))
+    architecture = _write_hf_dir(gguf_path, out_dir)
+    # transformers' Llama processor put the Q / K rows llama.cpp interleaves for its rotary embedding back in the
+    # checkpoint's order: the file's blocks of those rows are read in that order (model_loader/gguf_quant.py)
+    qk_rows = "interleaved" if _PROCESSOR_OF.get(architecture or "", architecture) == "llama" else "as stored"
+    record = {"path": gguf_path, "converter_version": CONVERTER_VERSION, "architecture": architecture,
+              "qk_rows": qk_rows}
+    (out_dir / SOURCE_RECORD).write_text(json.dumps(record))
+
+
+def conversion_record(gguf_path: str | os.PathLike) -> dict[str, Any]:
+    """What the current conversion of `gguf_path` records of it (path, architecture, the Q / K rows' order in the
+    file); empty where there is none."""
+    try:
+        record = json.loads((converted_dir_for(gguf_path) / SOURCE_RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def _remove_stale_conversions(gguf_path: str, kept: Path) -> None:
@@ -288,7 +303,8 @@ def _read_metadata(reader: Any) -> tuple[str, dict[str, Any], dict[str, tuple[in
     return architecture, keys, {t.name: tuple(int(n) for n in t.shape) for t in reader.tensors}
 
 
-def _write_hf_dir(gguf_path: str, out_dir: Path) -> None:
+def _write_hf_dir(gguf_path: str, out_dir: Path) -> str:
+    """Write the converted checkpoint of `gguf_path` to `out_dir`; returns the file's architecture."""
     import torch
     from gguf import GGUFReader
     from transformers import (
@@ -334,3 +350,4 @@ def _write_hf_dir(gguf_path: str, out_dir: Path) -> None:
         logger.warning("GGUF %s carries no usable tokenizer (%s); the converted dir has none", gguf_path, err)
     else:
         tokenizer.save_pretrained(out_dir)
+    return architecture

@@ -138,7 +138,7 @@ def serve_layer_experts(fused: FusedMoE, blocks: tuple[list[Served], list[Served
     for served, out in zip(blocks, methods):
         for weight, _, _ in served:
             method = GGUFLinearMethod(weight, max_rows, int8_activations=int8_activations)
-            method.large = large(weight, weight.dequantize())
+            method.large = large(weight, weight.dequantize)
             out.append(method)
     experts = ExpertBlocks(methods[0], methods[1], dtype)
     fused.serve_from_blocks(experts, dtype)

@@ -9,6 +9,12 @@ made from them: model_loader/gemm_methods.blocks_large_method): the model holds 
 Otherwise the float weights stay for large batches. In an MoE model the shared experts are linear layers like the
 others, and under that plan each expert of the stacked layers gets its own blocks too (model_loader/gguf_experts.py).
 
+Under that plan the decoder's linear weights need not be loaded at all: where the file holds every one of them as
+blocks and its conversion records the order of the Q / K rows (`linears_read_from_file`), they are released as soon
+as the model has storage, loading skips them, and each layer takes the file's blocks of its shape in the recorded
+order; the load then holds the file's blocks and the small float tensors, never a float copy of the linears (the
+conversion's tests check those blocks against transformers' reading of the file).
+
 Q4_0 tensors become the Q4_1 blocks of the same values. A file's other types (Q4_K, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K,
 Q6_K, mixed within one file as K-quant "M" files mix them) are checked the same way against their own values, then
 converted into Q4_1 / Q8_0 blocks one layer at a time (model_loader/gguf_block_convert.py: the bounds), and the
@@ -22,11 +28,10 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Optional
 
-import numpy as np
 import torch
 from torch import nn
 
-from sglang.srt.layers.linear import Linear
+from sglang.srt.layers.linear import Linear, hold_as
 from sglang.srt.layers.moe.fused_moe import FusedMoE
 from sglang.srt.layers.quantization.gguf_blocks import (
     GGUFQuantWeight,
@@ -35,8 +40,9 @@ from sglang.srt.layers.quantization.gguf_blocks import (
     rotary_rows_gguf_to_hf,
 )
 from sglang.srt.model_loader.gguf_block_convert import convert_blocks, file_values, served_type
+from sglang.srt.model_loader.gguf_convert import conversion_record
 from sglang.srt.model_loader.gguf_experts import attach_file_experts, block_origins
-from sglang.srt.model_loader.gguf_reader import read_gguf_block_tensors
+from sglang.srt.model_loader.gguf_reader import GGML_BLOCK_TYPES, gguf_tensor_table, read_gguf_block_tensors
 from sglang.srt.model_loader.q8_blocks import LargeFromBlocks, blocks_method
 
 logger = logging.getLogger(__name__)
@@ -109,12 +115,18 @@ def _as_parts(found: Optional[RawBlocks | Parts]) -> Optional[Parts]:
 
 def _matching_parts(candidates: Sequence[Callable[[], Optional[RawBlocks | Parts]]],
                     target: torch.Tensor) -> Optional[Parts]:
-    """The first candidate whose stored values equal `target` exactly."""
+    """The first candidate whose stored values equal `target` exactly; for a weight never loaded (a meta tensor:
+    linears_read_from_file), the first of its shape (the candidates come in the order the conversion records)."""
     for make in candidates:
         parts = _as_parts(make())
-        if parts and _dequantizes_to(parts, target):
+        if parts and (_fits(parts, target) if target.is_meta else _dequantizes_to(parts, target)):
             return parts
     return None
+
+
+def _fits(parts: Parts, target: torch.Tensor) -> bool:
+    return target.dim() == 2 and (sum(p[2] for p in parts), parts[0][3]) == tuple(target.shape) and all(
+        p[3] == parts[0][3] for p in parts)
 
 
 def _served(parts: Parts) -> tuple[GGUFQuantWeight, bool]:
@@ -165,22 +177,71 @@ def attach_gguf_quant_weights(model: Any, gguf_path: str, config: Any, max_rows:
         if entry is None:
             return None
         qtype, raw, n, k = entry
-        return qtype, torch.from_numpy(np.array(raw, copy=True)), n, k  # copied out of the memory map
+        return qtype, torch.from_numpy(raw), n, k  # a view of the file's (private) mapping: read as it is served
 
     expert_bytes = 0
     if experts:
         assert large is not None
         expert_bytes = attach_file_experts(model, block, _dequantizes_to, _served, max_rows, expert_large or large,
                                            int8_activations)
-    return expert_bytes + _attach_linears(model, block, config, max_rows, large)
+    interleaved = conversion_record(gguf_path).get("qk_rows", "interleaved") == "interleaved"
+    return expert_bytes + _attach_linears(model, block, config, max_rows, large, interleaved)
+
+
+def _decoder_linears(model: Any) -> Optional[list[nn.Module]]:
+    """The linear layers of every decoder layer that the file's blocks may serve (fused QKV, output, dense MLPs and
+    shared experts' projections); None where a layer has others."""
+    linears: list[nn.Module] = []
+    for layer in getattr(getattr(model, "model", None), "layers", None) or []:
+        attn, mlps = getattr(layer, "self_attn", None), _mlp_linears(getattr(layer, "mlp", None))
+        if mlps is None or not hasattr(attn, "qkv_proj") or not hasattr(attn, "o_proj"):
+            return None
+        linears += [attn.qkv_proj, attn.o_proj, *(m for mlp, _ in mlps for m in (mlp.gate_up_proj, mlp.down_proj))]
+    return linears or None
+
+
+def _file_names(model: Any, layer: int, split_qkv: bool) -> list[str]:
+    """The file tensors that serve the decoder linears of `layer`."""
+    names = [f"blk.{layer}.attn_{n}.weight" for n in (("q", "k", "v") if split_qkv else ("qkv",))]
+    names.append(f"blk.{layer}.attn_output.weight")
+    for _, role in _mlp_linears(model.model.layers[layer].mlp) or []:
+        gate = [f"blk.{layer}.ffn_gate{role}.weight"] if split_qkv or role else []  # Phi-3: gate and up in ffn_up
+        names += [*gate, f"blk.{layer}.ffn_up{role}.weight", f"blk.{layer}.ffn_down{role}.weight"]
+    return names
+
+
+def linears_read_from_file(model: nn.Module, gguf_path: str) -> Optional[Callable[[nn.Module], None]]:
+    """For a model built on the meta device whose decoder linears the file holds as 2-D blocks of a type the kernels
+    serve (as stored or converted), and whose conversion records the file's Q / K row order: a function to run once
+    the model has storage, before the checkpoint is read, that releases those weights (meta tensors: reading the
+    checkpoint skips them), so that they never exist as floats; `attach_gguf_quant_weights` reads them from the
+    file. None where that does not hold (they load as floats and the file's blocks are matched against them)."""
+    linears = _decoder_linears(model)
+    if linears is None or not kernels_available() or "qk_rows" not in conversion_record(gguf_path):
+        return None
+    _, table = gguf_tensor_table(gguf_path)
+    blocks = {name for name, dims, ttype, _ in table if len(dims) == 2 and ttype in GGML_BLOCK_TYPES}
+    for i in range(len(model.model.layers)):  # type: ignore[union-attr, arg-type]
+        split = all(f"blk.{i}.attn_{n}.weight" in blocks for n in ("q", "k", "v"))
+        if not blocks.issuperset(_file_names(model, i, split)):
+            return None
+
+    def release(allocated: nn.Module) -> None:
+        for linear in _decoder_linears(allocated) or []:
+            weight: torch.Tensor = linear.weight  # type: ignore[assignment]
+            hold_as(linear, "weight", weight.dtype, "meta")
+
+    return release
 
 
 def _attach_linears(model: Any, block: Callable[[str], Optional[RawBlocks]], config: Any, max_rows: int,
-                    large: Optional[LargeFromBlocks]) -> int:
+                    large: Optional[LargeFromBlocks], interleaved: bool) -> int:
     """The file's blocks for every linear layer (attention, dense MLPs, shared experts) and the LM head, where every
-    one of them matches; returns their bytes (0: none attached, with the reason logged)."""
+    one of them matches; returns their bytes (0: none attached, with the reason logged). `interleaved`: the file's
+    Q / K rows are in llama.cpp's order for its rotary embedding (the conversion's record), tried first. Weights
+    never loaded (linears_read_from_file) that the file cannot serve are a startup error naming the layer."""
     layers = model.model.layers
-    if any(not hasattr(layer.self_attn, "qkv_proj") or _mlp_linears(layer.mlp) is None for layer in layers):
+    if _decoder_linears(model) is None:
         logger.info("GGUF blocks are attached to layers of fused QKV and gate/up projections; %s has others",
                     type(model).__name__)
         return 0
@@ -200,7 +261,8 @@ def _attach_linears(model: Any, block: Callable[[str], Optional[RawBlocks]], con
                 return _stack([_rows(q, rotary_rows_gguf_to_hf(q[2], num_heads)),
                                _rows(k, rotary_rows_gguf_to_hf(k[2], num_kv_heads)), v])
 
-            qkv_candidates = [qkv_hf_order, partial(_stack, [q, k, v])]
+            as_stored = partial(_stack, [q, k, v])
+            qkv_candidates = [qkv_hf_order, as_stored] if interleaved else [as_stored, qkv_hf_order]
             gate_up_candidates = [partial(_stack, [block(f"blk.{i}.ffn_gate.weight"), block(f"blk.{i}.ffn_up.weight")])]
         matches = [
             (attn.qkv_proj, _matching_parts(qkv_candidates, attn.qkv_proj.weight)),
@@ -215,6 +277,9 @@ def _attach_linears(model: Any, block: Callable[[str], Optional[RawBlocks]], con
                                                   dense.down_proj.weight)),
             ]
         if any(parts is None for _, parts in matches):
+            if any(module.weight.is_meta for module, _ in matches):
+                raise ValueError(f"the GGUF tensors of layer {i} ({', '.join(_file_names(model, i, q is not None))}) "
+                                 "do not fit the model's linear layers")
             logger.info("GGUF blocks of layer %d do not match the loaded weights; using float weights only", i)
             return 0
         plan += [(module, parts) for module, parts in matches if parts is not None]
@@ -247,8 +312,11 @@ def _attach(model: Any, plan: list[tuple[nn.Module, Parts]], max_rows: int, larg
     input embeddings takes blocks only where their values are the embeddings' own."""
     head = getattr(model, "lm_head", None)
     tied = head is not None and head.weight is model.model.embed_tokens.weight
+    served: list[tuple[nn.Module, GGUFQuantWeight, bool, str]] = []
     try:  # every layer's blocks first: a tensor that cannot be converted leaves the model as it is
-        served = [(module, *_served(parts), "+".join(sorted({p[0] for p in parts}))) for module, parts in plan]
+        while plan:  # each layer's parts go as soon as its blocks exist
+            module, parts = plan.pop(0)
+            served.append((module, *_served(parts), "+".join(sorted({p[0] for p in parts}))))
     except ValueError as err:
         logger.info("GGUF blocks could not be converted (%s); using float weights only", err)
         return 0

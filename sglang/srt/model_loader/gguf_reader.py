@@ -36,7 +36,7 @@ def gguf_tensor_table(path: str | os.PathLike) -> tuple[np.ndarray, list[tuple[s
 
     Reads only the header: metadata values are skipped, not decoded (gguf's own reader decodes every one,
     which costs seconds for a tokenizer vocabulary of tens of thousands of strings)."""
-    data = np.memmap(os.fspath(path), dtype=np.uint8, mode="r")
+    data = np.memmap(os.fspath(path), dtype=np.uint8, mode="c")  # private: a view written to never reaches the file
     buf = memoryview(data)  # type: ignore[arg-type]  # np.memmap exposes the buffer protocol
     pos = 0
 

@@ -22,6 +22,8 @@ with (layers/moe/moe_block.py). So do the norms and, where they are not kept as 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from functools import partial
 from typing import Any, Optional
 
 import torch
@@ -135,9 +137,14 @@ def _expert_blocks(fused: FusedMoE, max_rows: int, large: LargeFromBlocks, qtype
             method = GGUFLinearMethod(blocks, max_rows, int8_activations=int8_activations)
             # Q8_0 blocks are within 1/254 of the float weight they round: that weight makes an int8 copy's
             # values; Q4_1 blocks are coarser, and every batch size must compute with the same weights.
-            method.large = large(blocks, weight if qtype == "Q8_0" else blocks.dequantize())
+            values: Callable[[], torch.Tensor] = partial(_same, weight) if qtype == "Q8_0" else blocks.dequantize
+            method.large = large(blocks, values)
             out.append(method)
     return ExpertBlocks(methods["gate_up_proj"], methods["down_proj"], dtype)
+
+
+def _same(weight: torch.Tensor) -> torch.Tensor:
+    return weight
 
 
 def attach_expert_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlocks], qtype: str = "Q8_0",

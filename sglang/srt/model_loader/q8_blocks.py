@@ -174,9 +174,10 @@ def keep_linears_in(model: nn.Module, dtype: torch.dtype, keep_table: bool = Tru
     return None
 
 
-# Makes the method for the large batches of a layer whose float weight is released: from its blocks and, while it is
-# still there, its float weight (model_loader/gemm_methods.blocks_large_method).
-LargeFromBlocks = Callable[[GGUFQuantWeight, torch.Tensor], LinearMethod]
+# Makes the method for the large batches of a layer whose float weight is released: from its blocks and a function
+# giving the values it computes with (its float weight while it is still there, or the blocks' values), called only
+# where a copy is made of them (model_loader/gemm_methods.blocks_large_method).
+LargeFromBlocks = Callable[[GGUFQuantWeight, Callable[[], torch.Tensor]], LinearMethod]
 
 
 def blocks_method(module: nn.Module, weight: GGUFQuantWeight, max_rows: int, large: Optional[LargeFromBlocks],
@@ -189,8 +190,8 @@ def blocks_method(module: nn.Module, weight: GGUFQuantWeight, max_rows: int, lar
     blocks made at load are within 1/254 of the float weight they round: that weight serves)."""
     method = GGUFLinearMethod(weight, max_rows)
     if large is not None:
-        values = module.weight if weight.qtype == "Q8_0" and not from_file else weight.dequantize()
-        method.large = large(weight, values)  # type: ignore[arg-type]
+        own: torch.Tensor = module.weight  # type: ignore[assignment]
+        method.large = large(weight, (lambda: own) if weight.qtype == "Q8_0" and not from_file else weight.dequantize)
         if release_dtype is not None:  # a meta tensor: arithmetic on it fails loudly instead of reading stale values
             hold_as(module, "weight", release_dtype, "meta")
     return method
