@@ -1,5 +1,8 @@
 """Turn a GGUF checkpoint into a cached Hugging Face directory (config, float32 safetensors shards, tokenizer).
 
+Files of 1 GiB or more leave their block tensors in the file: the directory records where each is read from
+(model_loader/gguf_deferred.py) and stores the small float tensors alone, instead of 4 bytes per weight on disk.
+
 The dequantization is slow (tens of seconds for a 135M model), so the result is stored once per GGUF file under
 the cache root and published with an atomic rename: a process that races another one either sees no directory or
 a complete one, never a half-written one.
@@ -25,19 +28,36 @@ from typing import Any, Optional
 
 from sglang.srt.model_loader.disk_cache import build_cached_dir, cache_root
 from sglang.srt.model_loader.gguf_configs import KEY_BUILT, config_from_keys, correct_config
+from sglang.srt.model_loader.gguf_deferred import Deferrals
 
 logger = logging.getLogger(__name__)
 
 # Part of every cache key: bump it when the layout of a converted directory changes, so stale entries are rebuilt.
-CONVERTER_VERSION = "6"
+CONVERTER_VERSION = "7"
 
 
 def file_fingerprint(path: str | os.PathLike) -> str:
-    """Short hash of (absolute path, size, mtime): changes when the file is replaced or edited in place."""
+    """Short hash of (absolute path, size, mtime, whether block tensors stay in the file): changes when the file is
+    replaced or edited in place."""
     real = os.path.realpath(path)
     stat = os.stat(real)
-    key = f"{CONVERTER_VERSION}\0{real}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    key = f"{CONVERTER_VERSION}\0{real}\0{stat.st_size}\0{stat.st_mtime_ns}\0{blocks_stay_in_file(real)}"
     return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+# Files of at least this many bytes keep their block tensors in the file (model_loader/gguf_deferred.py): a float32
+# copy takes about 4 / (the file's bytes per weight) times the file's size on disk (28 GB for a 7B model's 4 GB Q4
+# file). Smaller files are converted whole, so that their converted directory is a plain transformers checkpoint.
+BLOCKS_STAY_FROM_BYTES = 1 << 30
+
+
+def blocks_stay_in_file(gguf_path: str | os.PathLike) -> bool:
+    """Whether the conversion of `gguf_path` leaves its block tensors in the file: files of BLOCKS_STAY_FROM_BYTES
+    or more; `SGLANG_GGUF_BLOCKS_IN_FILE=1` / `0` for every file / none."""
+    forced = os.environ.get("SGLANG_GGUF_BLOCKS_IN_FILE", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    return os.path.getsize(gguf_path) >= BLOCKS_STAY_FROM_BYTES
 
 
 def converted_dir_for(gguf_path: str | os.PathLike) -> Path:
@@ -158,7 +178,8 @@ class ShardWriter:
         (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def _stream_tensors(reader: Any, architecture: str, config: Any, skeleton, writer: ShardWriter) -> None:
+def _stream_tensors(reader: Any, architecture: str, config: Any, skeleton, writer: ShardWriter,
+                    deferrals: Optional[Deferrals] = None) -> None:
     """Dequantize the file's tensors one at a time, rename them as transformers' GGUF loader does (its per-
     architecture tensor processors: Q/K row order, MoE experts gathered; GPT-OSS's experts and DeepSeek's split
     kv_b_proj here: _file_part), and hand each to `writer`."""
@@ -184,7 +205,18 @@ def _stream_tensors(reader: Any, architecture: str, config: Any, skeleton, write
     seen: Counter = Counter()
     gathered: dict = {}  # where the MoE processors gather expert tensors
     parsed = {"config": config.to_dict(), "tensors": gathered}
+    # `deferrals`: block tensors stay in the file (model_loader/gguf_deferred.py), the Llama processor's Q / K rows
+    # put back in the checkpoint's order when read, each checked against the converted tensor here
+    heads = ((config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+             if processor_arch == "llama" else ())
     for tensor in reader.tensors:
+        target = mapping.get(tensor.name.removesuffix(".weight"))
+        experts = (deferrals.expert_parts(tensor.name, target)
+                   if deferrals is not None and processor_arch in _GATHERS_EXPERTS else None)
+        if experts is not None and target is not None:  # the processor's layout: gate rows, then up rows
+            deferrals.defer(target, experts)
+            seen[target] += 1
+            continue
         weights = dequantize(tensor.data, tensor.tensor_type)
         placed = _file_part(architecture, tensor.name, weights, shapes, config, gathered)
         if placed is not None:
@@ -201,13 +233,21 @@ def _stream_tensors(reader: Any, architecture: str, config: Any, skeleton, write
                     # transformers adds a leading axis to Qwen2-MoE's shared-expert gate, which llama.cpp's
                     # converter already writes as [1, hidden]: the parameter's own shape holds the same values
                     value = value.reshape(want)
-                writer.add(name, value)
+                if deferrals is None or not deferrals.defer_matrix(name, tensor.name, weights, value.numpy(),
+                                                                   heads):
+                    writer.add(name, value)
             seen[mapping.get(tensor.name.removesuffix(".weight"), mapping.get(tensor.name))] += 1
         for name in [n for n in gathered if n not in parts or seen[n] >= parts[n]]:
             writer.add(name, gathered.pop(name))
     if gathered:
         raise ValueError(f"GGUF tensors missing a part (experts' gate or up, DeepSeek's k_b or v_b): "
                          f"{sorted(gathered)}")
+    if deferrals is not None:
+        deferrals.write(writer.out_dir)
+
+
+# the tensor processors that gather the file's stacked experts into `gate_up_proj` / `down_proj`
+_GATHERS_EXPERTS = ("qwen2moe", "qwen3moe")
 
 
 # transformers' tensor processor for the architectures it has none for: the Llama path's Q/K rows (Granite and
@@ -329,7 +369,9 @@ def _write_hf_dir(gguf_path: str, out_dir: Path) -> str:
     config.architectures = [type(skeleton).__name__]
     writer = ShardWriter(out_dir, SHARD_BYTES, "float32")  # float32 keeps the dequantized values exact
     try:
-        _stream_tensors(reader, architecture, config, skeleton, writer)
+        deferrals = (Deferrals({t.name: int(t.tensor_type) for t in reader.tensors})
+                     if blocks_stay_in_file(gguf_path) else None)
+        _stream_tensors(reader, architecture, config, skeleton, writer, deferrals)
         writer.finish()
     except ValueError as err:
         raise ValueError(f"{err}: {gguf_path}") from err

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from typing import Any, Optional
 
 import torch
@@ -21,7 +21,7 @@ from sglang.srt.model_loader.quant_config import (
     online_scheme_of,
     resolve_quantization,
 )
-from sglang.srt.model_loader.weights import iterate_weights, weight_files
+from sglang.srt.model_loader.weights import iterate_weights, released_checkpoint_names, weight_files
 from sglang.srt.models.registry import architectures_of, get_model_class
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,9 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device, c
     source = QuantizedSource(weight_files(model_dir), scheme) if scheme is not None else None
     if source is not None and blocks_may_serve(source.scheme, device, dtype):
         source.made = {}
-    model.load_weights(layers_in_config(_checkpoint_weights(model_dir, config, source), config))
+    # parameters released at allocation (their values read from elsewhere) are not read
+    skip = released_checkpoint_names(model)
+    model.load_weights(layers_in_config(_checkpoint_weights(model_dir, config, source, skip), config))
     if source is not None:
         model.quantized_checkpoint = source
     model.requires_grad_(False)
@@ -89,13 +91,13 @@ def load_model(model_dir: str, dtype: torch.dtype, device: str | torch.device, c
     return model
 
 
-def _checkpoint_weights(model_dir: str, config: Any,
-                        source: Optional[QuantizedSource]) -> Iterator[tuple[str, torch.Tensor]]:
+def _checkpoint_weights(model_dir: str, config: Any, source: Optional[QuantizedSource],
+                        skip: Container[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors as the model loads them: a quantized checkpoint's weights dequantized, a float
     checkpoint quantized at load by `--quantization` with its decoder linear weights quantized and read back as that
     format's values (model_loader/online_quant.py); the blocks of `source.made` made on the way."""
     if source is None:
-        return iterate_weights(model_dir)
+        return iterate_weights(model_dir, skip)
     from sglang.srt.model_loader.quantized_weights import iterate_dequantized
 
     # an on-the-fly mode's dtype follows the served config; a quantized checkpoint's, its own files

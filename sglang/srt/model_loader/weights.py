@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from pathlib import Path
 from typing import Optional
 
@@ -36,9 +36,11 @@ def weight_files(model_dir: str) -> list[Path]:
     raise FileNotFoundError(f"No *.safetensors or pytorch_model*.bin weights in {os.path.abspath(model_dir)}")
 
 
-def iterate_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(model_dir: str, skip: Container[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield every tensor of the checkpoint under its stored name, on CPU, in its stored dtype; a quantized
-    checkpoint's linear weights dequantized to its float dtype instead (model_loader/quantized_weights.py)."""
+    checkpoint's linear weights dequantized to its float dtype instead (model_loader/quantized_weights.py); a
+    converted GGUF file's block tensors read from the file (model_loader/gguf_deferred.py). Tensors named in `skip`
+    (of a model that does not read them: `released_checkpoint_names`) are not read where the checkpoint allows."""
     from sglang.srt.model_loader.quant_config import dequantized_dtype, resolve_quantization
 
     scheme = resolve_quantization(model_dir, None)
@@ -49,9 +51,13 @@ def iterate_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
         return
     for path in weight_files(model_dir):
         if path.suffix == ".safetensors":
-            yield from _iterate_safetensors(path)
+            yield from _iterate_safetensors(path, skip)
         else:
             yield from _iterate_pickled(path)
+    from sglang.srt.model_loader.gguf_deferred import DEFERRED_RECORD, iterate_deferred
+
+    if (Path(model_dir) / DEFERRED_RECORD).is_file():
+        yield from iterate_deferred(model_dir, skip)
 
 
 def safetensors_names(path: Path) -> list[str]:
@@ -72,9 +78,10 @@ def read_safetensor(path: Path, name: str) -> torch.Tensor:
         return f.get_tensor(name)
 
 
-def _iterate_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _iterate_safetensors(path: Path, skip: Container[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     for name in safetensors_names(path):
-        yield name, read_safetensor(path, name)
+        if name not in skip:
+            yield name, read_safetensor(path, name)
 
 
 def _iterate_pickled(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -114,6 +121,7 @@ def load_checkpoint_weights(
                 checkpoint_name = f"{parent}.{shard_name}.{leaf}" if parent else f"{shard_name}.{leaf}"
                 shard_targets[checkpoint_name] = (module, shard_name, leaf)
     expected = set(shard_targets) | {name for name in params if name not in fused_param_names}
+    expected -= released_checkpoint_names(model)
     piece_targets = _piece_targets(model)
     slicers = _tp_slicers(model)
 
@@ -155,6 +163,23 @@ def load_checkpoint_weights(
 
 
 PieceLoader = Callable[[torch.Tensor, str], None]
+
+
+def released_checkpoint_names(model: nn.Module) -> set[str]:
+    """The checkpoint names of the parameters released before the checkpoint is read (meta tensors: blocks read
+    from elsewhere serve their values, e.g. model_loader/gguf_quant.linears_read_from_file): loading neither reads
+    nor expects them. Their own names, the shards of fused layers (`q_proj` of `qkv_proj`) and the per-expert pieces
+    of stacked experts."""
+    released = {name for name, param in model.named_parameters() if param.is_meta}
+    for prefix, module in model.named_modules():
+        if isinstance(module, MergedLinear):
+            parent = prefix.rsplit(".", 1)[0] if "." in prefix else ""
+            for leaf, param in module.named_parameters(recurse=False):
+                if param.is_meta:
+                    released.update(f"{parent}.{shard}.{leaf}" if parent else f"{shard}.{leaf}"
+                                    for shard in module.shard_rows)
+    released.update(piece for piece, (param, _) in _piece_targets(model).items() if param in released)
+    return released
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
