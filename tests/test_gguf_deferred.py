@@ -20,20 +20,11 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from sglang.srt.layers.quantization.gguf_blocks import kernels_available  # noqa: E402
-from tests import test_gguf_families  # noqa: E402
+from tests import test_gguf_families as families  # noqa: E402
 from tests.gguf_writer import write_gguf  # noqa: E402
-from tests.test_gguf_families import (  # noqa: E402
-    MAX_ROWS,
-    PROMPTS,
-    blocks_plan,
-    generate_paged,
-    hf_generate,
-    random_checkpoint,
-    without_sliding_window,
-)
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="the compiled GGUF kernels are unavailable")
-cache_dir = test_gguf_families.cache_dir  # the fixture: a conversion cache of the module's own
+cache_dir = families.cache_dir  # the fixture: a conversion cache of the module's own
 FAMILIES = ["mistral", "qwen2_moe", "phi3", "gemma3"]
 
 
@@ -41,7 +32,7 @@ def convert(tmp_path, family: str, monkeypatch, blocks_in_file: bool):
     """(transformers' model on the file's values, the converted directory, the file) for a file of `family`."""
     from sglang.srt.model_loader.resolve import resolve_model_path
 
-    reference = random_checkpoint(family)
+    reference = families.random_checkpoint(family)
     gguf_path = tmp_path / f"tiny-{family}.gguf"
     write_gguf(reference, gguf_path, f"tiny-{family}")
     monkeypatch.setenv("SGLANG_GGUF_BLOCKS_IN_FILE", "1" if blocks_in_file else "0")
@@ -59,7 +50,7 @@ def test_converted_directory_reads_the_same_tensors(tmp_path, cache_dir, monkeyp
     # every Q8_0 matrix of the file stays there: what the directory stores is the float tensors
     stored = {name for path in weight_files(model_dir) for name in _names(path)}
     assert stored.isdisjoint(deferred) and set(deferred) | stored == set(state)
-    assert all(state[name].dim() == 1 or name.endswith(test_gguf_families.FLOAT_KEPT) for name in stored), stored
+    assert all(state[name].dim() == 1 or name.endswith(families.FLOAT_KEPT) for name in stored), stored
     if family == "mistral":  # Q / K rows in llama.cpp's order in the file
         assert deferred["model.layers.0.self_attn.q_proj.weight"]["heads"] == reference.config.num_attention_heads
         assert deferred["model.layers.0.self_attn.k_proj.weight"]["heads"] == reference.config.num_key_value_heads
@@ -89,14 +80,14 @@ def test_models_load_from_the_file_with_and_without_the_blocks_plan(tmp_path, ca
 
     reference, model_dir, gguf_path = convert(tmp_path, family, monkeypatch, True)
     if family == "mistral":  # llama.cpp writes Mistral with no window (tests/test_gguf_families.py)
-        reference = without_sliding_window(reference)
+        reference = families.without_sliding_window(reference)
     config = AutoConfig.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = [tokenizer.encode(p) for p in PROMPTS]
-    expected = [hf_generate(reference, ids) for ids in prompts]
+    prompts = [tokenizer.encode(p) for p in families.PROMPTS]
+    expected = [families.hf_generate(reference, ids) for ids in prompts]
     deferred = set(json.loads((Path(model_dir) / "gguf_deferred.json").read_text()))
     plain = loader.iterate_weights
-    for plan in (blocks_plan(), None):
+    for plan in (families.blocks_plan(), None):
         read: list[str] = []
 
         def spy(model_dir, skip=(), read=read):
@@ -106,13 +97,13 @@ def test_models_load_from_the_file_with_and_without_the_blocks_plan(tmp_path, ca
 
         monkeypatch.setattr(loader, "iterate_weights", spy)
         ours = load_for_plan(model_dir, torch.float32, torch.device("cpu"), str(gguf_path) if plan else None,
-                             MAX_ROWS, plan)
+                             families.MAX_ROWS, plan)
         if plan is not None:
-            attach_fast_paths(ours, str(gguf_path), config, MAX_ROWS, plan)
+            attach_fast_paths(ours, str(gguf_path), config, families.MAX_ROWS, plan)
             # the linear layers and experts come from the file's blocks: only the embeddings (and an own head) are
             # dequantized from it
             assert {n for n in read if n in deferred} <= {"model.embed_tokens.weight", "lm_head.weight"}, read
         else:
             assert deferred <= set(read)
-        tokens, _ = generate_paged(ours, config, prompts)
+        tokens, _ = families.generate_paged(ours, config, prompts)
         assert tokens == expected, plan

@@ -321,25 +321,7 @@ def test_engine_serves_the_file_from_its_blocks(tmp_path, cache_dir, family):
     """Through `sglang.Engine` on the .gguf path (the tokenizer, scheduler and paged cache of a server): greedy
     tokens equal transformers' `generate` on the file's values, and the weights report counts Q8_0 blocks for every
     linear layer, expert and the LM head, float32 for the embeddings, norms, biases and routers alone."""
-    from transformers import AutoTokenizer
-
-    from sglang import Engine
-    from sglang.srt.model_loader.resolve import resolve_model_path
-
-    reference = random_checkpoint(family)
-    gguf_path = tmp_path / f"tiny-{family}.gguf"
-    write_gguf(reference, gguf_path, f"tiny-{family}")
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(str(gguf_path)))
-    expected = [hf_generate(reference, tokenizer.encode(p)) for p in PROMPTS]
-    with Engine(model_path=str(gguf_path), dtype="float32", cpu_gemm="float32", gguf_activations="float32",
-                small_batch_quantization="q8_0", large_batch_weights="blocks", gguf_kernel_max_rows=MAX_ROWS,
-                max_total_tokens=2048) as engine:
-        outputs = engine.generate(prompt=PROMPTS, sampling_params={"temperature": 0, "max_new_tokens": MAX_NEW,
-                                                                   "ignore_eos": True})
-        info = engine.get_server_info()
-    assert [o["output_ids"] for o in outputs] == expected
-    by_format = dict(info["weights"]["by_format"])
+    reference, by_format = engine_greedy_on_the_file(tmp_path, family)
     by_format.pop("int8 GEMM copies", None)
     state = reference.state_dict()
     floats = [k for k, v in state.items() if v.dim() == 1 or k.endswith(FLOAT_KEPT)]
@@ -352,6 +334,14 @@ def test_engine_greedy_equals_transformers_on_files_without_a_transformers_reade
     """Families whose config is built from the file's keys (NoPE layers; latent attention with grouped routing),
     through `sglang.Engine` on the .gguf path: greedy tokens equal transformers' `generate` on the file's values,
     served from blocks (DeepSeek's experts the file's own, its latent projections made at load)."""
+    _, by_format = engine_greedy_on_the_file(tmp_path, family)
+    assert by_format.get("Q8_0 blocks", 0) > by_format["float32"] / 4
+
+
+def engine_greedy_on_the_file(tmp_path, family: str) -> tuple[Any, dict[str, int]]:
+    """A file of `family` served by `sglang.Engine` on the .gguf path under the blocks plan: its greedy tokens must
+    equal transformers' `generate` on the file's values. Returns (transformers' model on those values, the weights
+    report's bytes by format)."""
     from transformers import AutoTokenizer
 
     from sglang import Engine
@@ -369,7 +359,7 @@ def test_engine_greedy_equals_transformers_on_files_without_a_transformers_reade
                                                                    "ignore_eos": True})
         by_format = dict(engine.get_server_info()["weights"]["by_format"])
     assert [o["output_ids"] for o in outputs] == expected
-    assert by_format.get("Q8_0 blocks", 0) > by_format["float32"] / 4
+    return reference, by_format
 
 
 # Parameters kept float32: the embeddings (read by row) and the routers; the norms and biases too (one dimension).
