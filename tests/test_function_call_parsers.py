@@ -20,6 +20,10 @@ TOOLS = [
         "type": "object", "properties": {"query": {"type": "string"}, "filters": {"type": "object"}}}}},
 ]
 W_PARIS = ("get_weather", {"city": "Paris", "unit": "celsius"})
+# DeepSeek-V3's markers
+DS_CALLS, DS_CALLS_END = "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u2581calls\u2581end\uff5c>"
+DS_CALL, DS_CALL_END = "<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool\u2581call\u2581end\uff5c>"
+DS_SEP = "<\uff5ctool\u2581sep\uff5c>"
 S_NESTED = ("search", {"query": "a \"quoted\" } brace </tool_call", "filters": {"year": [2023, 2024], "x": None}})
 
 # (parser, model output, expected content, expected calls as (name, arguments object or raw string))
@@ -73,6 +77,20 @@ CASES = [
     ("pythonic", '[search(query="x", filters={"on": true, "off": null})]', "",
      [("search", {"query": "x", "filters": {"on": True, "off": None}})]),
     ("pythonic", '[get_weather(city="Par', "", []),
+    # DeepSeek-V3 / V2.5
+    ("deepseekv3", f'{DS_CALLS}{DS_CALL}function{DS_SEP}get_weather\n```json\n{{"city": "Paris", "unit": "celsius"}}'
+                   f"\n```{DS_CALL_END}{DS_CALLS_END}", "", [W_PARIS]),
+    ("deepseekv3", f"Checking both.\n{DS_CALLS}{DS_CALL}function{DS_SEP}get_weather\n```json\n"
+                   f'{{"city": "Paris", "unit": "celsius"}}\n```{DS_CALL_END}\n{DS_CALL}function{DS_SEP}search\n'
+                   '```json\n{"query": "a \\"quoted\\" } brace </tool_call", "filters": {"year": [2023, 2024], '
+                   f'"x": null}}}}\n```{DS_CALL_END}{DS_CALLS_END} Done.', "Checking both. Done.",
+     [W_PARIS, S_NESTED]),
+    ("deepseekv3", f'{DS_CALLS}{DS_CALL}function{DS_SEP}get_weather\n```json\n{{"city": Paris}}\n```{DS_CALL_END}'
+                   f"{DS_CALLS_END}", "", [("get_weather", '{"city": Paris}')]),
+    ("deepseekv3", f'{DS_CALLS}{DS_CALL}function{DS_SEP}unknown_tool\n```json\n{{}}\n```{DS_CALL_END}{DS_CALLS_END}',
+     f'{DS_CALLS}{DS_CALL}function{DS_SEP}unknown_tool\n```json\n{{}}\n```{DS_CALL_END}{DS_CALLS_END}', []),
+    ("deepseekv3", f"{DS_CALLS} no call here", f"{DS_CALLS} no call here", []),
+    ("deepseekv3", f'Wait {DS_CALLS}{DS_CALL}function{DS_SEP}get_weather\n```json\n{{"city": "Pa', "Wait", []),
 ]
 
 
@@ -145,7 +163,7 @@ def test_render_calls_reads_back():
 
 def test_structural_tag_per_parser():
     named = {"type": "function", "function": {"name": "search"}}
-    for name in ("qwen25", "llama3", "mistral", "pythonic"):
+    for name in ("qwen25", "llama3", "mistral", "pythonic", "deepseekv3"):
         tag = json.loads(FunctionCallParser(TOOLS, name).structural_tag(named))
         assert tag["type"] == "structural_tag"
         assert "search" in json.dumps(tag) and "get_weather" not in json.dumps(tag)
@@ -186,7 +204,7 @@ def test_reasoning_whole_and_streamed(name, output, reasoning, content, stream_r
             assert sum(1 for p in pieces if p[0]) <= 1
 
 
-@pytest.mark.parametrize("parser_name", ["qwen25", "llama3", "mistral", "pythonic"])
+@pytest.mark.parametrize("parser_name", ["qwen25", "llama3", "mistral", "pythonic", "deepseekv3"])
 def test_constraint_accepts_exactly_the_format_the_parser_reads(parser_name, smollm2_tokenizer):
     from sglang.srt.constrained.xgrammar_backend import XGrammarBackend
 
@@ -212,7 +230,8 @@ def test_constraint_accepts_exactly_the_format_the_parser_reads(parser_name, smo
 
 FRAGMENTS = ["<tool_call>", "</tool_call>", "\n", " ", "{", "}", "[", "]", ",", ";", '"', ":", "\\", "<", "(", ")",
              '"name"', '"arguments"', '"parameters"', '"get_weather"', '"search"', "get_weather", "search", "=",
-             "[TOOL_CALLS]", "<|python_tag|>", "<think>", "</think>", "city", "1", "true", "null", "text", "'"]
+             "[TOOL_CALLS]", "<|python_tag|>", "<think>", "</think>", "city", "1", "true", "null", "text", "'",
+             DS_CALLS, DS_CALLS_END, DS_CALL, DS_CALL_END, DS_SEP, "function", "```json", "```"]
 
 
 @pytest.mark.parametrize("parser_name", sorted(TOOL_CALL_PARSERS))

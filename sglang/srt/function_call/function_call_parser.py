@@ -7,6 +7,7 @@ from typing import Any, Optional, Union
 
 from sglang.srt.function_call.base_format_detector import BaseFormatDetector
 from sglang.srt.function_call.core_types import StreamingParseResult, ToolCallItem, tool_specs
+from sglang.srt.function_call.deepseekv3_detector import DeepSeekV3Detector
 from sglang.srt.function_call.gpt_oss_detector import GptOssDetector
 from sglang.srt.function_call.llama32_detector import Llama32Detector
 from sglang.srt.function_call.mistral_detector import MistralDetector
@@ -21,6 +22,7 @@ TOOL_CALL_PARSERS: dict[str, type[BaseFormatDetector]] = {
     "mistral": MistralDetector,
     "pythonic": PythonicDetector,
     "gpt-oss": GptOssDetector,
+    "deepseekv3": DeepSeekV3Detector,
 }
 
 
