@@ -31,7 +31,7 @@ from tests.quant_packers import (
     gptq_format,
     write_quantized_checkpoint,
 )
-from tests.test_models import FLOAT32_TOL, PagedCache, assert_logits_close, prompt_of, reference_logits
+from tests.test_models import BF16_TOL, FLOAT32_TOL, PagedCache, assert_logits_close, prompt_of, reference_logits
 from tests.test_moe_models import tiny_moe_config
 from tests.test_quantized_blocks import GREEDY, PROMPTS, _hf_greedy, assert_same_greedy
 
@@ -144,3 +144,71 @@ def test_experts_quantized_fused_in_one_tensor_are_refused_naming_it(tmp_path):
     with pytest.raises(QuantizedCheckpointError, match=r"model\.layers\.0\.mlp\.experts\.down_proj\.qweight holds "
                                                        r"the quantized experts of an MoE layer fused in one tensor"):
         load_model(str(quant_dir), torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe-gptq-4bit-g32-sym", "mixtral-awq-4bit-g32",
+                                  "qwen2_moe-ct-int4-group32-asym"])
+def test_experts_served_from_the_checkpoints_own_blocks(tmp_path, name, caplog):
+    """Where blocks serve every batch, every expert (and linear layer) of a GPTQ / AWQ / compressed-tensors MoE
+    checkpoint runs Q4_1 blocks made from its integers, its float weights released: the integers' values exactly for
+    a symmetric checkpoint (the references are their rounding to the checkpoint's fp16), within 1/128 of a
+    quantization step where the zero points make the offsets (model_loader/int_blocks.py); prefill logits then
+    match transformers' with the served experts."""
+    from sglang.srt.layers.moe.fused_moe import FusedMoE
+    from sglang.srt.model_executor.model_runner import attach_fast_paths, load_for_plan
+    from tests.test_gguf_families import MAX_ROWS, blocks_plan
+
+    hf_model, quant_dir, _ = build_quantized_moe(tmp_path, name)
+    (gate, up, down), block = _expert_layout(hf_model)
+    exact = reference_experts(quant_dir)  # the integers' values, in float32
+    plan = blocks_plan()
+    ours = load_for_plan(str(quant_dir), torch.float32, torch.device("cpu"), None, MAX_ROWS, plan)
+    with caplog.at_level(logging.INFO, logger="sglang.srt.model_loader.checkpoint_blocks"):
+        attach_fast_paths(ours, None, ours.config, MAX_ROWS, plan)
+    assert any("from its own Q4_1 blocks" in r.getMessage() and "every matmul and expert" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    for i, layer in enumerate(ours.model.layers):
+        fused = getattr(layer.mlp, "experts", None)
+        if not isinstance(fused, FusedMoE):
+            continue
+        assert fused.expert_blocks is not None and fused.gate_up_proj.is_meta
+        prefix = f"model.layers.{i}.{block}.experts"
+        for e in range(fused.num_experts):
+            pairs = ((fused.expert_blocks.gate_up[e], [f"{prefix}.{e}.{gate}", f"{prefix}.{e}.{up}"]),
+                     (fused.expert_blocks.down[e], [f"{prefix}.{e}.{down}"]))
+            for method, parts in pairs:
+                weight = method.quant_weight
+                assert weight.qtype == "Q4_1" and id(weight.packed) in ours.quantized_checkpoint.served, parts
+                served, expected = weight.dequantize(), torch.cat([exact[f"{p}.weight"] for p in parts])
+                if "-sym" in name:
+                    assert torch.equal(served, expected), parts
+                else:  # m = -scale * zero rounded once to fp16: under 1/128 of a quantization step (d)
+                    d = weight.raw().view(weight.n, -1, 20)[..., 0:2].contiguous().view(torch.float16).float()
+                    assert bool(((served - expected).abs() <= d.squeeze(-1).repeat_interleave(32, 1) / 128).all())
+        with torch.no_grad():  # transformers computes with the served experts
+            for param in ("gate_up_proj", "down_proj"):
+                getattr(hf_model.model.layers[i].mlp.experts, param).copy_(fused.served_values(getattr(fused,
+                                                                                                       param)))
+    with torch.no_grad():  # the LM head, unquantized in the checkpoint, runs Q8_0 blocks made at load
+        hf_model.lm_head.weight.copy_(ours.logits_processor.head_method.quant_weight.dequantize())
+    prompt = prompt_of(11, 4)
+    logits = PagedCache(hf_model.config, torch.float32).forward(ours, [(0, prompt)], all_logits=True)
+    # the other linear layers' exact blocks against transformers' references rounded to the checkpoint's dtype
+    tol = FP16_REFERENCE_TOL if MOE_FORMATS[name][1][2] == torch.float16 else BF16_TOL
+    assert_logits_close(logits, reference_logits(hf_model, prompt), tol, name)
+
+
+# logits of the exact weights against weights rounded to fp16 (11 significant bits)
+FP16_REFERENCE_TOL = 0.02
+
+
+def reference_experts(quant_dir: Path) -> dict[str, torch.Tensor]:
+    """Every expert projection of the checkpoint as model_loader/dequantize.py computes it, in float32 (exact)."""
+    from sglang.srt.model_loader.quant_config import resolve_quantization
+    from sglang.srt.model_loader.quantized_weights import iterate_dequantized
+    from sglang.srt.model_loader.weights import weight_files
+
+    scheme = resolve_quantization(str(quant_dir), None)
+    assert scheme is not None
+    return {name: w for name, w in iterate_dequantized(weight_files(str(quant_dir)), scheme, torch.float32)
+            if ".experts." in name}

@@ -21,12 +21,13 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
 
 from sglang.srt.layers.linear import MergedLinear
+from sglang.srt.layers.moe.fused_moe import FusedMoE
 from sglang.srt.model_loader.int_blocks import MadeBlocks, RawBlocks, blocks_of, checkpoint_block_reason
 from sglang.srt.model_loader.quant_config import Scheme
 
@@ -103,19 +104,35 @@ def _stack(parts: list[RawBlocks]) -> RawBlocks:
 
 
 def checkpoint_blocks(model: nn.Module, source: QuantizedSource, required: Sequence[nn.Module],
-                      optional: Sequence[nn.Module] = ()) -> Union[dict[int, RawBlocks], str]:
+                      optional: Sequence[nn.Module] = (), experts: Sequence[FusedMoE] = ()
+                      ) -> Union[dict[Any, RawBlocks], str]:
     """id(module) -> the raw blocks of its weight made from the checkpoint's integers, for every module of `required`
-    and those of `optional` (an LM head) the checkpoint quantizes; or why the checkpoint has none."""
+    and those of `optional` (an LM head) the checkpoint quantizes; or why the checkpoint has none. With `experts`
+    (stacked experts, layers/moe/fused_moe.FusedMoE, whose checkpoint quantizes each expert under its own names),
+    those of every expert too: `expert_blocks` reads them from the result."""
     reason = checkpoint_block_reason(source.scheme)
     if reason is not None:
         source.made = None
         return reason
     names = {id(m): n for n, m in model.named_modules()}
     parts = {id(m): _checkpoint_parts(names.get(id(m), ""), m) for m in [*required, *optional]}
-    read = _read_blocks(source, {part for module_parts in parts.values() for part in module_parts})
+    per_expert = {id(f): f.checkpoint_expert_modules(names.get(id(f), "")) for f in experts}
+    wanted = {part for module_parts in parts.values() for part in module_parts}
+    wanted.update(name for modules in per_expert.values() for expert in modules for name in expert)
+    read = _read_blocks(source, wanted)
     if isinstance(read, str):
         return read
-    out: dict[int, RawBlocks] = {}
+    out: dict[Any, RawBlocks] = {}
+    for fused in experts:
+        for e, (gate, up, down) in enumerate(per_expert[id(fused)]):
+            missing = [p for p in (gate, up, down) if p not in read]
+            if missing:
+                return f"{missing[0]} is not quantized in the checkpoint"
+            try:
+                out[_expert_key(fused, e, "gate_up_proj")] = _stack([read.pop(gate), read.pop(up)])
+            except ValueError as err:
+                return f"{gate}: {err}"
+            out[_expert_key(fused, e, "down_proj")] = read.pop(down)
     for module in [*required, *optional]:
         module_parts = parts[id(module)]
         missing = [p for p in module_parts if p not in read]
@@ -132,6 +149,25 @@ def checkpoint_blocks(model: nn.Module, source: QuantizedSource, required: Seque
             return (f"{names.get(id(module))} is [{weight.shape[0]}, {weight.shape[1]}] here but [{stacked[2]}, "
                     f"{stacked[3]}] in the checkpoint (a tensor-parallel shard)")
         out[id(module)] = stacked
+    return out
+
+
+def _expert_key(fused: FusedMoE, expert: int, param: str) -> tuple[int, int, str]:
+    # a key of its own per expert projection, beside the ids of the linear layers
+    return id(fused), expert, param
+
+
+def expert_blocks(found: dict[Any, RawBlocks], fused: FusedMoE) -> list[tuple[RawBlocks, RawBlocks]]:
+    """Per expert of `fused`, the raw blocks of its gate/up (gate rows, then up rows) and down projections taken out
+    of a `checkpoint_blocks` result made with it among `experts`; the shapes checked against the layer's."""
+    out = []
+    for e in range(fused.num_experts):
+        gate_up, down = found.pop(_expert_key(fused, e, "gate_up_proj")), found.pop(_expert_key(fused, e, "down_proj"))
+        for raw, param in ((gate_up, fused.gate_up_proj), (down, fused.down_proj)):
+            if (raw[2], raw[3]) != tuple(param.shape[1:]):
+                raise ValueError(f"expert {e}: blocks of [{raw[2]}, {raw[3]}] for a projection of "
+                                 f"{list(param.shape[1:])}")
+        out.append((gate_up, down))
     return out
 
 

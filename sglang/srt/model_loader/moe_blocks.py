@@ -14,6 +14,9 @@ blocks`, model_executor/model_runner.blocks_only):
   blocks. The load thus peaks at the checkpoint's own bytes plus one expert's float32 copy (what the quantizer
   reads), and the served model holds ~1.06 bytes per weight.
 
+A GPTQ / AWQ / compressed-tensors checkpoint's experts and linear layers get the blocks made from its integers as it
+was read instead (model_loader/checkpoint_blocks.py), for every layer or none (its float weights then stay).
+
 The routers (`gate`, Qwen2-MoE's `shared_expert_gate`, DeepSeek's router) stay float32: they are a few rows per
 layer, and routing decisions are computed in the model dtype to pick the experts the checkpoint's authors trained
 with (layers/moe/moe_block.py). So do the norms and, where they are not kept as stored, the embeddings.
@@ -32,8 +35,10 @@ from torch import nn
 from sglang.srt.layers.linear import Linear, hold_as
 from sglang.srt.layers.moe.expert_blocks import ExpertBlocks
 from sglang.srt.layers.moe.fused_moe import FusedMoE
-from sglang.srt.layers.quantization.gguf_blocks import QK
+from sglang.srt.layers.quantization.gguf_blocks import QK, GGUFQuantWeight
 from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
+from sglang.srt.model_loader.checkpoint_blocks import checkpoint_blocks, expert_blocks, log_outcome
+from sglang.srt.model_loader.int_blocks import RawBlocks
 from sglang.srt.model_loader.q8_blocks import (
     LargeFromBlocks,
     blocks_method,
@@ -62,15 +67,16 @@ def _parts(model: Any) -> tuple[list[Linear], list[FusedMoE]]:
             [m for m in backbone.modules() if isinstance(m, FusedMoE)])
 
 
-def _shape_reason(model: Any) -> Optional[str]:
-    """Why the decoder of `model` cannot be held as blocks, or None."""
+def _shape_reason(model: Any, quantized_ok: bool = False) -> Optional[str]:
+    """Why the decoder of `model` cannot be held as blocks, or None (`quantized_ok`: blocks may come from a quantized
+    checkpoint's integers)."""
     missing = kernels_missing()
     if missing is not None:
         return missing
     linears, experts = _parts(model)
     if not experts:
         return f"{type(model).__name__} has no stacked experts"
-    if describe_checkpoint_quantization(getattr(model, "config", None)) is not None:
+    if not quantized_ok and describe_checkpoint_quantization(getattr(model, "config", None)) is not None:
         return "the checkpoint is quantized: its experts are read as their dequantized values"
     narrow = [m for m in linears if m.weight.shape[1] % QK]
     if narrow:
@@ -102,13 +108,14 @@ def keep_experts_in(model: nn.Module, dtype: torch.dtype, from_gguf: bool = Fals
     return None
 
 
-def why_no_expert_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlocks]) -> Optional[str]:
+def why_no_expert_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlocks],
+                         quantized_ok: bool = False) -> Optional[str]:
     """Why `attach_expert_blocks` leaves `model` as it is, or None."""
     if max_rows <= 0:
         return "--gguf-kernel-max-rows is 0"
     if large is None:
         return "experts get blocks only where blocks serve every batch (--large-batch-weights blocks)"
-    reason = _shape_reason(model)
+    reason = _shape_reason(model, quantized_ok)
     if reason is not None:
         return reason
     # the kept weights may be in the checkpoint's dtype (keep_experts_in); those a GGUF file's blocks serve, released
@@ -127,23 +134,32 @@ def why_no_expert_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlo
 
 
 def _expert_blocks(fused: FusedMoE, max_rows: int, large: LargeFromBlocks, qtype: str, int8_activations: bool,
-                   dtype: torch.dtype) -> ExpertBlocks:
-    """The blocks of every expert of `fused`, which compute in the model's `dtype`."""
+                   dtype: torch.dtype, made: Optional[list[tuple[RawBlocks, RawBlocks]]] = None) -> ExpertBlocks:
+    """The blocks of every expert of `fused`, which compute in the model's `dtype`: quantized from its float values,
+    or `made` from a quantized checkpoint's integers (checkpoint_blocks.expert_blocks: per expert gate/up, down)."""
     methods: dict[str, list[GGUFLinearMethod]] = {"gate_up_proj": [], "down_proj": []}
     for expert in range(fused.num_experts):
-        for name, out in methods.items():
+        for index, (name, out) in enumerate(methods.items()):
             weight = getattr(fused, name)[expert]
-            blocks = quantize_blocks(weight, qtype)
+            blocks = quantize_blocks(weight, qtype) if made is None else GGUFQuantWeight(*made[expert][index])
             method = GGUFLinearMethod(blocks, max_rows, int8_activations=int8_activations)
             # Q8_0 blocks are within 1/254 of the float weight they round: that weight makes an int8 copy's
             # values; Q4_1 blocks are coarser, and every batch size must compute with the same weights.
-            values: Callable[[], torch.Tensor] = partial(_same, weight) if qtype == "Q8_0" else blocks.dequantize
+            values: Callable[[], torch.Tensor] = (partial(_same, weight) if qtype == "Q8_0" and made is None
+                                                  else blocks.dequantize)
             method.large = large(blocks, values)
             out.append(method)
     return ExpertBlocks(methods["gate_up_proj"], methods["down_proj"], dtype)
 
 
 def _same(weight: torch.Tensor) -> torch.Tensor:
+    return weight
+
+
+def _served_from(source: Any, raw: RawBlocks) -> GGUFQuantWeight:
+    """Blocks made from a quantized checkpoint's integers, counted as served from it (the weights report)."""
+    weight = GGUFQuantWeight(*raw)
+    source.served[id(weight.packed)] = weight.qtype
     return weight
 
 
@@ -166,28 +182,44 @@ def attach_expert_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlo
         head = None
     if not linears and not experts and head is None:
         return 0
-    reason = why_no_expert_blocks(model, max_rows, large)
+    source = getattr(model, "quantized_checkpoint", None)
+    reason = why_no_expert_blocks(model, max_rows, large, quantized_ok=source is not None)
     if reason is not None:
         logger.info("No %s blocks for the experts and linear layers: %s", qtype, reason)
         return 0
     assert large is not None
+    found: dict[Any, RawBlocks] = {}
+    if source is not None:  # a quantized checkpoint: blocks of its own integers for every layer, or none
+        made = checkpoint_blocks(model, source, linears, [head] if head is not None else [], experts)
+        if isinstance(made, str):
+            log_outcome(source, made, 0, "")
+            return 0
+        found = made
     dtype = model.model.norm.weight.dtype  # the model's (the embedding table may be kept bf16)
     attached = 0
-    for module in linears:
-        method = blocks_method(module, quantize_blocks(module.weight, qtype), max_rows, large, dtype)
-        module.set_linear_method(method)
-        attached += method.quant_weight.nbytes
-    if head is not None:
-        own_weight = untied_head(model) is not None  # else it is the input embeddings, which stay
-        method = blocks_method(head, quantize_blocks(head.weight, "Q8_0"), max_rows, large,
-                               dtype if own_weight else None)
-        model.logits_processor.set_head_method(method)
+    for module, fallback in [(m, qtype) for m in linears] + ([(head, "Q8_0")] if head is not None else []):
+        raw = found.pop(id(module), None)
+        weight = quantize_blocks(module.weight, fallback) if raw is None else _served_from(source, raw)
+        own_weight = module is not head or untied_head(model) is not None  # else the input embeddings, which stay
+        method = blocks_method(module, weight, max_rows, large, dtype if own_weight else None,
+                               from_file=raw is not None)
+        if module is head:
+            model.logits_processor.set_head_method(method)
+        else:
+            module.set_linear_method(method)
         attached += method.quant_weight.nbytes
     expert_bytes = 0
     for fused in experts:  # one layer at a time: its float experts go as soon as their blocks exist
-        blocks = _expert_blocks(fused, max_rows, expert_large or large, qtype, activations == "int8", dtype)
+        own = expert_blocks(found, fused) if source is not None else None
+        blocks = _expert_blocks(fused, max_rows, expert_large or large, qtype, activations == "int8", dtype, own)
+        if source is not None:
+            source.served.update((id(m.quant_weight.packed), m.quant_weight.qtype)
+                                 for m in blocks.gate_up + blocks.down)
         fused.serve_from_blocks(blocks, dtype)
         expert_bytes += blocks.nbytes
+    if source is not None:
+        log_outcome(source, found, attached + expert_bytes, "every matmul and expert (no float weights kept)")
+        return attached + expert_bytes
     which = "the matmuls the file's blocks do not serve" if from_file else "every matmul"
     logger.info("Attached %.1f MB of %s blocks (quantized at load) for %s (no float weights kept), %.1f MB of them "
                 "for the experts of %d layers; routers stay float32", (attached + expert_bytes) / 2**20, qtype, which,

@@ -177,8 +177,8 @@ def check_quantized_checkpoint(model_dir: str, scheme: Scheme) -> int:
 def iterate_dequantized(files: list[Path], scheme: Scheme, dtype: torch.dtype,
                         made: Optional[MadeBlocks] = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the checkpoint `files`, its quantized weights dequantized to `dtype` (see the module doc);
-    with `made`, the raw blocks of each quantized weight (MoE experts aside: their layers have no block kernel) are
-    made from its integers as it is read and added to it."""
+    with `made`, the raw blocks of each quantized weight (MoE experts' too: model_loader/moe_blocks.py serves them)
+    are made from its integers as it is read and added to it."""
     store = TensorStore(files)
     plan = plan_quantized_modules(store.names, scheme)
     companions = set(_companions(scheme))
@@ -188,7 +188,7 @@ def iterate_dequantized(files: list[Path], scheme: Scheme, dtype: torch.dtype,
         primary = plan.get(module)
         if primary == leaf:
             stored = read_weight(scheme, module, primary, store.get)
-            if made is not None and not _EXPERT_MODULE.search(module):
+            if made is not None:
                 made[module] = blocks_of(stored, module)
             weight = stored.dequantize()
             del stored

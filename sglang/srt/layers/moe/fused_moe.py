@@ -198,18 +198,23 @@ class FusedMoE(nn.Module):
 
         return {"gate_up_proj": gate_up, "down_proj": down}
 
-    def checkpoint_pieces(self, prefix: str) -> dict[str, tuple[str, PieceLoader]]:
-        """Per-expert checkpoint name (`{prefix}.{e}.gate_proj.weight`, ...) -> (stacked parameter, loader)."""
-        gate, up, down = self.expert_names
-        size = self.intermediate_size
+    def checkpoint_expert_modules(self, prefix: str) -> list[tuple[str, str, str]]:
+        """Per expert, the names of its gate, up and down projections in a per-expert checkpoint
+        (`{prefix}.{e}.gate_proj`, ...; Mixtral's `block_sparse_moe.experts.{e}.w1`, ...)."""
         hub_prefix = prefix
         if self.checkpoint_block is not None:  # model.layers.N.mlp.experts -> model.layers.N.<block>.experts
             hub_prefix = f"{prefix.rsplit('.', 2)[0]}.{self.checkpoint_block}.experts"
+        gate, up, down = self.expert_names
+        return [(f"{hub_prefix}.{e}.{gate}", f"{hub_prefix}.{e}.{up}", f"{hub_prefix}.{e}.{down}")
+                for e in range(self.num_experts)]
+
+    def checkpoint_pieces(self, prefix: str) -> dict[str, tuple[str, PieceLoader]]:
+        """Per-expert checkpoint name (`{prefix}.{e}.gate_proj.weight`, ...) -> (stacked parameter, loader)."""
+        size = self.intermediate_size
         pieces: dict[str, tuple[str, PieceLoader]] = {}
-        for e in range(self.num_experts):
-            for name, param, row in ((gate, "gate_up_proj", 0), (up, "gate_up_proj", size), (down, "down_proj", None)):
-                pieces[f"{hub_prefix}.{e}.{name}.weight"] = (f"{prefix}.{param}",
-                                                             partial(self._load_piece, param, e, row))
+        for e, modules in enumerate(self.checkpoint_expert_modules(prefix)):
+            for name, param, row in zip(modules, ("gate_up_proj", "gate_up_proj", "down_proj"), (0, size, None)):
+                pieces[f"{name}.weight"] = (f"{prefix}.{param}", partial(self._load_piece, param, e, row))
         return pieces
 
     def _load_piece(self, param: str, expert: int, row: Optional[int], tensor: torch.Tensor, name: str) -> None:
