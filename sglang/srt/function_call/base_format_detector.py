@@ -64,7 +64,45 @@ class BaseFormatDetector(ABC):
         return None
 
 
-class JsonToolDetector(BaseFormatDetector):
+class CharDetector(BaseFormatDetector):
+    """A detector that reads the output one character at a time (`_step`), holding whitespace between content and
+    calls (`spaces`: dropped before a call, kept at the end of an output that made none) and collecting what it
+    settles in `out`."""
+
+    def __init__(self, tools: list[ToolSpec]) -> None:
+        super().__init__(tools)
+        self.spaces = ""  # whitespace held until we know whether content follows it
+        self.saved_spaces = ""  # whitespace before a marker, given back if the marker opens no call
+        self.out = StreamingParseResult()
+
+    @abstractmethod
+    def _step(self, c: str) -> None:
+        """Read one character of the output."""
+
+    def parse_streaming_increment(self, new_text: str) -> StreamingParseResult:
+        for c in new_text:
+            self._step(c)
+        return self._settled()
+
+    def _settled(self) -> StreamingParseResult:
+        out, self.out = self.out, StreamingParseResult()
+        return out
+
+    def _end_spaces(self) -> None:
+        """The output ended: held whitespace is content where no call was made."""
+        if self.call_index == 0:
+            self.out.normal_text += self.spaces
+        self.spaces = ""
+
+    def _content(self, c: str) -> None:
+        if c.isspace():
+            self.spaces += c
+            return
+        self.out.normal_text += self.spaces + c
+        self.spaces = ""
+
+
+class JsonToolDetector(CharDetector):
     """Formats whose calls are JSON objects `{"name", "arguments"}`, introduced by a marker.
 
     Subclasses set `markers` (text that opens a call), `body_markers` (markers that are themselves the first
@@ -83,23 +121,14 @@ class JsonToolDetector(BaseFormatDetector):
         super().__init__(tools)
         self.state = "text"  # text | open | body | after
         self.pending = ""  # text that may be the start of a marker
-        self.spaces = ""  # whitespace held until we know whether content follows it
         self.at_boundary = True  # at the start of the output or right after a call
         self.marker = ""
         self.open_buf = ""
         self.in_list = False
         self.after_buf = ""
-        self.saved_spaces = ""  # whitespace before a marker, given back if the marker opens no call
         self.reader: Optional[JsonCallReader] = None
-        self.out = StreamingParseResult()
 
     # ---- the interface ----
-    def parse_streaming_increment(self, new_text: str) -> StreamingParseResult:
-        for c in new_text:
-            self._step(c)
-        out, self.out = self.out, StreamingParseResult()
-        return out
-
     def finish(self) -> StreamingParseResult:
         while self.state == "body" and self.reader is not None:
             reader = self.reader
@@ -111,12 +140,9 @@ class JsonToolDetector(BaseFormatDetector):
             pending, self.pending = self.pending, ""
             for c in pending:
                 self._content(c)
-        if self.call_index == 0:
-            self.out.normal_text += self.spaces
-        self.spaces = ""
+        self._end_spaces()
         self.state = "done"
-        out, self.out = self.out, StreamingParseResult()
-        return out
+        return self._settled()
 
     def has_tool_call(self, text: str) -> bool:
         stripped = text.lstrip()
@@ -174,12 +200,9 @@ class JsonToolDetector(BaseFormatDetector):
             self.pending = self.pending[1:]
 
     def _content(self, c: str) -> None:
-        if c.isspace():
-            self.spaces += c
-            return
-        self.out.normal_text += self.spaces + c
-        self.spaces = ""
-        self.at_boundary = False
+        super()._content(c)
+        if not c.isspace():
+            self.at_boundary = False
 
     def _start_call(self, marker: str) -> None:
         self.saved_spaces, self.spaces = self.spaces, ""

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import regex
 
 from sglang.srt.constrained.base_grammar_backend import close_declared_objects
-from sglang.srt.function_call.base_format_detector import CALL_MAX_WHITESPACE, Arguments, BaseFormatDetector
+from sglang.srt.function_call.base_format_detector import CALL_MAX_WHITESPACE, Arguments, CharDetector
 from sglang.srt.function_call.core_types import StreamingParseResult, ToolCallItem, ToolSpec
 
 CALLS_BEGIN = "<\uff5ctool\u2581calls\u2581begin\uff5c>"
@@ -34,16 +34,13 @@ _END_RE = regex.compile(rf"\s*{regex.escape(CALLS_END)}")
 _NEXT_RE = regex.compile(rf"(?:{_CALL}|\s*{regex.escape(CALLS_END)})", regex.DOTALL)
 
 
-class DeepSeekV3Detector(BaseFormatDetector):
+class DeepSeekV3Detector(CharDetector):
     def __init__(self, tools: list[ToolSpec]) -> None:
         super().__init__(tools)
         self.pending = ""  # text that may be the start of the opening marker
         self.in_calls = False
         self.buf = ""  # what followed the opening marker and is not yet a whole call
         self.emitted = 0  # calls emitted since the opening marker
-        self.spaces = ""
-        self.saved_spaces = ""
-        self.out = StreamingParseResult()
 
     def render_calls(self, calls: list[tuple[str, Arguments]]) -> str:
         def call(name: str, args: Arguments) -> str:
@@ -63,12 +60,6 @@ class DeepSeekV3Detector(BaseFormatDetector):
     def has_tool_call(self, text: str) -> bool:
         return CALLS_BEGIN in text
 
-    def parse_streaming_increment(self, new_text: str) -> StreamingParseResult:
-        for c in new_text:
-            self._step(c)
-        out, self.out = self.out, StreamingParseResult()
-        return out
-
     def finish(self) -> StreamingParseResult:
         if self.in_calls:
             if _NEXT_RE.fullmatch(self.buf, partial=True) is None:
@@ -77,11 +68,8 @@ class DeepSeekV3Detector(BaseFormatDetector):
         pending, self.pending = self.pending, ""
         for c in pending:
             self._content(c)
-        if self.call_index == 0:
-            self.out.normal_text += self.spaces
-        self.spaces = ""
-        out, self.out = self.out, StreamingParseResult()
-        return out
+        self._end_spaces()
+        return self._settled()
 
     def _step(self, c: str) -> None:
         if not self.in_calls:
@@ -123,9 +111,3 @@ class DeepSeekV3Detector(BaseFormatDetector):
         for c in buf:
             self._step(c)
 
-    def _content(self, c: str) -> None:
-        if c.isspace():
-            self.spaces += c
-            return
-        self.out.normal_text += self.spaces + c
-        self.spaces = ""

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import regex
 
 from sglang.srt.constrained.base_grammar_backend import close_declared_objects
-from sglang.srt.function_call.base_format_detector import CALL_MAX_WHITESPACE, Arguments, BaseFormatDetector
+from sglang.srt.function_call.base_format_detector import CALL_MAX_WHITESPACE, Arguments, CharDetector
 from sglang.srt.function_call.core_types import StreamingParseResult, ToolCallItem, ToolSpec
 
 _HEAD = regex.compile(r"\[\s*[A-Za-z_][\w.]*\s*\(")
@@ -92,7 +92,7 @@ def arguments_format(properties: list[tuple[str, dict]], required: set[str], i: 
     return {"type": "or", "elements": [item, skip]} if skip else {"type": "optional", "content": item}
 
 
-class PythonicDetector(BaseFormatDetector):
+class PythonicDetector(CharDetector):
     def __init__(self, tools: list[ToolSpec]) -> None:
         super().__init__(tools)
         self.in_list = False
@@ -101,9 +101,6 @@ class PythonicDetector(BaseFormatDetector):
         self.quote = ""
         self.escaped = False
         self.line_start = True
-        self.spaces = ""
-        self.saved_spaces = ""
-        self.out = StreamingParseResult()
 
     def render_calls(self, calls: list[tuple[str, Arguments]]) -> str:
         def call(name: str, args: Arguments) -> str:
@@ -122,20 +119,11 @@ class PythonicDetector(BaseFormatDetector):
     def has_tool_call(self, text: str) -> bool:
         return any(_HEAD.match(line.strip()) for line in text.splitlines())
 
-    def parse_streaming_increment(self, new_text: str) -> StreamingParseResult:
-        for c in new_text:
-            self._step(c)
-        out, self.out = self.out, StreamingParseResult()
-        return out
-
     def finish(self) -> StreamingParseResult:
         if self.in_list and _HEAD.match(self.buf, partial=True) is None:
             self._reject()  # not a call list: it is content; a call list cut short is dropped
-        if self.call_index == 0:
-            self.out.normal_text += self.spaces
-        self.spaces = ""
-        out, self.out = self.out, StreamingParseResult()
-        return out
+        self._end_spaces()
+        return self._settled()
 
     def _step(self, c: str) -> None:
         if not self.in_list:
@@ -185,8 +173,4 @@ class PythonicDetector(BaseFormatDetector):
 
     def _content(self, c: str) -> None:
         self.line_start = c == "\n" or (self.line_start and c.isspace())
-        if c.isspace():
-            self.spaces += c
-            return
-        self.out.normal_text += self.spaces + c
-        self.spaces = ""
+        super()._content(c)
