@@ -162,11 +162,12 @@ def test_experts_served_from_the_checkpoints_own_blocks(tmp_path, name, caplog):
     (gate, up, down), block = _expert_layout(hf_model)
     exact = reference_experts(quant_dir)  # the integers' values, in float32
     plan = blocks_plan()
-    ours = load_for_plan(str(quant_dir), torch.float32, torch.device("cpu"), None, MAX_ROWS, plan)
-    with caplog.at_level(logging.INFO, logger="sglang.srt.model_loader.checkpoint_blocks"):
+    with caplog.at_level(logging.INFO, logger="sglang.srt.model_loader"):
+        ours = load_for_plan(str(quant_dir), torch.float32, torch.device("cpu"), None, MAX_ROWS, plan)
         attach_fast_paths(ours, None, ours.config, MAX_ROWS, plan)
-    assert any("from its own Q4_1 blocks" in r.getMessage() and "every matmul and expert" in r.getMessage()
-               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("experts of" in m and "not loaded as floats" in m for m in messages), messages
+    assert any("from its own Q4_1 blocks" in m and "every matmul and expert" in m for m in messages), messages
     for i, layer in enumerate(ours.model.layers):
         fused = getattr(layer.mlp, "experts", None)
         if not isinstance(fused, FusedMoE):
@@ -212,3 +213,38 @@ def reference_experts(quant_dir: Path) -> dict[str, torch.Tensor]:
     assert scheme is not None
     return {name: w for name, w in iterate_dequantized(weight_files(str(quant_dir)), scheme, torch.float32)
             if ".experts." in name}
+
+
+def test_experts_without_blocks_are_read_again_dequantized(tmp_path, monkeypatch, caplog):
+    """Experts released before loading whose integers make no blocks after all (here every expert's scales refused)
+    are read again dequantized: the model is the one loaded without blocks."""
+    from sglang.srt.model_executor.model_runner import attach_fast_paths, load_for_plan
+    from sglang.srt.model_loader import quantized_weights
+    from tests.test_gguf_families import MAX_ROWS, blocks_plan
+
+    name = "qwen2_moe-gptq-4bit-g32-sym"
+    hf_model, quant_dir, references = build_quantized_moe(tmp_path, name)
+    plain = quantized_weights.blocks_of
+    monkeypatch.setattr(quantized_weights, "blocks_of", lambda stored, module: (
+        f"{module}: refused here" if ".experts." in module else plain(stored, module)))
+    plan = blocks_plan()
+    with caplog.at_level(logging.INFO, logger="sglang.srt.model_loader"):
+        ours = load_for_plan(str(quant_dir), torch.float32, torch.device("cpu"), None, MAX_ROWS, plan)
+        attach_fast_paths(ours, None, ours.config, MAX_ROWS, plan)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("keeps the dequantize path" in m and "refused here" in m for m in messages), messages
+    assert any("were read again, dequantized" in m for m in messages), messages
+    (gate, up, down), block = _expert_layout(hf_model)
+    for i, layer in enumerate(ours.model.layers):
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is None:
+            continue
+        assert experts.expert_blocks is None and not experts.gate_up_proj.is_meta
+        size, prefix = experts.intermediate_size, f"model.layers.{i}.{block}.experts"
+        for e in range(experts.num_experts):
+            assert torch.equal(experts.gate_up_proj[e, :size], references[f"{prefix}.{e}.{gate}.weight"].float())
+            assert torch.equal(experts.gate_up_proj[e, size:], references[f"{prefix}.{e}.{up}.weight"].float())
+            assert torch.equal(experts.down_proj[e], references[f"{prefix}.{e}.{down}.weight"].float())
+    prompt = prompt_of(11, 4)
+    logits = PagedCache(hf_model.config, torch.float32).forward(ours, [(0, prompt)], all_logits=True)
+    assert_logits_close(logits, reference_logits(hf_model, prompt), FLOAT32_TOL, name)

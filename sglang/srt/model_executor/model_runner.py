@@ -32,10 +32,17 @@ from sglang.srt.model_loader.dtype import checkpoint_dtype
 from sglang.srt.model_loader.gemm_methods import attach_large_batch_gemm, blocks_large_method
 from sglang.srt.model_loader.gguf_experts import experts_read_from_file
 from sglang.srt.model_loader.gguf_quant import attach_gguf_quant_weights, linears_read_from_file
+from sglang.srt.model_loader.int_blocks import checkpoint_block_reason
 from sglang.srt.model_loader.loader import load_model
-from sglang.srt.model_loader.moe_blocks import attach_expert_blocks, has_experts, keep_experts_in
+from sglang.srt.model_loader.moe_blocks import (
+    attach_expert_blocks,
+    experts_released_for_checkpoint_blocks,
+    has_experts,
+    keep_experts_in,
+)
 from sglang.srt.model_loader.pooling_config import read_pooling_config
 from sglang.srt.model_loader.q8_blocks import attach_q8_0_blocks, keep_linears_in
+from sglang.srt.model_loader.quant_config import resolve_quantization
 from sglang.srt.model_loader.weight_report import describe_weights, weight_bytes_by_format
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
@@ -71,6 +78,8 @@ def load_for_plan(model_dir: str, dtype: torch.dtype, device: torch.device, gguf
         # A GGUF file's converted weights are float32 (its values exactly); its blocks are checked against their bf16
         # rounding, which halves what the load holds before the linear weights are released.
         stored = torch.bfloat16 if gguf_path else checkpoint_dtype(config if config is not None else model_dir)
+        scheme = None if gguf_path else resolve_quantization(model_dir, None)
+        block_source = scheme is not None and checkpoint_block_reason(scheme) is None
         if stored in (torch.bfloat16, torch.float16):
             def prepare(meta_model: Any) -> Optional[Callable[[Any], None]]:
                 experts = has_experts(meta_model)
@@ -78,8 +87,8 @@ def load_for_plan(model_dir: str, dtype: torch.dtype, device: torch.device, gguf
                           else keep_linears_in(meta_model, stored, keep_table=not gguf_path))
                 if reason is not None:
                     logger.info("Linear weights load as %s: %s", dtype, reason)
-                if not gguf_path:
-                    return None
+                if not gguf_path:  # a quantized checkpoint's experts: the blocks of its integers alone
+                    return experts_released_for_checkpoint_blocks(meta_model) if experts and block_source else None
                 # a GGUF file's blocks are read from the file alone: those weights never exist as floats
                 releases = [linears_read_from_file(meta_model, gguf_path),
                             experts_read_from_file(meta_model, gguf_path) if experts else None]

@@ -108,6 +108,46 @@ def keep_experts_in(model: nn.Module, dtype: torch.dtype, from_gguf: bool = Fals
     return None
 
 
+def experts_released_for_checkpoint_blocks(model: nn.Module) -> Callable[[nn.Module], None]:
+    """For an MoE model on the meta device read from a quantized checkpoint whose integers make blocks: a function
+    to run once the model has storage that releases its stacked experts (meta tensors: loading skips them), so that
+    they never exist as floats; `attach_expert_blocks` gives them the blocks made as the checkpoint is read, or, where
+    it has none for them, reads their dequantized values again (`_reload_experts`)."""
+    def release(allocated: nn.Module) -> None:
+        experts = _parts(allocated)[1]
+        for fused in experts:
+            for name in ("gate_up_proj", "down_proj"):
+                hold_as(fused, name, getattr(fused, name).dtype, "meta")
+        logger.info("The experts of %d layers are not loaded as floats: the blocks made from the checkpoint's "
+                    "integers serve them", len(experts))
+
+    return release
+
+
+def _reload_experts(model: Any, source: Any) -> None:
+    """Stacked experts released before loading (experts_released_for_checkpoint_blocks) that get no blocks: read
+    their dequantized values from the checkpoint again, as loading would have (its dtype, then float32)."""
+    from sglang.srt.model_loader.quant_config import dequantized_dtype
+    from sglang.srt.model_loader.quantized_weights import iterate_dequantized
+
+    released = [(name, fused) for name, fused in model.named_modules()
+                if isinstance(fused, FusedMoE) and fused.gate_up_proj.is_meta]
+    if not released:
+        return
+    pieces = {}
+    for name, fused in released:
+        for param in ("gate_up_proj", "down_proj"):
+            hold_as(fused, param, torch.float32, "cpu")
+        pieces.update(fused.checkpoint_pieces(name))
+    dtype = dequantized_dtype(str(source.files[0].parent), source.scheme)
+    with torch.no_grad():
+        for piece, tensor in iterate_dequantized(source.files, source.scheme, dtype):
+            if piece in pieces:
+                pieces[piece][1](tensor, piece)
+    logger.info("The experts of %d layers were read again, dequantized: the checkpoint has no blocks for them",
+                len(released))
+
+
 def why_no_expert_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlocks],
                          quantized_ok: bool = False) -> Optional[str]:
     """Why `attach_expert_blocks` leaves `model` as it is, or None."""
@@ -123,8 +163,7 @@ def why_no_expert_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlo
     kept = {id(m.weight) for m in kept_owners(model, linears, torch.bfloat16)}
     kept.update(id(p) for fused in experts for p in (fused.gate_up_proj, fused.down_proj))
     released = {id(m.weight) for m in linears if isinstance(m.linear_method, GGUFLinearMethod)}
-    released.update(id(p) for fused in experts if fused.expert_blocks is not None
-                    for p in (fused.gate_up_proj, fused.down_proj))
+    released.update(id(p) for fused in experts for p in (fused.gate_up_proj, fused.down_proj) if p.is_meta)
     head = head_for_blocks(model)
     if head is not None and isinstance(model.logits_processor.head_method, GGUFLinearMethod):
         released.add(id(head.weight))
@@ -186,6 +225,8 @@ def attach_expert_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlo
     reason = why_no_expert_blocks(model, max_rows, large, quantized_ok=source is not None)
     if reason is not None:
         logger.info("No %s blocks for the experts and linear layers: %s", qtype, reason)
+        if source is not None:
+            _reload_experts(model, source)
         return 0
     assert large is not None
     found: dict[Any, RawBlocks] = {}
@@ -193,6 +234,7 @@ def attach_expert_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlo
         made = checkpoint_blocks(model, source, linears, [head] if head is not None else [], experts)
         if isinstance(made, str):
             log_outcome(source, made, 0, "")
+            _reload_experts(model, source)
             return 0
         found = made
     dtype = model.model.norm.weight.dtype  # the model's (the embedding table may be kept bf16)
