@@ -96,7 +96,7 @@ def read_gguf_quant_tensors(
     """The Q4_0 / Q4_1 / Q8_0 matrices of a GGUF file: {name: (qtype_name, raw uint8 [N, row_bytes], N, K)}, Q4_0
     ones as Q4_1 blocks of the same values (`q4_0_as_q4_1`).
 
-    The Q4_1 / Q8_0 arrays are read-only views of the memory-mapped file. Only 2-D tensors are returned (gguf lists dims
+    The Q4_1 / Q8_0 arrays are views of the file's private memory map. Only 2-D tensors are returned (gguf lists dims
     reversed, [K, N]); `names` restricts the result to those tensors.
     """
     out: dict[str, tuple[str, np.ndarray, int, int]] = {}
@@ -112,7 +112,7 @@ def read_gguf_block_tensors(
     path: str | os.PathLike, names: Sequence[str] | None = None, stacked: bool = False
 ) -> dict[str, tuple[str, np.ndarray, int, int]]:
     """The 2-D matrices of a GGUF file in any type of `GGML_BLOCK_TYPES`, as stored: {name: (type name, raw uint8
-    [N, row_bytes] (a read-only view of the memory-mapped file), N, K)}; `names` restricts the result. `stacked`:
+    [N, row_bytes] (a view of the file's private memory map), N, K)}; `names` restricts the result. `stacked`:
     the 3-D tensors too (MoE experts, [experts, N, K] in row-major order), as matrices of experts * N rows."""
     wanted = set(names) if names is not None else None
     data, table = gguf_tensor_table(path)
