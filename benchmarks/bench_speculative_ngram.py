@@ -2,9 +2,12 @@
 copy-heavy prompts (the answer repeats the prompt) and free prompts, against servers this script starts.
 
     python benchmarks/bench_speculative_ngram.py [--model HuggingFaceTB/SmolLM2-135M-Instruct] [--max-new-tokens 128]
-        [--num-draft-tokens 8]
+        [--num-draft-tokens 8] [--chain]
 
-After one warm-up request, each prompt runs once, one request at a time; the figure is output tokens over wall time.
+With --chain a third server drafts chains only (--speculative-ngram-max-bfs-breadth 1) beside the default trees.
+
+After one warm-up request, each prompt runs once, one request at a time, streamed; the figures are output tokens over
+wall time, and decoding alone: the tokens after the first over the time after the first token (no prefill).
 Every prompt is new to the server, so drafts come from the request itself (a repeated prompt would also be drafted
 from the n-gram cache of earlier requests). Outputs of both servers are compared token for token.
 """
@@ -12,6 +15,7 @@ from the n-gram cache of earlier requests). Outputs of both servers are compared
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import requests
@@ -29,31 +33,46 @@ TEXTS = [
     "Alice went to the market to buy apples, bread and milk. On her way home she met Bob, who was walking his cat "
     "along the river. They talked about the weather, the coming festival and the new bakery near the station, which "
     "sells the best bread in town. Then Alice went home and baked an apple pie for her family.",
+    "SELECT users.name, orders.total FROM users JOIN orders ON orders.user_id = users.id WHERE orders.total > 100 "
+    "ORDER BY orders.total DESC LIMIT 10;",
+    "The museum opens at nine in the morning and closes at six in the evening. Tickets cost twelve dollars for "
+    "adults and six dollars for children. Guided tours start every hour from the main hall.",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+    "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n",
 ]
 FREE = ["Tell me a story about a dragon who learns to cook.", "Explain how a bicycle works.",
-        "Write a poem about autumn leaves."]
+        "Write a poem about autumn leaves.", "What should I pack for a week at the beach?",
+        "Describe your ideal weekend.", "Why is the sky blue?"]
 
 
 def chat(text: str) -> str:
     return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def run(url: str, prompts: list[str], max_new: int) -> tuple[float, list[list[int]], float]:
-    """(output tok/s, outputs, mean tokens per decode forward) over one pass of `prompts`, one at a time."""
+def run(url: str, prompts: list[str], max_new: int) -> tuple[float, list[list[int]], float, float]:
+    """(output tok/s, outputs, mean tokens per decode forward, decode tok/s: the tokens after the first over the time
+    after the first) over one pass of `prompts`, one at a time, streamed."""
     params = {"temperature": 0, "max_new_tokens": max_new}
-    tokens, forwards, outputs = 0, 0, []
+    tokens, forwards, outputs, decode_time = 0, 0, [], 0.0
     start = time.perf_counter()
     for p in prompts:
-        out = requests.post(f"{url}/generate", json={"text": p, "sampling_params": params}, timeout=600).json()
-        outputs.append(out["output_ids"])
-        meta = out["meta_info"]
+        body = {"text": p, "sampling_params": params, "stream": True}
+        first, last = None, {}
+        with requests.post(f"{url}/generate", json=body, timeout=600, stream=True) as r:
+            for line in r.iter_lines():
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    first = first or time.perf_counter()
+                    last = json.loads(line[6:])
+        decode_time += time.perf_counter() - (first or time.perf_counter())
+        outputs.append(last["output_ids"])
+        meta = last["meta_info"]
         tokens += meta["completion_tokens"]
         forwards += meta.get("spec_verify_ct", meta["completion_tokens"] - 1)
     elapsed = time.perf_counter() - start
-    return tokens / elapsed, outputs, (tokens - len(prompts)) / max(forwards, 1)
+    return tokens / elapsed, outputs, (tokens - len(prompts)) / max(forwards, 1), (tokens - len(prompts)) / decode_time
 
 
-Results = dict[tuple[str, str], tuple[float, list[list[int]], float]]
+Results = dict[tuple[str, str], tuple[float, list[list[int]], float, float]]
 
 
 def workloads() -> dict[str, list[str]]:
@@ -81,6 +100,7 @@ def report(results: Results, spec: str, label: str) -> None:
         plain, fast = results[("plain", workload)], results[(spec, workload)]
         same = "identical" if plain[1] == fast[1] else "DIFFERENT"
         print(f"{workload}: plain {plain[0]:.1f} tok/s, {label} {fast[0]:.1f} tok/s ({fast[0] / plain[0]:.2f}x), "
+              f"decoding alone {plain[3]:.1f} vs {fast[3]:.1f} tok/s ({fast[3] / plain[3]:.2f}x), "
               f"{fast[2]:.2f} tokens per decode forward, outputs {same}")
 
 
@@ -89,13 +109,18 @@ def main() -> None:
     parser.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--num-draft-tokens", type=int, default=8)
+    parser.add_argument("--chain", action="store_true", help="also a server whose drafts are chains")
     args = parser.parse_args()
-    configs = {"plain": [], "ngram": ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens",
-                                      str(args.num_draft_tokens)]}
+    ngram = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(args.num_draft_tokens)]
+    configs = {"plain": [], "ngram": ngram}
+    if args.chain:
+        configs["chain"] = [*ngram, "--speculative-ngram-max-bfs-breadth", "1"]
     results = measure(args.model, configs, args.max_new_tokens)
     print(f"# {args.model}, batch 1, greedy, {args.max_new_tokens} new tokens, "
-          f"{args.num_draft_tokens} tokens verified per step")
+          f"up to {args.num_draft_tokens} tokens verified per step")
     report(results, "ngram", "NGRAM")
+    if args.chain:
+        report(results, "chain", "NGRAM chains")
 
 
 if __name__ == "__main__":

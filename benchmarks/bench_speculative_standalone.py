@@ -3,7 +3,9 @@ STANDALONE), on copy-heavy and free prompts, against servers this script starts.
 
     python benchmarks/bench_speculative_standalone.py [--model HuggingFaceTB/SmolLM2-135M-Instruct]
         [--target-args "--dtype float32 --gguf-kernel-max-rows 0"] [--draft HuggingFaceTB/SmolLM2-135M-Instruct]
-        [--num-steps 3] [--max-new-tokens 128]
+        [--num-steps 3] [--max-new-tokens 128] [--topk 4 --num-draft-tokens 8]
+
+With --topk above 1 a third server drafts trees (--speculative-eagle-topk, --speculative-num-draft-tokens).
 
 By default the served model is SmolLM2-135M in dense float32 (its GGUF file's values, no GGUF blocks: every decode
 step reads 0.5 GB of weights) and the draft is the same GGUF file loaded as the engine loads it by default (Q4_1
@@ -29,15 +31,22 @@ def main() -> None:
     parser.add_argument("--draft", default="HuggingFaceTB/SmolLM2-135M-Instruct")
     parser.add_argument("--num-steps", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--topk", type=int, default=1)
+    parser.add_argument("--num-draft-tokens", type=int, default=8)
     args = parser.parse_args()
     served = shlex.split(args.target_args)
     configs = {"plain": served,
                "standalone": [*served, "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path",
                               args.draft, "--speculative-num-steps", str(args.num_steps)]}
+    if args.topk > 1:
+        configs["tree"] = [*configs["standalone"], "--speculative-eagle-topk", str(args.topk),
+                           "--speculative-num-draft-tokens", str(args.num_draft_tokens)]
     results = measure(args.model, configs, args.max_new_tokens)
     print(f"# {args.model} ({args.target_args}) drafted by {args.draft}, batch 1, greedy, "
           f"{args.max_new_tokens} new tokens, {args.num_steps} draft tokens per step")
     report(results, "standalone", "STANDALONE")
+    if args.topk > 1:
+        report(results, "tree", f"STANDALONE top-{args.topk} trees of {args.num_draft_tokens - 1} nodes")
 
 
 if __name__ == "__main__":

@@ -131,6 +131,26 @@ def test_fitted_head_accepts_drafts(servers, fitted_engine):
     assert_engine_idle(fitted_engine)
 
 
+def test_fitted_head_drafts_trees(servers, models):
+    """With --speculative-eagle-topk 2 the fitted head drafts trees (its beams carry their own hidden states):
+    greedy and seeded outputs in one batch equal plain decoding, drafts are accepted, the pools end idle."""
+    engine = Engine(model_path=models.target, dtype="float32", max_total_tokens=4096, speculative_algorithm="EAGLE",
+                    speculative_draft_model_path=models.fitted, speculative_num_steps=STEPS, speculative_eagle_topk=2,
+                    speculative_num_draft_tokens=7, chunked_prefill_size=16)
+    try:
+        jobs = [(p, {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}) for p in PROMPTS[:5]]
+        jobs += [(p, {"temperature": 0.7, "top_k": 4, "max_new_tokens": 24, "sampling_seed": 3 + i,
+                      "ignore_eos": True}) for i, p in enumerate(PROMPTS[5:8])]
+        want = [generate(servers.plain, p, q) for p, q in jobs]
+        got = engine.generate(prompt=[p for p, _ in jobs], sampling_params=[q for _, q in jobs])
+        assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+        meta = [o["meta_info"] for o in got]
+        assert sum(m["spec_accepted_draft_tokens"] for m in meta) > sum(m["spec_verify_ct"] for m in meta)
+        assert_engine_idle(engine)
+    finally:
+        engine.shutdown()
+
+
 def test_seeded_sampling_equals_plain_decoding(servers, fitted_engine):
     """Seeded sampled requests mixed with a greedy one in one batch: each position's token is plain decoding's draw,
     so the outputs are the plain server's."""
@@ -309,7 +329,7 @@ def _layer_of(config) -> dict:
 
 @pytest.mark.parametrize("argv, message", [
     ({"speculative_algorithm": "EAGLE"}, "--speculative-draft-model-path"),
-    ({"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "d", "speculative_eagle_topk": 4},
+    ({"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "d", "speculative_eagle_topk": -1},
      "--speculative-eagle-topk"),
     ({"speculative_algorithm": "NEXTN", "speculative_draft_model_path": "d"}, "not supported yet"),
 ])

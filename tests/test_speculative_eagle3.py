@@ -287,24 +287,26 @@ def test_copy_head_engine_with_token_map(servers, models, tmp_path):
                                                                     embed[hot]), hot, maps=False)
     token_map = tmp_path / "map.pt"
     torch.save(hot.tolist(), token_map)
-    engine = Engine(model_path=models.target, dtype="float32", max_total_tokens=4096, speculative_algorithm="EAGLE3",
-                    speculative_draft_model_path=head, speculative_token_map=str(token_map),
-                    speculative_num_steps=STEPS, chunked_prefill_size=16)
-    try:
-        got = []
-        for part in (jobs[:6], jobs[6:]):  # at most 8 running requests: speculation stays on (SPEC_MAX_BATCH)
-            got += engine.generate(prompt=[p for p, _ in part], sampling_params=[q for _, q in part])
-        assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
-        assert [g["text"] for g in got] == [w["text"] for w in want]
-        assert got[-3]["meta_info"]["finish_reason"]["type"] == "stop"
-        assert got[-2]["text"].startswith("{")
-        repeats = sum(a == b for w in want for a, b in zip(w["output_ids"], w["output_ids"][1:]))
-        accepted = sum(g["meta_info"]["spec_accepted_draft_tokens"] for g in got)
-        proposed = sum(g["meta_info"]["spec_verify_ct"] for g in got) * STEPS
-        assert repeats > 0 and 0 < accepted < proposed, (repeats, accepted, proposed)
-        assert_engine_idle(engine)
-    finally:
-        engine.shutdown()
+    for topk in (1, 2):  # a chain, then a tree from the head's top 2 per step
+        engine = Engine(model_path=models.target, dtype="float32", max_total_tokens=4096,
+                        speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+                        speculative_token_map=str(token_map), speculative_num_steps=STEPS,
+                        speculative_eagle_topk=topk, chunked_prefill_size=16)
+        try:
+            got = []
+            for part in (jobs[:6], jobs[6:]):  # at most 8 running requests: speculation stays on (SPEC_MAX_BATCH)
+                got += engine.generate(prompt=[p for p, _ in part], sampling_params=[q for _, q in part])
+            assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+            assert [g["text"] for g in got] == [w["text"] for w in want]
+            assert got[-3]["meta_info"]["finish_reason"]["type"] == "stop"
+            assert got[-2]["text"].startswith("{")
+            repeats = sum(a == b for w in want for a, b in zip(w["output_ids"], w["output_ids"][1:]))
+            accepted = sum(g["meta_info"]["spec_accepted_draft_tokens"] for g in got)
+            proposed = sum(g["meta_info"]["spec_verify_ct"] for g in got) * STEPS
+            assert repeats > 0 and 0 < accepted and (topk > 1 or accepted < proposed), (repeats, accepted, proposed)
+            assert_engine_idle(engine)
+        finally:
+            engine.shutdown()
 
 
 # ---- malformed heads and maps --------------------------------------------------------------------------------------
@@ -400,8 +402,8 @@ def test_startup_errors_through_the_engine(models, tmp_path):
     (["--speculative-token-map", "m.pt"], "--speculative-token-map is only used with"),
     (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "d", "--speculative-token-map",
       "/nonexistent/map.pt"], "--speculative-token-map /nonexistent/map.pt: no such file"),
-    (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "d", "--speculative-eagle-topk", "2"],
-     "--speculative-eagle-topk"),
+    (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "d", "--speculative-eagle-topk", "2",
+      "--speculative-num-steps", "2", "--speculative-num-draft-tokens", "20"], "--speculative-num-draft-tokens"),
 ])
 def test_flag_validation(argv, message):
     assert_refused(argv, message)

@@ -12,8 +12,9 @@ import requests
 
 from sglang.srt.managers.scheduler.speculative import MAX_BACKOFF, DraftState
 from sglang.srt.server_args import ServerArgs, prepare_server_args
+from sglang.srt.speculative.draft_tree import DraftTree
 from sglang.srt.speculative.ngram_cache import NgramCache, TokenIndex, propose_draft
-from sglang.srt.speculative.verify import accepted_length
+from sglang.srt.speculative.ngram_tree import TreeShape
 from tests.server_fixtures import running_server
 
 PASSAGES = [
@@ -77,14 +78,32 @@ def generate(url: str, prompt: str, params: dict, stream: bool = False, **extra)
     return {**last, "output_ids": ids}
 
 
+# Draft trees of at least two branches wherever two continuations exist (the defaults branch only after short
+# matches), so that the tests below verify trees, not just chains.
+TREE_FLAGS = ("--speculative-ngram-min-bfs-breadth", "2", "--speculative-ngram-max-bfs-breadth", "4")
+TREE_SHAPE = TreeShape(min_breadth=2, max_breadth=4)
+
+
 @pytest.fixture(scope="module")
 def servers():
     # One GEMM for both servers: left to each start's timing, the two may pick different GEMMs for their prefills
     # and then differ from the first token on, with or without speculation.
     same = ("--cpu-gemm", "float32")
     with running_server(*same) as plain, running_server(*same, "--speculative-algorithm", "NGRAM", "--enable-metrics",
-                                                        "--decode-log-interval", "5") as spec:
+                                                        "--decode-log-interval", "5", *TREE_FLAGS) as spec:
         yield plain, spec
+
+
+def test_copy_prompts_draft_trees(smollm2_tokenizer):
+    """With TREE_FLAGS the drafts of these prompts' tokens branch (the server tests verify trees)."""
+    branched = 0
+    for prompt in copy_prompts():
+        ids = smollm2_tokenizer.encode(prompt)
+        own = TokenIndex(1, 12)
+        own.extend(ids)
+        tree = propose_draft(own, NgramCache(1, 12, 0), 7, TREE_SHAPE)
+        branched += not tree.is_chain()
+    assert branched >= len(copy_prompts()) // 2
 
 
 def assert_clean(url: str) -> None:
@@ -250,25 +269,41 @@ def test_flags_defaults():
     args.validate()
     assert args.speculative_algorithm == "NGRAM" and args.speculative_num_draft_tokens == 8
     assert ServerArgs(model_path="m").speculative_algorithm is None
+    # the tree's breadth: chains on CPU (measured faster there), SGLang's 10 on GPUs, at least the minimum given
+    ngram = ["--model-path", "m", "--speculative-algorithm", "NGRAM"]
+    for argv, breadth in [([], 1), (["--device", "cuda"], 10), (["--speculative-ngram-min-bfs-breadth", "3"], 3),
+                          (["--speculative-ngram-max-bfs-breadth", "4"], 4)]:
+        args = prepare_server_args([*ngram, *argv])
+        args.validate()
+        assert args.speculative_ngram_max_bfs_breadth == breadth, argv
+    assert_refused(["--speculative-algorithm", "NGRAM", "--speculative-ngram-min-bfs-breadth", "3",
+                    "--speculative-ngram-max-bfs-breadth", "2"], "--speculative-ngram-max-bfs-breadth")
 
 
 def test_ngram_draft_and_accept():
+    chain = TreeShape(max_breadth=1, min_window=1, max_window=4)  # breadth 1: the best match's continuation
+
+    def draft(own: TokenIndex, shared: NgramCache, budget: int) -> list[int]:
+        tree = propose_draft(own, shared, budget, chain)
+        assert tree.is_chain()
+        return tree.tokens
+
     own = TokenIndex(1, 4)
     own.extend([5, 6, 7, 8, 9, 1, 5, 6, 7])
     shared = NgramCache(1, 4, capacity=100)
-    assert propose_draft(own, shared, 3) == [8, 9, 1]  # the longest match [5, 6, 7] continues with 8, 9, 1
+    assert draft(own, shared, 3) == [8, 9, 1]  # the longest match [5, 6, 7] continues with 8, 9, 1
     shared.add([40, 41, 5, 6, 7, 8, 2, 3])
     own2 = TokenIndex(2, 4)
     own2.extend([1, 2, 6, 7, 8])
-    assert propose_draft(own2, shared, 5) == [2, 3]  # only the cache has [7, 8]; the continuation stops at its end
-    assert propose_draft(TokenIndex(1, 4), NgramCache(1, 4, 0), 3) == []
+    assert draft(own2, shared, 5) == [2, 3]  # only the cache has [7, 8]; the continuation stops at its end
+    assert draft(TokenIndex(1, 4), NgramCache(1, 4, 0), 3) == []
     small = NgramCache(1, 4, capacity=12)
     for k in range(5):
         small.add([k, k + 1, k + 2, k + 3])
     assert len(small) <= 12
-    assert accepted_length([1, 2, 3], [1, 2, 4, 9]) == 2
-    assert accepted_length([1, 2, 3], [5, 2, 3, 9]) == 0
-    assert accepted_length([1, 2], [1, 2, 3]) == 2
+    assert DraftTree.chain([1, 2, 3]).accepted_path([1, 2, 4, 9]) == [0, 1]
+    assert DraftTree.chain([1, 2, 3]).accepted_path([5, 2, 3, 9]) == []
+    assert DraftTree.chain([1, 2]).accepted_path([1, 2, 3]) == [0, 1]
 
 
 def test_draft_budget_and_backoff():

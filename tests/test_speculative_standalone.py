@@ -39,6 +39,10 @@ PROMPTS = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, smollm2_tokenizer) -> SimpleNamespace:
+    return target_and_draft(tmp_path_factory, smollm2_tokenizer)
+
+
+def target_and_draft(tmp_path_factory, smollm2_tokenizer) -> SimpleNamespace:
     """A two-layer tiny random Llama (the target) and a draft made from it by perturbing its weights, so that the
     draft agrees with the target on some tokens and not on others."""
     from transformers import LlamaForCausalLM
@@ -251,7 +255,9 @@ def test_bad_draft_models_are_refused(models, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--speculative-algorithm", "STANDALONE"], "--speculative-draft-model-path"),
     (["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "d", "--speculative-eagle-topk",
-      "4"], "--speculative-eagle-topk"),
+      "0"], "--speculative-eagle-topk"),
+    (["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "d", "--speculative-eagle-topk",
+      "2", "--speculative-num-steps", "1", "--speculative-num-draft-tokens", "4"], "--speculative-num-draft-tokens"),
     (["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "d", "--speculative-num-steps",
       "0"], "--speculative-num-steps"),
     (["--speculative-algorithm", "NGRAM", "--speculative-draft-model-path", "d"], "--speculative-draft-model-path"),
@@ -273,3 +279,9 @@ def test_num_draft_tokens_follows_num_steps():
     assert parsed("--speculative-num-draft-tokens", "6").speculative_num_steps == 5
     adjusted = parsed("--speculative-num-steps", "2", "--speculative-num-draft-tokens", "8")
     assert (adjusted.speculative_num_steps, adjusted.speculative_num_draft_tokens) == (2, 3)
+    # a tree: its nodes plus one, 8 by default (at most the nodes the search scores: 2 + 2 * 2 * 2 here)
+    tree = parsed("--speculative-eagle-topk", "2", "--speculative-num-steps", "3")
+    assert (tree.speculative_num_steps, tree.speculative_eagle_topk, tree.speculative_num_draft_tokens) == (3, 2, 8)
+    assert parsed("--speculative-eagle-topk", "2", "--speculative-num-steps", "3",
+                  "--speculative-num-draft-tokens", "11").speculative_num_draft_tokens == 11
+    assert parsed("--speculative-eagle-topk", "2", "--speculative-num-steps", "1").speculative_num_draft_tokens == 3

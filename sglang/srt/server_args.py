@@ -192,7 +192,7 @@ class ServerArgs:
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
     speculative_ngram_min_bfs_breadth: int = 1
-    speculative_ngram_max_bfs_breadth: int = 10
+    speculative_ngram_max_bfs_breadth: Optional[int] = None  # 1 on CPU, 10 (SGLang's) on GPUs: speculative/args.py
     speculative_ngram_match_type: str = "BFS"
     speculative_ngram_branch_length: int = 18
     speculative_ngram_capacity: int = 1_000_000

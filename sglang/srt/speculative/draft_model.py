@@ -10,6 +10,10 @@ slots and K/V buffers, and no prefix cache. A request that drafts holds a row th
 - after verification keeps the K/V of the draft tokens the served model accepted and returns the slots of the
   rejected ones to the draft's pool (`settle`).
 
+With --speculative-eagle-topk above 1 it proposes a tree instead (speculative/draft_search.py), from the draft's
+top-k tokens at each step; the draft tokens' K/V is dropped once the tree is made, and the catch-up of the next step
+runs the accepted tokens.
+
 A request releases its row and slots when it leaves the running batch (finished, aborted or retracted).
 """
 
@@ -26,6 +30,14 @@ from sglang.srt.forward_batch import ForwardBatch, ForwardMode, build_positions
 from sglang.srt.mem_cache.memory_pools import MemoryPools, build_memory_pools
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.speculative.draft_search import (
+    SearchBudget,
+    StepFn,
+    rows_and_slots_needed,
+    search_trees,
+    top_candidates,
+)
+from sglang.srt.speculative.draft_tree import DraftTree
 
 logger = logging.getLogger(__name__)
 
@@ -59,14 +71,23 @@ def _as_draft(req: Any) -> Optional[DraftSeq]:
     return req.spec_state if isinstance(req.spec_state, DraftSeq) else None
 
 
+def draft_rows(max_requests: int, topk: int) -> int:
+    """Request rows of the draft's memory: one per request, and the rows a tree search lends its beams."""
+    return max_requests * (1 + rows_and_slots_needed(topk, 2)[0])
+
+
 class DraftModel:
-    def __init__(self, runner: Any, mem: MemoryPools, context_len: int, chunk: int, description: str) -> None:
+    def __init__(self, runner: Any, mem: MemoryPools, context_len: int, chunk: int, description: str,
+                 topk: int = 1, tree_size: int = 0) -> None:
         # "draft <path> (<architecture>, <weight size>)", for the startup line
         self.description = description
         self.runner = runner
         self.mem = mem
         self.context_len = context_len
         self.chunk = chunk
+        # --speculative-eagle-topk and the tree's nodes (--speculative-num-draft-tokens - 1) where it is above 1
+        self.topk = topk
+        self.tree_size = tree_size
 
     @classmethod
     def load(cls, server_args: ServerArgs, target_vocab_size: int, target_tokenizer: Any, target_tokens: int,
@@ -102,14 +123,16 @@ class DraftModel:
         if runner.pooling_output is not None:
             raise ValueError(f"{FLAG} {path}: an embedding, reward or cross-encoder model cannot draft tokens")
         width = info.context_len + 8
+        topk = server_args.speculative_eagle_topk or 1
         mem = build_memory_pools(runner.kv_cache_spec(), runner.device, info.context_len,
                                  max(16, min(target_tokens, max_requests * width, MAX_DRAFT_KV_TOKENS)),
                                  server_args.mem_fraction_static,
-                                 max_requests, disable_radix_cache=True)
+                                 draft_rows(max_requests, topk), disable_radix_cache=True)
         runner.bind_kv_pool(mem.kv_pool)  # logs the draft's arithmetic and its `Decode path:` line
         arch = (getattr(info.hf_config, "architectures", None) or [type(runner.model).__name__])[0]
         return cls(runner, mem, info.context_len, server_args.chunked_prefill_size or 4096,
-                   f"draft {path} ({arch}, {runner.weight_bytes / 2**20:.1f} MB)")
+                   f"draft {path} ({arch}, {runner.weight_bytes / 2**20:.1f} MB)", topk,
+                   (server_args.speculative_num_draft_tokens or 2) - 1)
 
     # ---- memory ---------------------------------------------------------------------------------------
     def used_tokens(self) -> int:
@@ -195,11 +218,60 @@ class DraftModel:
             return [[] for _ in reqs]
         return drafts
 
+    def propose_trees(self, reqs: list, steps: list[int]) -> list[DraftTree]:
+        """With --speculative-eagle-topk above 1: a tree of at most tree_size nodes and steps[i] levels per request
+        (speculative/draft_search.py); none for those the draft's memory cannot hold, one level where no rows are
+        free for the search."""
+        table = self.mem.req_to_token_pool.req_to_token
+        budget = SearchBudget(self.mem)
+        chosen: list[tuple[int, Any, DraftSeq, int]] = []
+        for i, (req, k) in enumerate(zip(reqs, steps)):
+            if k <= 0:
+                continue
+            self.settle(req, 0)
+            seq = _as_draft(req)
+            if seq is None:
+                row = budget.take_row()
+                if row is None:
+                    continue
+                seq = req.spec_state = DraftSeq(row)
+            need = req.seqlen - seq.computed
+            k = budget.admit(need, self.topk, k)
+            if k == 0:
+                continue
+            table[seq.row, seq.computed : req.seqlen] = self.mem.alloc_slots(need)
+            chosen.append((i, req, seq, k))
+        trees = [DraftTree() for _ in reqs]
+        if not chosen:
+            return trees
+        try:
+            logits = self._catch_up_logits([(req, seq) for _, req, seq, _ in chosen])
+            for _, req, seq, _ in chosen:
+                seq.computed = req.seqlen
+            ids, lps = top_candidates(logits, self.topk)
+            step: StepFn = lambda parts, ctxs: ([None] * len(parts), *top_candidates(  # noqa: E731
+                self._forward_logits([(row, pos, [token]) for row, pos, token in parts]), self.topk))
+            found = search_trees(self.mem, [(seq.row, req.seqlen) for _, req, seq, _ in chosen],
+                                 [(a, b, None) for a, b in zip(ids, lps)], [k for *_, k in chosen], self.topk,
+                                 [min(self.tree_size, self.topk * k) for *_, k in chosen], step)
+        except Exception:  # noqa: BLE001 - the draft failing costs speculation for this step, not the requests
+            logger.exception("The draft model failed; these requests decode this step without a draft")
+            for _, req, _, _ in chosen:
+                self.release(req)
+            return trees
+        for (i, *_), tree in zip(chosen, found):
+            trees[i] = tree
+        return trees
+
     def _catch_up(self, items: list[tuple[Any, DraftSeq]]) -> list[int]:
         """Run each request's tokens from its first position without draft K/V to its last token, in forwards of
         at most `chunk` tokens; the draft's argmax after each request's last token."""
+        return self._catch_up_logits(items).argmax(dim=-1).tolist()
+
+    def _catch_up_logits(self, items: list[tuple[Any, DraftSeq]]) -> torch.Tensor:
+        """As _catch_up: the draft's logits after each request's last token."""
         pos = [seq.computed for _, seq in items]
-        first: list[int] = [-1] * len(items)
+        first: list[Optional[torch.Tensor]] = [None] * len(items)
         while True:
             budget = self.chunk
             parts, owners = [], []
@@ -213,17 +285,21 @@ class DraftModel:
                 pos[n] += take
                 budget -= take
             if not parts:
-                return first
-            for n, token in zip(owners, self._forward(parts)):
-                first[n] = token
+                return torch.stack([row for row in first if row is not None])
+            for n, row in zip(owners, self._forward_logits(parts)):
+                first[n] = row
 
     def _forward(self, parts: list[tuple[int, int, list[int]]]) -> list[int]:
         """One forward of the draft model over `parts` (row, first position, tokens), whose slots are allocated;
         the argmax of each part's last token."""
+        return self._forward_logits(parts).argmax(dim=-1).tolist()
+
+    def _forward_logits(self, parts: list[tuple[int, int, list[int]]]) -> torch.Tensor:
+        """As _forward: the logits of each part's last token."""
         forward_batch, last = self._forward_batch(parts)
         logits = self.runner.forward(forward_batch, None).logits
         assert logits is not None
-        return logits[last.to(logits.device)].argmax(dim=-1).tolist()
+        return logits[last.to(logits.device)]
 
     def _forward_batch(self, parts: list[tuple[int, int, list[int]]]) -> tuple[ForwardBatch, torch.Tensor]:
         """The forward over `parts` (row, first position, tokens) in the draft's memory, and the index of each

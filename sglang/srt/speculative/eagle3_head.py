@@ -111,18 +111,28 @@ class Eagle3Runner:
         self.device = device
         self.attn_backend = TorchSDPABackend()
 
-    @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch, hidden_in: torch.Tensor, last: torch.Tensor
                 ) -> tuple[torch.Tensor, list[int]]:
         """The head's output hidden state and greedy token (a served-model id) at the `last` rows."""
+        out, logits = self.forward_logits(forward_batch, hidden_in, last)
+        return out, self.hot_ids[logits.argmax(dim=-1).cpu()].tolist()
+
+    @torch.inference_mode()
+    def forward_logits(self, forward_batch: ForwardBatch, hidden_in: torch.Tensor, last: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's output hidden state and logits over the draft vocabulary (token_ids maps them to the served
+        model's ids) at the `last` rows."""
         forward_batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(forward_batch)
         embed = self.own_embed if self.own_embed is not None else self.target_runner.model.model.embed_tokens
         tokens = embed(forward_batch.input_ids).to(hidden_in.dtype)  # the table may be bf16 (q8_blocks.py)
         out, normed = self.head(tokens, hidden_in, forward_batch.positions, forward_batch)
         rows = last.to(out.device)
-        logits = self.head.lm_head(normed[rows]).float()
-        return out[rows], self.hot_ids[logits.argmax(dim=-1).cpu()].tolist()
+        return out[rows], self.head.lm_head(normed[rows]).float()
+
+    @property
+    def token_ids(self) -> Optional[torch.Tensor]:
+        return self.hot_ids
 
 
 class TargetCapture:

@@ -14,6 +14,9 @@ drafts
 - after verification drops the K/V of every draft row: those rows read the head's hidden states, and the accepted
   positions are run again from the served model's at the next catch-up, as SGLang's draft extend after decode does.
 
+With --speculative-eagle-topk above 1 the head grows a tree instead (speculative/draft_search.py): each beam carries
+the head's hidden state of the row that proposed it.
+
 Memory (rows, slots, release, idle check) is the STANDALONE draft's (speculative/draft_model.py).
 """
 
@@ -28,7 +31,9 @@ import torch
 from sglang.srt.mem_cache.memory_pools import KVCacheSpec, build_memory_pools
 from sglang.srt.models.llama import head_dim_of
 from sglang.srt.server_args import ServerArgs
-from sglang.srt.speculative.draft_model import MAX_DRAFT_KV_TOKENS, DraftModel, DraftSeq
+from sglang.srt.speculative.draft_model import MAX_DRAFT_KV_TOKENS, DraftModel, DraftSeq, draft_rows
+from sglang.srt.speculative.draft_search import SearchBudget, StepFn, search_trees, top_candidates
+from sglang.srt.speculative.draft_tree import DraftTree
 from sglang.srt.speculative.eagle3_head import Eagle3Runner, TargetCapture, load_eagle3_runner
 from sglang.srt.speculative.eagle_head import EagleRunner, load_eagle_runner
 from sglang.srt.speculative.hidden_log import HiddenLog, describe_decode_path
@@ -52,8 +57,8 @@ class EagleDraft(DraftModel):
     runner: EagleRunner | Eagle3Runner
 
     def __init__(self, runner: EagleRunner | Eagle3Runner, mem: Any, context_len: int, chunk: int,
-                 description: str) -> None:
-        super().__init__(runner, mem, context_len, chunk, description)
+                 description: str, topk: int = 1, tree_size: int = 0) -> None:
+        super().__init__(runner, mem, context_len, chunk, description, topk, tree_size)
         self.hidden = HiddenLog()
 
     @classmethod
@@ -75,9 +80,11 @@ class EagleDraft(DraftModel):
                     else target_runner.dtype)
         spec = KVCacheSpec(config.num_hidden_layers, num_kv_heads, head_dim_of(config), kv_dtype)
         width = context_len + 8
+        topk = server_args.speculative_eagle_topk or 1
         mem = build_memory_pools(spec, runner.device, context_len,
                                  max(16, min(target_tokens, max_requests * width, MAX_DRAFT_KV_TOKENS)),
-                                 server_args.mem_fraction_static, max_requests, disable_radix_cache=True)
+                                 server_args.mem_fraction_static, draft_rows(max_requests, topk),
+                                 disable_radix_cache=True)
         params = sum(p.numel() * p.element_size() for p in runner.head.parameters())
         shared = ("own embedding" if runner.own_embed is not None else "served model's embedding") + \
             (", own LM head" if runner.own_lm_head is not None else ", served model's LM head")
@@ -85,7 +92,7 @@ class EagleDraft(DraftModel):
             shared += f" over {len(runner.hot_ids)} draft tokens, reads the inputs of layers {list(capture)}"
         draft = cls(runner, mem, context_len, server_args.chunked_prefill_size or 4096,
                     f"head {path} ({config.architectures[0]}, {config.num_hidden_layers} layer, "
-                    f"{params / 2**20:.2f} MB, {shared})")
+                    f"{params / 2**20:.2f} MB, {shared})", topk, (server_args.speculative_num_draft_tokens or 2) - 1)
         if capture:
             sink = TargetCapture(target_runner, capture, draft.hidden.record)
             sink.arm()
@@ -137,15 +144,15 @@ class EagleDraft(DraftModel):
         if not chosen:
             return drafts
         try:
-            hidden, first = self._catch_up_hidden([(req, seq) for _, req, seq, _ in chosen])
-            for (i, *_), token in zip(chosen, first):
+            hidden, logits = self._catch_up_hidden([(req, seq) for _, req, seq, _ in chosen])
+            for (i, *_), token in zip(chosen, self._greedy(logits)):
                 drafts[i].append(token)
             state = {i: hidden[n : n + 1] for n, (i, *_) in enumerate(chosen)}
             for j in range(1, max(k for *_, k in chosen)):
                 active = [(i, seq) for i, _, seq, k in chosen if k > j]
                 parts = [(seq.row, seq.base + j - 1, [drafts[i][-1]]) for i, seq in active]
-                out, tokens = self._run(parts, torch.cat([state[i] for i, _ in active]), [s.start for _, s in active])
-                for n, ((i, _), token) in enumerate(zip(active, tokens)):
+                out, logits = self._run(parts, torch.cat([state[i] for i, _ in active]), [s.start for _, s in active])
+                for n, ((i, _), token) in enumerate(zip(active, self._greedy(logits))):
                     drafts[i].append(token)
                     state[i] = out[n : n + 1]
         except Exception:  # noqa: BLE001 - the head failing costs speculation for this step, not the requests
@@ -155,9 +162,67 @@ class EagleDraft(DraftModel):
             return [[] for _ in reqs]
         return drafts
 
-    def _place(self, req: Any) -> Optional[EagleSeq]:
+    def propose_trees(self, reqs: list, steps: list[int]) -> list[DraftTree]:
+        """With --speculative-eagle-topk above 1: a tree of at most tree_size nodes and steps[i] levels per request
+        (speculative/draft_search.py); none for a request whose hidden states are missing or which the head's memory
+        cannot hold, one level where no rows are free for the search."""
+        table = self.mem.req_to_token_pool.req_to_token
+        budget = SearchBudget(self.mem)
+        chosen: list[tuple[int, Any, EagleSeq, int]] = []
+        for i, (req, k) in enumerate(zip(reqs, steps)):
+            if k <= 0:
+                continue
+            self.settle(req, 0)
+            seq = self._place(req, budget.take_row)
+            if seq is None:
+                continue
+            base = req.seqlen - 1 - seq.start
+            k = budget.admit(base - seq.computed, self.topk, k)
+            if k == 0:
+                continue
+            table[seq.row, seq.computed : base] = self.mem.alloc_slots(base - seq.computed)
+            seq.base, seq.steps, seq.pending = base, k, False
+            chosen.append((i, req, seq, k))
+        trees = [DraftTree() for _ in reqs]
+        if not chosen:
+            return trees
+        ids = self.runner.token_ids
+        try:
+            hidden, logits = self._catch_up_hidden([(req, seq) for _, req, seq, _ in chosen])
+            for _, _, seq, _ in chosen:
+                seq.computed = seq.base
+            top, lps = top_candidates(logits, self.topk, ids)
+            first = [(top[n], lps[n], (hidden[n : n + 1], seq.start)) for n, (_, _, seq, _) in enumerate(chosen)]
+
+            def step(parts: list[tuple[int, int, int]], ctxs: list[Any]) -> tuple[list[Any], list[list[int]],
+                                                                                  list[list[float]]]:
+                starts = [start for _, start in ctxs]
+                out, logits = self._run([(row, pos, [token]) for row, pos, token in parts],
+                                        torch.cat([h for h, _ in ctxs]), starts)
+                return [(out[n : n + 1], s) for n, s in enumerate(starts)], *top_candidates(logits, self.topk, ids)
+
+            search: StepFn = step
+            found = search_trees(self.mem, [(seq.row, seq.base) for _, _, seq, _ in chosen], first,
+                                 [k for *_, k in chosen], self.topk,
+                                 [min(self.tree_size, self.topk * k) for *_, k in chosen], search)
+        except Exception:  # noqa: BLE001 - the head failing costs speculation for this step, not the requests
+            logger.exception("The EAGLE head failed; these requests decode this step without a draft")
+            for _, req, _, _ in chosen:
+                self.release(req)
+            return trees
+        for (i, *_), tree in zip(chosen, found):
+            trees[i] = tree
+        return trees
+
+    def _greedy(self, logits: torch.Tensor) -> list[int]:
+        """Each row's greedy token, as a served-model id."""
+        ids = self.runner.token_ids
+        best = logits.argmax(dim=-1)
+        return (ids[best.cpu()] if ids is not None else best).tolist()
+
+    def _place(self, req: Any, take_row: Optional[Any] = None) -> Optional[EagleSeq]:
         """The request's head state, (re)started where the served model's recorded hidden states begin; None when
-        they do not reach its last position or no head row is free."""
+        they do not reach its last position or no head row is free (`take_row`: where a new one comes from)."""
         pool_row = req.req_pool_idx
         first = self.hidden.first(pool_row, req.seqlen - 1)
         seq = _as_eagle(req)
@@ -167,17 +232,17 @@ class EagleDraft(DraftModel):
         if first is None or req.seqlen - 1 - first < 1:
             return None
         if seq is None:
-            row = self.mem.req_to_token_pool.alloc()
+            row = take_row() if take_row is not None else self.mem.req_to_token_pool.alloc()
             if row is None:
                 return None
             seq = req.spec_state = EagleSeq(row, start=first, pool_row=pool_row)
         return seq
 
-    def _catch_up_hidden(self, items: list[tuple[Any, EagleSeq]]) -> tuple[torch.Tensor, list[int]]:
+    def _catch_up_hidden(self, items: list[tuple[Any, EagleSeq]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Run each request's missing rows up to the pair (last token, hidden state before it), in forwards of at
-        most `chunk` rows; the head's hidden state and greedy token after each request's last row."""
+        most `chunk` rows; the head's hidden state and logits after each request's last row."""
         pos = [seq.computed for _, seq in items]
-        first: list[int] = [-1] * len(items)
+        first: list[Optional[torch.Tensor]] = [None] * len(items)
         last_hidden: list[Optional[torch.Tensor]] = [None] * len(items)
         while True:
             budget = self.chunk
@@ -196,22 +261,24 @@ class EagleDraft(DraftModel):
                 budget -= take
             if not parts:
                 break
-            out, tokens = self._run(parts, torch.cat(hiddens), starts)
-            for m, (n, token) in enumerate(zip(owners, tokens)):
-                first[n] = token
+            out, logits = self._run(parts, torch.cat(hiddens), starts)
+            for m, n in enumerate(owners):
+                first[n] = logits[m]
                 last_hidden[n] = out[m]
         for req, seq in items:
             self.hidden.consumed(req.req_pool_idx, seq.start + seq.base)
-        return torch.stack([h for h in last_hidden if h is not None]), first
+        return (torch.stack([h for h in last_hidden if h is not None]),
+                torch.stack([row for row in first if row is not None]))
 
     def _run(self, parts: list[tuple[int, int, list[int]]], hidden_in: torch.Tensor, starts: list[int]
-             ) -> tuple[torch.Tensor, list[int]]:
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward of the head over `parts` (head row, first head position, tokens), the hidden state of each
         token in `hidden_in`; `starts`: each part's offset from head positions to the served model's positions,
-        at which the rotary embedding turns (the head's K/V row for position q is at index q - start)."""
+        at which the rotary embedding turns (the head's K/V row for position q is at index q - start). The head's
+        hidden state and logits at each part's last row."""
         forward_batch, _ = self._forward_batch(parts)
         lens = torch.tensor([len(tokens) for _, _, tokens in parts], dtype=torch.int64)
         last = lens.cumsum(0) - 1  # each part's last row (the head returns every row, in either mode)
         offsets = torch.tensor([s for s, (_, _, tokens) in zip(starts, parts) for _ in tokens], dtype=torch.int64)
         forward_batch.positions = forward_batch.positions + offsets.to(forward_batch.positions.device)
-        return self.runner.forward(forward_batch, hidden_in, last)
+        return self.runner.forward_logits(forward_batch, hidden_in, last)

@@ -90,10 +90,19 @@ class EagleRunner:
         self.device = device
         self.attn_backend = TorchSDPABackend()
 
-    @torch.inference_mode()
+    # The logits index the served model's vocabulary.
+    token_ids: Optional[torch.Tensor] = None
+
     def forward(self, forward_batch: ForwardBatch, hidden_in: torch.Tensor, last: torch.Tensor
                 ) -> tuple[torch.Tensor, list[int]]:
         """The head's output hidden state and greedy token at the `last` rows."""
+        out, logits = self.forward_logits(forward_batch, hidden_in, last)
+        return out, logits.argmax(dim=-1).tolist()
+
+    @torch.inference_mode()
+    def forward_logits(self, forward_batch: ForwardBatch, hidden_in: torch.Tensor, last: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's output hidden state and logits at the `last` rows."""
         target = self.target_runner.model
         forward_batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(forward_batch)
@@ -107,7 +116,7 @@ class EagleRunner:
             logits = self.own_logits(selected, self.own_lm_head, forward_batch)
         else:
             logits = target.compute_logits(selected, forward_batch)
-        return selected, logits.argmax(dim=-1).tolist()
+        return selected, logits
 
 
 def read_head_config(path: str, algorithm: str = "EAGLE", architectures_expected: tuple[str, ...] = EAGLE_ARCHITECTURES

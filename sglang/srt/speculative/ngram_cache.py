@@ -2,14 +2,18 @@
 
 A `TokenIndex` holds a token stream and, for each position, the key made of the `min_window` tokens ending there;
 a lookup takes the occurrences of the query's last `min_window` tokens (the most recent ones first), extends each
-match backwards up to `max_window` tokens and proposes what followed the longest one (the most recent of equals).
+match backwards up to `max_window` tokens and returns what followed each, the longest matches first.
 Each request indexes its own prompt and output as they grow; `NgramCache` keeps the finished requests' sequences
-in one bounded stream (oldest dropped first), so that text that recurs across requests is drafted too.
+in one bounded stream (oldest dropped first), so that text that recurs across requests is drafted too. The matches'
+continuations make the draft tree (ngram_tree.py).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+
+from sglang.srt.speculative.draft_tree import DraftTree
+from sglang.srt.speculative.ngram_tree import TreeShape, build_draft
 
 # Occurrences kept per key, the most recent ones: a frequent key (a single common token) would otherwise make
 # each lookup scan the whole stream.
@@ -45,34 +49,32 @@ class TokenIndex:
                 del found[:-MAX_CANDIDATES]
         self.indexed = max(self.indexed, end)
 
-    def lookup(self, suffix: list[int], max_len: int, before: int) -> tuple[int, list[int]]:
-        """(match length, continuation of up to max_len tokens) of the best occurrence of `suffix`'s end that
-        ends before position `before`; (0, []) when none has at least min_window tokens and a continuation."""
+    def matches(self, suffix: list[int], max_len: int, before: int) -> list[tuple[int, list[int]]]:
+        """(match length, continuation of up to max_len tokens) of each of the latest MAX_CANDIDATES occurrences of
+        `suffix`'s end that end before position `before` and match at least min_window tokens: the longest matches
+        first, the most recent first among equals; a continuation stops at the end of its sequence."""
         w = self.min_window
         if len(suffix) < w or max_len <= 0:
-            return 0, []
+            return []
         found = self.positions.get(tuple(suffix[-w:]))
         if not found:
-            return 0, []
-        best_len, best_pos = 0, -1
+            return []
         limit = min(self.max_window, len(suffix))
         tokens = self.tokens
+        out = []
         for pos in reversed(found[-MAX_CANDIDATES:]):
             if pos + 1 >= before:
                 continue
             n = w
             while n < limit and pos - n >= 0 and tokens[pos - n] == suffix[-n - 1]:
                 n += 1
-            if n > best_len:
-                best_len, best_pos = n, pos
-                if n == limit:
-                    break
-        if best_pos < 0:
-            return 0, []
-        cont = tokens[best_pos + 1 : min(best_pos + 1 + max_len, before)]
-        if _SEPARATOR in cont:
-            cont = cont[: cont.index(_SEPARATOR)]
-        return (best_len, cont) if cont else (0, [])
+            cont = tokens[pos + 1 : min(pos + 1 + max_len, before)]
+            if _SEPARATOR in cont:
+                cont = cont[: cont.index(_SEPARATOR)]
+            if cont:
+                out.append((n, cont))
+        out.sort(key=lambda m: -m[0])  # stable: the most recent first among equal lengths
+        return out
 
 
 class NgramCache:
@@ -98,18 +100,20 @@ class NgramCache:
             self.index.extend(kept)
         self.index.extend(list(tokens) + [_SEPARATOR])
 
-    def lookup(self, suffix: list[int], max_len: int) -> tuple[int, list[int]]:
-        return self.index.lookup(suffix, max_len, len(self.index.tokens))
+    def matches(self, suffix: list[int], max_len: int) -> list[tuple[int, list[int]]]:
+        return self.index.matches(suffix, max_len, len(self.index.tokens)) if self.index.tokens else []
 
     def __len__(self) -> int:
         return len(self.index.tokens)
 
 
-def propose_draft(own: TokenIndex, shared: NgramCache, max_len: int) -> list[int]:
-    """The draft of a request whose tokens so far are `own.tokens`: the continuation of the longest match of its
-    suffix in its own tokens, else (or when the shared cache matches longer) in the recent requests' tokens."""
+def propose_draft(own: TokenIndex, shared: NgramCache, budget: int, shape: TreeShape) -> DraftTree:
+    """The draft (at most `budget` nodes) of a request whose tokens so far are `own.tokens`: a tree of the
+    continuations of its suffix's matches in its own tokens and in the recent requests' tokens (ngram_tree.py),
+    ranked longest match first, its own before the cache's among equals."""
     seq = own.tokens
     suffix = seq[-own.max_window :]
-    own_len, own_cont = own.lookup(suffix, max_len, len(seq))
-    shared_len, shared_cont = shared.lookup(suffix, max_len) if len(shared) else (0, [])
-    return shared_cont if shared_len > own_len else own_cont
+    length = min(budget, shape.branch_length)
+    found = own.matches(suffix, length, len(seq)) + shared.matches(suffix, length)
+    found.sort(key=lambda m: -m[0])
+    return build_draft(found, budget, shape)

@@ -124,6 +124,8 @@ def fail_request(sched: Scheduler, req: Req, error: BaseException) -> bool:
 def fail_batch(sched: Scheduler, batch: ScheduleBatch, error: BaseException) -> list[Req]:
     """The forward of `batch` raised: every request in it ends with an internal error; the server carries on."""
     sched.forward_ct += 1
+    if batch.spec_verify is not None:
+        batch.spec_verify.release(sched.mem)  # the spare KV slots and rows its draft trees were lent
     return [req for req in batch.reqs if fail_request(sched, req, error)]
 
 

@@ -28,14 +28,15 @@ from sglang.srt.model_executor.model_runner import StepOutput
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.args import EAGLE_ALGORITHMS
 from sglang.srt.speculative.draft_model import DraftModel
+from sglang.srt.speculative.draft_tree import DraftTree
 from sglang.srt.speculative.eagle_draft import EagleDraft
 from sglang.srt.speculative.ngram_cache import NgramCache, TokenIndex, propose_draft
+from sglang.srt.speculative.ngram_tree import TreeShape
 from sglang.srt.speculative.verify import (
     VerifyInputs,
-    accepted_length,
     allocate_verify_slots,
-    verify_forward_batch,
-    verify_sampling,
+    fit_trees,
+    verify_inputs,
     verify_slots_needed,
 )
 
@@ -95,14 +96,15 @@ class Speculator:
         self.accept_length = 0.0
 
     # ---- what an algorithm provides ------------------------------------------------------------------
-    def propose(self, sched: Scheduler, reqs: list[Req]) -> list[list[int]]:
+    def propose(self, sched: Scheduler, reqs: list[Req]) -> list[DraftTree]:
         """Each request's draft (empty: it decodes one token this step)."""
         raise NotImplementedError
 
-    def after_verify(self, req: Req, accepted: int, draft: list[int]) -> None:
-        """`req` kept `accepted` tokens of `draft` (it may have finished and been released meanwhile)."""
+    def after_verify(self, req: Req, accepted: int, draft: DraftTree) -> None:
+        """`req` kept `accepted` tokens of `draft` (a path from its root; it may have finished and been released
+        meanwhile)."""
 
-    def discard(self, req: Req, draft: list[int]) -> None:
+    def discard(self, req: Req, draft: DraftTree) -> None:
         """A proposed draft is not verified (the step runs as a plain decode step)."""
 
     def on_release(self, req: Req) -> None:
@@ -143,44 +145,43 @@ class Speculator:
                             SPEC_MAX_BATCH)
                 self.logged_large_batch = True
             return None
-        drafts = self.propose(sched, reqs)
+        drafts = fit_trees(sched.mem, self.propose(sched, reqs))
         if not any(drafts) or verify_slots_needed(reqs, drafts) > sched.mem.available_tokens():
             for req, draft in zip(reqs, drafts):
                 if draft:
                     self.discard(req, draft)
             return None
         allocate_verify_slots(sched.mem, reqs, drafts)
-        device = sched.runner.device
-        forward_batch, first_rows = verify_forward_batch(sched.mem, reqs, drafts, device)
         batch = ScheduleBatch(reqs, is_decode=True)  # its results are decode results (one or more tokens each)
-        batch.spec_verify = VerifyInputs(drafts, first_rows, forward_batch,
-                                         verify_sampling(reqs, drafts, sched.runner.vocab_size, device))
+        batch.spec_verify = verify_inputs(sched.mem, reqs, drafts, sched.runner.vocab_size, sched.runner.device)
         return batch
 
     # ---- results --------------------------------------------------------------------------------------
     def process_verify(self, sched: Scheduler, batch: ScheduleBatch, result: StepOutput) -> list[Req]:
-        """Apply a verify step: each request appends its accepted draft tokens and the bonus token, one at a time
-        as plain decoding appends its token; the requests to report (finished or streaming)."""
+        """Apply a verify step: each request appends the tokens of its accepted path and the bonus token, one at a
+        time as plain decoding appends its token; the requests to report (finished or streaming)."""
         sched.forward_ct += 1
         spec: VerifyInputs = batch.spec_verify
         assert result.sample is not None
         predicted = result.sample.next_token_ids.tolist()
+        paths = [draft.accepted_path(predicted[first : first + 1 + len(draft)])
+                 for first, draft in zip(spec.first_rows, spec.drafts)]
+        spec.settle(sched.mem, batch.reqs, paths)
         outputs: list[Req] = []
         now = time.monotonic()
         for i, req in enumerate(batch.reqs):
-            first, draft = spec.first_rows[i], spec.drafts[i]
+            first, draft, path = spec.first_rows[i], spec.drafts[i], paths[i]
             try:
                 inject_fault(req)
-                accepted = accepted_length(draft, predicted[first : first + len(draft)])
                 before = len(req.output_ids)
                 report = False
-                for j in range(accepted + 1):
-                    report = _process_req(sched, batch, i, req, result, first, first + j, predicted, now)
+                for row in [first] + [first + 1 + node for node in path]:
+                    report = _process_req(sched, batch, i, req, result, first, row, predicted, now)
                     if req.finished():
                         break
                 req.spec_verify_ct += 1
                 if draft:
-                    self.after_verify(req, accepted, draft)
+                    self.after_verify(req, len(path), draft)
                 gained = len(req.output_ids) - before
                 req.spec_accepted_drafts += max(0, gained - 1)
                 self.window_tokens += gained
@@ -216,19 +217,23 @@ class NgramSpeculator(Speculator):
         self.min_window = args.speculative_ngram_min_match_window_size
         self.max_window = args.speculative_ngram_max_match_window_size
         self.shared = NgramCache(self.min_window, self.max_window, args.speculative_ngram_capacity)
-        logger.info("Speculative decoding: NGRAM, %d tokens verified per step (chain draft), match window %d-%d, "
-                    "cache of %d tokens, off above %d running requests", args.speculative_num_draft_tokens,
-                    args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size,
+        self.shape = TreeShape(args.speculative_ngram_match_type, args.speculative_ngram_min_bfs_breadth,
+                               args.speculative_ngram_max_bfs_breadth, self.min_window, self.max_window,
+                               args.speculative_ngram_branch_length)
+        logger.info("Speculative decoding: NGRAM, up to %d tokens verified per step (a %s tree of breadth %d-%d, "
+                    "branches of up to %d tokens), match window %d-%d, cache of %d tokens, off above %d running "
+                    "requests", args.speculative_num_draft_tokens, self.shape.match_type, self.shape.min_breadth,
+                    self.shape.max_breadth, self.shape.branch_length, self.min_window, self.max_window,
                     args.speculative_ngram_capacity, SPEC_MAX_BATCH)
 
-    def propose(self, sched: Scheduler, reqs: list[Req]) -> list[list[int]]:
+    def propose(self, sched: Scheduler, reqs: list[Req]) -> list[DraftTree]:
         table = sched.mem.req_to_token_pool.req_to_token
         return [self.draft(req, table.shape[1]) for req in reqs]
 
-    def draft(self, req: Req, row_width: int) -> list[int]:
+    def draft(self, req: Req, row_width: int) -> DraftTree:
         room = self.room(req, row_width)
         if room <= 0:
-            return []
+            return DraftTree()
         state = req.spec_state
         if state is None:
             state = req.spec_state = DraftState(TokenIndex(self.min_window, self.max_window), self.max_draft)
@@ -237,11 +242,11 @@ class NgramSpeculator(Speculator):
             state.index.extend(req.output_ids[len(state.index.tokens) - len(req.origin_input_ids):])
         if state.skip > 0:
             state.skip -= 1
-            return []
-        return propose_draft(state.index, self.shared, min(room, state.budget))
+            return DraftTree()
+        return propose_draft(state.index, self.shared, min(room, state.budget), self.shape)
 
-    def after_verify(self, req: Req, accepted: int, draft: list[int]) -> None:
-        req.spec_state.update(accepted, len(draft), self.max_draft)
+    def after_verify(self, req: Req, accepted: int, draft: DraftTree) -> None:
+        req.spec_state.update(accepted, draft.depth(), self.max_draft)
 
     def on_release(self, req: Req) -> None:
         """A finished request's tokens join the shared n-gram cache."""
@@ -255,26 +260,33 @@ class StandaloneSpeculator(Speculator):
     name = "STANDALONE"
 
     def __init__(self, args: ServerArgs, draft: DraftModel) -> None:
-        assert args.speculative_num_steps is not None
+        assert args.speculative_num_steps is not None and args.speculative_num_draft_tokens is not None
         super().__init__(args.speculative_num_steps)
         self.draft = draft
-        logger.info("Speculative decoding: %s, %s, %d steps (%d tokens verified per step, chain draft), "
+        shape = ("chain draft" if draft.topk == 1 else
+                 f"a tree of up to {args.speculative_num_draft_tokens - 1} nodes from the top {draft.topk} per step")
+        logger.info("Speculative decoding: %s, %s, %d steps (%d tokens verified per step, %s), "
                     "draft KV cache of %d tokens, off above %d running requests", self.name, draft.description,
-                    args.speculative_num_steps, args.speculative_num_draft_tokens, draft.mem.max_total_num_tokens,
-                    SPEC_MAX_BATCH)
+                    args.speculative_num_steps, args.speculative_num_draft_tokens, shape,
+                    draft.mem.max_total_num_tokens, SPEC_MAX_BATCH)
 
-    def propose(self, sched: Scheduler, reqs: list[Req]) -> list[list[int]]:
+    def propose(self, sched: Scheduler, reqs: list[Req]) -> list[DraftTree]:
         table = sched.mem.req_to_token_pool.req_to_token
         steps = [min(self.room(req, table.shape[1]), self.draft.max_steps(req)) for req in reqs]
-        # Run the draft model only when the verify step will find its KV slots (drafts are at most this long).
-        if not any(steps) or verify_slots_needed(reqs, [[0] * k for k in steps]) > sched.mem.available_tokens():
-            return [[] for _ in reqs]
-        return self.draft.propose(reqs, steps)
+        # Run the draft only when the verify step will find its KV slots (the largest drafts it can make).
+        extra = max(0, self.draft.tree_size - 1) if self.draft.topk > 1 else 0
+        largest = [DraftTree([0] * (k + extra), list(range(-1, k - 1)) + [-1] * extra) if k else DraftTree()
+                   for k in steps]
+        if not any(steps) or verify_slots_needed(reqs, largest) > sched.mem.available_tokens():
+            return [DraftTree() for _ in reqs]
+        if self.draft.topk > 1:
+            return self.draft.propose_trees(reqs, steps)
+        return [DraftTree.chain(tokens) for tokens in self.draft.propose(reqs, steps)]
 
-    def after_verify(self, req: Req, accepted: int, draft: list[int]) -> None:
+    def after_verify(self, req: Req, accepted: int, draft: DraftTree) -> None:
         self.draft.settle(req, accepted)
 
-    def discard(self, req: Req, draft: list[int]) -> None:
+    def discard(self, req: Req, draft: DraftTree) -> None:
         self.draft.settle(req, 0)
 
     def on_release(self, req: Req) -> None:
