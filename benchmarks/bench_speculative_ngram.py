@@ -2,12 +2,14 @@
 copy-heavy prompts (the answer repeats the prompt) and free prompts, against servers this script starts.
 
     python benchmarks/bench_speculative_ngram.py [--model HuggingFaceTB/SmolLM2-135M-Instruct] [--max-new-tokens 128]
-        [--num-draft-tokens 8] [--chain]
+        [--num-draft-tokens 8] [--tree-breadth 10]
 
-With --chain a third server drafts chains only (--speculative-ngram-max-bfs-breadth 1) beside the default trees.
+With --tree-breadth a third server drafts trees of that breadth (--speculative-ngram-max-bfs-breadth; SGLang's
+default is 10) beside the default (chains on CPU).
 
-After one warm-up request, each prompt runs once, one request at a time, streamed; the figures are output tokens over
-wall time, and decoding alone: the tokens after the first over the time after the first token (no prefill).
+After one warm-up request, each prompt runs once, one request at a time (then the 16-concurrent workload: 16 prompts
+at once), streamed; the figures are output tokens over wall time, and decoding alone: the tokens after the first over
+the time after the first token (no prefill), summed over the requests.
 Every prompt is new to the server, so drafts come from the request itself (a repeated prompt would also be drafted
 from the n-gram cache of earlier requests). Outputs of both servers are compared token for token.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
@@ -49,34 +52,47 @@ def chat(text: str) -> str:
     return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def run(url: str, prompts: list[str], max_new: int) -> tuple[float, list[list[int]], float, float]:
+def one(url: str, prompt: str, max_new: int) -> tuple[dict, float]:
+    """The last streamed chunk of a greedy request, and the time from its first chunk to its end."""
+    body = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": max_new}, "stream": True}
+    first, last = None, {}
+    with requests.post(f"{url}/generate", json=body, timeout=600, stream=True) as r:
+        for line in r.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                first = first or time.perf_counter()
+                last = json.loads(line[6:])
+    return last, time.perf_counter() - (first or time.perf_counter())
+
+
+def run(url: str, prompts: list[str], max_new: int, concurrency: int = 1
+        ) -> tuple[float, list[list[int]], float, float]:
     """(output tok/s, outputs, mean tokens per decode forward, decode tok/s: the tokens after the first over the time
-    after the first) over one pass of `prompts`, one at a time, streamed."""
-    params = {"temperature": 0, "max_new_tokens": max_new}
-    tokens, forwards, outputs, decode_time = 0, 0, [], 0.0
+    after the first, summed over the requests) over one pass of `prompts`, `concurrency` at a time, streamed."""
     start = time.perf_counter()
-    for p in prompts:
-        body = {"text": p, "sampling_params": params, "stream": True}
-        first, last = None, {}
-        with requests.post(f"{url}/generate", json=body, timeout=600, stream=True) as r:
-            for line in r.iter_lines():
-                if line.startswith(b"data: ") and line != b"data: [DONE]":
-                    first = first or time.perf_counter()
-                    last = json.loads(line[6:])
-        decode_time += time.perf_counter() - (first or time.perf_counter())
-        outputs.append(last["output_ids"])
-        meta = last["meta_info"]
-        tokens += meta["completion_tokens"]
-        forwards += meta.get("spec_verify_ct", meta["completion_tokens"] - 1)
+    with ThreadPoolExecutor(concurrency) as pool:
+        done = list(pool.map(lambda p: one(url, p, max_new), prompts))
     elapsed = time.perf_counter() - start
-    return tokens / elapsed, outputs, (tokens - len(prompts)) / max(forwards, 1), (tokens - len(prompts)) / decode_time
+    metas = [last["meta_info"] for last, _ in done]
+    tokens = sum(m["completion_tokens"] for m in metas)
+    forwards = sum(m.get("spec_verify_ct", m["completion_tokens"] - 1) for m in metas)
+    decode_time = sum(t for _, t in done)
+    return (tokens / elapsed, [last["output_ids"] for last, _ in done], (tokens - len(prompts)) / max(forwards, 1),
+            (tokens - len(prompts)) / decode_time)
 
 
 Results = dict[tuple[str, str], tuple[float, list[list[int]], float, float]]
 
 
 def workloads() -> dict[str, list[str]]:
-    return {"copy-heavy": [chat(f"Repeat this text exactly: {t}") for t in TEXTS], "free": [chat(q) for q in FREE]}
+    """Batch 1: copy-heavy and free prompts; then both kinds, 16 at a time (speculation pauses above 8 running)."""
+    copy = [chat(f"Repeat this text exactly: {t}") for t in TEXTS]
+    free = [chat(q) for q in FREE]
+    mixed = copy + free + [chat(f"Copy this, word for word: {t}") for t in TEXTS[:2]] + [
+        chat(f"{q} Answer in two sentences.") for q in FREE[:2]]
+    return {"copy-heavy": copy, "free": free, "16 concurrent": mixed}
+
+
+CONCURRENCY = {"16 concurrent": 16}
 
 
 def measure(model: str, configs: dict[str, list[str]], max_new: int) -> Results:
@@ -88,7 +104,7 @@ def measure(model: str, configs: dict[str, list[str]], max_new: int) -> Results:
         try:
             run(url, [chat("Say hello.")], 8)  # warm-up
             for workload, prompts in workloads().items():
-                results[(name, workload)] = run(url, prompts, max_new)
+                results[(name, workload)] = run(url, prompts, max_new, CONCURRENCY.get(workload, 1))
         finally:
             terminate_process(proc)
     return results
@@ -109,18 +125,18 @@ def main() -> None:
     parser.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--num-draft-tokens", type=int, default=8)
-    parser.add_argument("--chain", action="store_true", help="also a server whose drafts are chains")
+    parser.add_argument("--tree-breadth", type=int, default=0, help="also a server drafting trees of this breadth")
     args = parser.parse_args()
     ngram = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(args.num_draft_tokens)]
     configs = {"plain": [], "ngram": ngram}
-    if args.chain:
-        configs["chain"] = [*ngram, "--speculative-ngram-max-bfs-breadth", "1"]
+    if args.tree_breadth:
+        configs["tree"] = [*ngram, "--speculative-ngram-max-bfs-breadth", str(args.tree_breadth)]
     results = measure(args.model, configs, args.max_new_tokens)
     print(f"# {args.model}, batch 1, greedy, {args.max_new_tokens} new tokens, "
           f"up to {args.num_draft_tokens} tokens verified per step")
     report(results, "ngram", "NGRAM")
-    if args.chain:
-        report(results, "chain", "NGRAM chains")
+    if args.tree_breadth:
+        report(results, "tree", f"NGRAM trees of breadth {args.tree_breadth}")
 
 
 if __name__ == "__main__":

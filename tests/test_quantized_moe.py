@@ -155,17 +155,11 @@ def test_experts_served_from_the_checkpoints_own_blocks(tmp_path, name, caplog):
     quantization step where the zero points make the offsets (model_loader/int_blocks.py); prefill logits then
     match transformers' with the served experts."""
     from sglang.srt.layers.moe.fused_moe import FusedMoE
-    from sglang.srt.model_executor.model_runner import attach_fast_paths, load_for_plan
-    from tests.test_gguf_families import MAX_ROWS, blocks_plan
 
     hf_model, quant_dir, _ = build_quantized_moe(tmp_path, name)
     (gate, up, down), block = _expert_layout(hf_model)
     exact = reference_experts(quant_dir)  # the integers' values, in float32
-    plan = blocks_plan()
-    with caplog.at_level(logging.INFO, logger="sglang.srt.model_loader"):
-        ours = load_for_plan(str(quant_dir), torch.float32, torch.device("cpu"), None, MAX_ROWS, plan)
-        attach_fast_paths(ours, None, ours.config, MAX_ROWS, plan)
-    messages = [r.getMessage() for r in caplog.records]
+    ours, messages = load_under_blocks_plan(quant_dir, caplog)
     assert any("experts of" in m and "not loaded as floats" in m for m in messages), messages
     assert any("from its own Q4_1 blocks" in m and "every matmul and expert" in m for m in messages), messages
     for i, layer in enumerate(ours.model.layers):
@@ -203,6 +197,18 @@ def test_experts_served_from_the_checkpoints_own_blocks(tmp_path, name, caplog):
 FP16_REFERENCE_TOL = 0.02
 
 
+def load_under_blocks_plan(quant_dir: Path, caplog) -> tuple[Any, list[str]]:
+    """The checkpoint loaded as the server loads it where blocks serve every batch, and the loader's log."""
+    from sglang.srt.model_executor.model_runner import attach_fast_paths, load_for_plan
+    from tests.test_gguf_families import MAX_ROWS, blocks_plan
+
+    plan = blocks_plan()
+    with caplog.at_level(logging.INFO, logger="sglang.srt.model_loader"):
+        ours = load_for_plan(str(quant_dir), torch.float32, torch.device("cpu"), None, MAX_ROWS, plan)
+        attach_fast_paths(ours, None, ours.config, MAX_ROWS, plan)
+    return ours, [r.getMessage() for r in caplog.records]
+
+
 def reference_experts(quant_dir: Path) -> dict[str, torch.Tensor]:
     """Every expert projection of the checkpoint as model_loader/dequantize.py computes it, in float32 (exact)."""
     from sglang.srt.model_loader.quant_config import resolve_quantization
@@ -218,20 +224,14 @@ def reference_experts(quant_dir: Path) -> dict[str, torch.Tensor]:
 def test_experts_without_blocks_are_read_again_dequantized(tmp_path, monkeypatch, caplog):
     """Experts released before loading whose integers make no blocks after all (here every expert's scales refused)
     are read again dequantized: the model is the one loaded without blocks."""
-    from sglang.srt.model_executor.model_runner import attach_fast_paths, load_for_plan
     from sglang.srt.model_loader import quantized_weights
-    from tests.test_gguf_families import MAX_ROWS, blocks_plan
 
     name = "qwen2_moe-gptq-4bit-g32-sym"
     hf_model, quant_dir, references = build_quantized_moe(tmp_path, name)
     plain = quantized_weights.blocks_of
     monkeypatch.setattr(quantized_weights, "blocks_of", lambda stored, module: (
         f"{module}: refused here" if ".experts." in module else plain(stored, module)))
-    plan = blocks_plan()
-    with caplog.at_level(logging.INFO, logger="sglang.srt.model_loader"):
-        ours = load_for_plan(str(quant_dir), torch.float32, torch.device("cpu"), None, MAX_ROWS, plan)
-        attach_fast_paths(ours, None, ours.config, MAX_ROWS, plan)
-    messages = [r.getMessage() for r in caplog.records]
+    ours, messages = load_under_blocks_plan(quant_dir, caplog)
     assert any("keeps the dequantize path" in m and "refused here" in m for m in messages), messages
     assert any("were read again, dequantized" in m for m in messages), messages
     (gate, up, down), block = _expert_layout(hf_model)

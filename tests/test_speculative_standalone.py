@@ -143,10 +143,15 @@ def test_sequential_requests_and_logprobs_match(servers):
 
 
 def test_seeded_sampling_equals_plain_decoding(servers):
-    plain, spec = servers
+    seeded_sampling_matches(*servers, first_seed=11)
+
+
+def seeded_sampling_matches(plain: str, spec: str, first_seed: int) -> None:
+    """Seeded sampled requests and a greedy one at once: the speculative server's outputs are the plain one's, with
+    drafts accepted for the sampled ones, and its KV pool ends clean."""
     # top_k 2: a random model's next-token distribution is nearly flat; drafts are accepted only where it is not
-    jobs = [(p, {"temperature": 1.0, "top_k": 2, "max_new_tokens": 24, "sampling_seed": 11 + i, "ignore_eos": True})
-            for i, p in enumerate(PROMPTS[:4])]
+    jobs = [(p, {"temperature": 1.0, "top_k": 2, "max_new_tokens": 24, "sampling_seed": first_seed + i,
+                 "ignore_eos": True}) for i, p in enumerate(PROMPTS[:4])]
     jobs += [(PROMPTS[5], {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True})]
     with ThreadPoolExecutor(len(jobs)) as pool:
         want = list(pool.map(lambda c: generate(plain, *c), jobs))

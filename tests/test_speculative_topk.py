@@ -4,7 +4,6 @@ greedy and seeded outputs equal plain decoding and both KV pools end idle."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -13,8 +12,14 @@ import torch
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.draft_model import DraftModel
 from tests.server_fixtures import running_server
-from tests.test_speculative_ngram import assert_clean, generate
-from tests.test_speculative_standalone import COMMON, PROMPTS, DecodingReq, greedy_cases_match, target_and_draft
+from tests.test_speculative_standalone import (
+    COMMON,
+    PROMPTS,
+    DecodingReq,
+    greedy_cases_match,
+    seeded_sampling_matches,
+    target_and_draft,
+)
 
 TOPK, STEPS, NODES = 3, 3, 7
 TREE_FLAGS = ("--speculative-algorithm", "STANDALONE", "--speculative-eagle-topk", str(TOPK),
@@ -98,12 +103,4 @@ def test_greedy_and_seeded_outputs_equal_plain_decoding(servers):
     plain, spec = servers
     got = greedy_cases_match(plain, spec)
     assert sum(g["meta_info"]["spec_accepted_draft_tokens"] for g in got) > 0
-    jobs = [(p, {"temperature": 1.0, "top_k": 2, "max_new_tokens": 24, "sampling_seed": 5 + i, "ignore_eos": True})
-            for i, p in enumerate(PROMPTS[:4])]
-    jobs += [(PROMPTS[5], {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True})]
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        want = list(pool.map(lambda c: generate(plain, *c), jobs))
-        again = list(pool.map(lambda c: generate(spec, *c), jobs))
-    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in want]
-    assert sum(o["meta_info"]["spec_accepted_draft_tokens"] for o in again[:4]) > 0
-    assert_clean(spec)
+    seeded_sampling_matches(plain, spec, first_seed=5)

@@ -28,6 +28,7 @@ from torch import nn
 
 from sglang.srt.layers.linear import MergedLinear
 from sglang.srt.layers.moe.fused_moe import FusedMoE
+from sglang.srt.layers.quantization.gguf_blocks import GGUFQuantWeight
 from sglang.srt.model_loader.int_blocks import MadeBlocks, RawBlocks, blocks_of, checkpoint_block_reason
 from sglang.srt.model_loader.quant_config import Scheme
 
@@ -44,6 +45,12 @@ class QuantizedSource:
     served: dict[int, str] = field(default_factory=dict)
     # the raw blocks made as the weights were loaded, until they are attached or dropped (None: not made)
     made: Optional[MadeBlocks] = None
+
+    def serve(self, raw: RawBlocks) -> GGUFQuantWeight:
+        """Blocks made from the checkpoint's integers, as served (counted in `served` for the weights report)."""
+        weight = GGUFQuantWeight(*raw)
+        self.served[id(weight.packed)] = weight.qtype
+        return weight
 
     def describe(self) -> str:
         qtypes = "/".join(sorted(set(self.served.values())))

@@ -90,7 +90,7 @@ def _write_source_and_hf_dir(gguf_path: str, out_dir: Path) -> None:
     architecture = _write_hf_dir(gguf_path, out_dir)
     # transformers' Llama processor put the Q / K rows llama.cpp interleaves for its rotary embedding back in the
     # checkpoint's order: the file's blocks of those rows are read in that order (model_loader/gguf_quant.py)
-    qk_rows = "interleaved" if _PROCESSOR_OF.get(architecture or "", architecture) == "llama" else "as stored"
+    qk_rows = "interleaved" if _processor_arch(architecture or "") == "llama" else "as stored"
     record = {"path": gguf_path, "converter_version": CONVERTER_VERSION, "architecture": architecture,
               "qk_rows": qk_rows}
     (out_dir / SOURCE_RECORD).write_text(json.dumps(record))
@@ -190,7 +190,7 @@ def _stream_tensors(reader: Any, architecture: str, config: Any, skeleton, write
     from gguf import dequantize
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    processor_arch = _PROCESSOR_OF.get(architecture, architecture)
+    processor_arch = _processor_arch(architecture)
     processor = TENSOR_PROCESSORS.get(processor_arch, TensorProcessor)(config=config.to_dict())
     # transformers finds the file's tensor names by the config's model type, which for DeepSeek is not the arch
     mapping = get_gguf_hf_weights_map(skeleton, processor, model_type=architecture if architecture in KEY_BUILT
@@ -253,6 +253,11 @@ _GATHERS_EXPERTS = ("qwen2moe", "qwen3moe")
 # transformers' tensor processor for the architectures it has none for: the Llama path's Q/K rows (Granite and
 # SmolLM3 are converted as Llama models), gathered experts (DeepSeek)
 _PROCESSOR_OF = {"granite": "llama", "smollm3": "llama", "deepseek2": "qwen2moe"}
+
+
+def _processor_arch(architecture: str) -> str:
+    """The architecture whose transformers tensor processor reads a file of `architecture`."""
+    return _PROCESSOR_OF.get(architecture, architecture)
 
 
 def _file_part(architecture: str, name: str, weights, shapes: dict, config: Any,

@@ -24,7 +24,6 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from sglang.srt.layers.linear import hold_as
 from sglang.srt.layers.moe.expert_blocks import ExpertBlocks
 from sglang.srt.layers.moe.fused_moe import FusedMoE
 from sglang.srt.layers.quantization.gguf_blocks import QK, GGUFQuantWeight, kernels_available
@@ -42,7 +41,6 @@ Served = tuple[GGUFQuantWeight, str, bool]
 Matches = Callable[[list[RawBlocks], torch.Tensor], bool]
 Serve = Callable[[list[RawBlocks]], tuple[GGUFQuantWeight, bool]]
 Block = Callable[[str], Optional[RawBlocks]]
-EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
 
 def expert_tensor_names(layer: int) -> list[str]:
@@ -79,8 +77,7 @@ def experts_read_from_file(model: nn.Module, gguf_path: str | os.PathLike) -> Op
 
     def release(allocated: nn.Module) -> None:
         for _, fused in _expert_layers(allocated):
-            for name in EXPERT_PARAMS:
-                hold_as(fused, name, getattr(fused, name).dtype, "meta")
+            fused.hold_stacked(device="meta")
 
     return release
 
@@ -105,8 +102,8 @@ def layer_expert_blocks(fused: FusedMoE, stacked: list[Optional[RawBlocks]], mat
                         ) -> Optional[tuple[list[Served], list[Served]]]:
     """Per expert of `fused`, the served blocks of its gate/up and its down projection read from the layer's stacked
     file tensors (`stacked`: gate, up, down), or None when a tensor is missing or an expert's values are not the
-    loaded ones (`matches`: the stored values equal a float tensor; `serve`: the blocks the kernels read, converted
-    where needed)."""
+    loaded ones (`matches`: the stored values equal a float tensor, or fit the shape of one never loaded; `serve`: the
+    blocks the kernels read, converted where needed)."""
     gate, up, down = stacked
     if gate is None or up is None or down is None:
         return None
@@ -120,10 +117,7 @@ def layer_expert_blocks(fused: FusedMoE, stacked: list[Optional[RawBlocks]], mat
             return None
         for parts, target, out in (([p for p in pieces if p is not None], fused.gate_up_proj[index], gate_up),
                                    ([own_down], fused.down_proj[index], downs)):
-            if target.is_meta:  # never loaded (experts_read_from_file): the file's values are the checkpoint's
-                if (sum(p[2] for p in parts), parts[0][3]) != tuple(target.shape):
-                    return None
-            elif not matches(parts, target):
+            if not matches(parts, target):
                 return None
             weight, as_stored = serve(parts)
             out.append((weight, "+".join(sorted({p[0] for p in parts})), as_stored))

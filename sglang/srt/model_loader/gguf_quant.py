@@ -119,9 +119,14 @@ def _matching_parts(candidates: Sequence[Callable[[], Optional[RawBlocks | Parts
     linears_read_from_file), the first of its shape (the candidates come in the order the conversion records)."""
     for make in candidates:
         parts = _as_parts(make())
-        if parts and (_fits(parts, target) if target.is_meta else _dequantizes_to(parts, target)):
+        if parts and _matches(parts, target):
             return parts
     return None
+
+
+def _matches(parts: Parts, target: torch.Tensor) -> bool:
+    """The parts hold `target`'s values exactly, or, for a weight never loaded (a meta tensor), its shape."""
+    return _fits(parts, target) if target.is_meta else _dequantizes_to(parts, target)
 
 
 def _fits(parts: Parts, target: torch.Tensor) -> bool:
@@ -182,7 +187,7 @@ def attach_gguf_quant_weights(model: Any, gguf_path: str, config: Any, max_rows:
     expert_bytes = 0
     if experts:
         assert large is not None
-        expert_bytes = attach_file_experts(model, block, _dequantizes_to, _served, max_rows, expert_large or large,
+        expert_bytes = attach_file_experts(model, block, _matches, _served, max_rows, expert_large or large,
                                            int8_activations)
     interleaved = conversion_record(gguf_path).get("qk_rows", "interleaved") == "interleaved"
     return expert_bytes + _attach_linears(model, block, config, max_rows, large, interleaved)

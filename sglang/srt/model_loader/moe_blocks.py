@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from functools import partial
 from typing import Any, Optional
 
 import torch
@@ -46,6 +45,7 @@ from sglang.srt.model_loader.q8_blocks import (
     head_for_blocks,
     kept_owners,
     kernels_missing,
+    large_batch_values,
     quantize_blocks,
     untied_head,
 )
@@ -103,8 +103,7 @@ def keep_experts_in(model: nn.Module, dtype: torch.dtype, from_gguf: bool = Fals
     for module in kept_owners(model, linears, dtype):
         hold_as(module, "weight", dtype)
     for fused in experts:
-        for name in ("gate_up_proj", "down_proj"):
-            hold_as(fused, name, dtype)
+        fused.hold_stacked(dtype)
     return None
 
 
@@ -116,8 +115,7 @@ def experts_released_for_checkpoint_blocks(model: nn.Module) -> Callable[[nn.Mod
     def release(allocated: nn.Module) -> None:
         experts = _parts(allocated)[1]
         for fused in experts:
-            for name in ("gate_up_proj", "down_proj"):
-                hold_as(fused, name, getattr(fused, name).dtype, "meta")
+            fused.hold_stacked(device="meta")
         logger.info("The experts of %d layers are not loaded as floats: the blocks made from the checkpoint's "
                     "integers serve them", len(experts))
 
@@ -136,14 +134,12 @@ def _reload_experts(model: Any, source: Any) -> None:
         return
     pieces = {}
     for name, fused in released:
-        for param in ("gate_up_proj", "down_proj"):
-            hold_as(fused, param, torch.float32, "cpu")
+        fused.hold_stacked(torch.float32, "cpu")
         pieces.update(fused.checkpoint_pieces(name))
     dtype = dequantized_dtype(str(source.files[0].parent), source.scheme)
     with torch.no_grad():
-        for piece, tensor in iterate_dequantized(source.files, source.scheme, dtype):
-            if piece in pieces:
-                pieces[piece][1](tensor, piece)
+        for piece, tensor in iterate_dequantized(source.files, source.scheme, dtype, wanted=pieces.__contains__):
+            pieces[piece][1](tensor, piece)
     logger.info("The experts of %d layers were read again, dequantized: the checkpoint has no blocks for them",
                 len(released))
 
@@ -161,45 +157,36 @@ def why_no_expert_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlo
     # the kept weights may be in the checkpoint's dtype (keep_experts_in); those a GGUF file's blocks serve, released
     linears, experts = _parts(model)
     kept = {id(m.weight) for m in kept_owners(model, linears, torch.bfloat16)}
-    kept.update(id(p) for fused in experts for p in (fused.gate_up_proj, fused.down_proj))
+    kept.update(id(p) for fused in experts for p in fused.stacked_params())
     released = {id(m.weight) for m in linears if isinstance(m.linear_method, GGUFLinearMethod)}
-    released.update(id(p) for fused in experts for p in (fused.gate_up_proj, fused.down_proj) if p.is_meta)
+    released.update(id(p) for fused in experts for p in fused.stacked_params() if p.is_meta)
     head = head_for_blocks(model)
-    if head is not None and isinstance(model.logits_processor.head_method, GGUFLinearMethod):
+    if head is not None and _head_in_blocks(model):
         released.add(id(head.weight))
     if not float32_on_cpu_except(model, kept, frozenset(released)):
         return "the model is not float32 on CPU"
     return None
 
 
+def _head_in_blocks(model: Any) -> bool:
+    """The LM head runs on blocks already (a GGUF file's own)."""
+    return isinstance(model.logits_processor.head_method, GGUFLinearMethod)
+
+
 def _expert_blocks(fused: FusedMoE, max_rows: int, large: LargeFromBlocks, qtype: str, int8_activations: bool,
-                   dtype: torch.dtype, made: Optional[list[tuple[RawBlocks, RawBlocks]]] = None) -> ExpertBlocks:
+                   dtype: torch.dtype, made: Optional[list[tuple[GGUFQuantWeight, GGUFQuantWeight]]] = None
+                   ) -> ExpertBlocks:
     """The blocks of every expert of `fused`, which compute in the model's `dtype`: quantized from its float values,
     or `made` from a quantized checkpoint's integers (checkpoint_blocks.expert_blocks: per expert gate/up, down)."""
     methods: dict[str, list[GGUFLinearMethod]] = {"gate_up_proj": [], "down_proj": []}
     for expert in range(fused.num_experts):
         for index, (name, out) in enumerate(methods.items()):
             weight = getattr(fused, name)[expert]
-            blocks = quantize_blocks(weight, qtype) if made is None else GGUFQuantWeight(*made[expert][index])
+            blocks = quantize_blocks(weight, qtype) if made is None else made[expert][index]
             method = GGUFLinearMethod(blocks, max_rows, int8_activations=int8_activations)
-            # Q8_0 blocks are within 1/254 of the float weight they round: that weight makes an int8 copy's
-            # values; Q4_1 blocks are coarser, and every batch size must compute with the same weights.
-            values: Callable[[], torch.Tensor] = (partial(_same, weight) if qtype == "Q8_0" and made is None
-                                                  else blocks.dequantize)
-            method.large = large(blocks, values)
+            method.large = large(blocks, large_batch_values(weight, blocks, made_here=made is None))
             out.append(method)
     return ExpertBlocks(methods["gate_up_proj"], methods["down_proj"], dtype)
-
-
-def _same(weight: torch.Tensor) -> torch.Tensor:
-    return weight
-
-
-def _served_from(source: Any, raw: RawBlocks) -> GGUFQuantWeight:
-    """Blocks made from a quantized checkpoint's integers, counted as served from it (the weights report)."""
-    weight = GGUFQuantWeight(*raw)
-    source.served[id(weight.packed)] = weight.qtype
-    return weight
 
 
 def attach_expert_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlocks], qtype: str = "Q8_0",
@@ -217,7 +204,7 @@ def attach_expert_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlo
     experts = [m for m in all_experts if m.expert_blocks is None]
     from_file = len(linears) < len(all_linears) or len(experts) < len(all_experts)
     head = head_for_blocks(model)
-    if head is not None and isinstance(model.logits_processor.head_method, GGUFLinearMethod):
+    if head is not None and _head_in_blocks(model):
         head = None
     if not linears and not experts and head is None:
         return 0
@@ -241,7 +228,7 @@ def attach_expert_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlo
     attached = 0
     for module, fallback in [(m, qtype) for m in linears] + ([(head, "Q8_0")] if head is not None else []):
         raw = found.pop(id(module), None)
-        weight = quantize_blocks(module.weight, fallback) if raw is None else _served_from(source, raw)
+        weight = quantize_blocks(module.weight, fallback) if raw is None else source.serve(raw)
         own_weight = module is not head or untied_head(model) is not None  # else the input embeddings, which stay
         method = blocks_method(module, weight, max_rows, large, dtype if own_weight else None,
                                from_file=raw is not None)
@@ -252,11 +239,9 @@ def attach_expert_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlo
         attached += method.quant_weight.nbytes
     expert_bytes = 0
     for fused in experts:  # one layer at a time: its float experts go as soon as their blocks exist
-        own = expert_blocks(found, fused) if source is not None else None
+        raws = expert_blocks(found, fused) if source is not None else None
+        own = [(source.serve(gate_up), source.serve(down)) for gate_up, down in raws] if raws is not None else None
         blocks = _expert_blocks(fused, max_rows, expert_large or large, qtype, activations == "int8", dtype, own)
-        if source is not None:
-            source.served.update((id(m.quant_weight.packed), m.quant_weight.qtype)
-                                 for m in blocks.gate_up + blocks.down)
         fused.serve_from_blocks(blocks, dtype)
         expert_bytes += blocks.nbytes
     if source is not None:

@@ -180,6 +180,16 @@ def keep_linears_in(model: nn.Module, dtype: torch.dtype, keep_table: bool = Tru
 LargeFromBlocks = Callable[[GGUFQuantWeight, Callable[[], torch.Tensor]], LinearMethod]
 
 
+def large_batch_values(weight: torch.Tensor, blocks: GGUFQuantWeight, made_here: bool) -> Callable[[], torch.Tensor]:
+    """What a large-batch copy of `blocks` (which replace the float `weight`) is made from, so that every batch size
+    computes with the same weights: `weight` itself where the blocks are Q8_0 made from it at load (`made_here`:
+    within 1/254 of it), else the blocks' values (Q4_1 is coarser; blocks read from a file or made from a quantized
+    checkpoint may differ from `weight`, its bf16 rounding)."""
+    if blocks.qtype == "Q8_0" and made_here:
+        return lambda: weight
+    return blocks.dequantize
+
+
 def blocks_method(module: nn.Module, weight: GGUFQuantWeight, max_rows: int, large: Optional[LargeFromBlocks],
                   release_dtype: Optional[torch.dtype], from_file: bool = False) -> GGUFLinearMethod:
     """The linear method of a layer that gets `weight`'s blocks for batches of at most `max_rows` rows. With `large`
@@ -190,8 +200,7 @@ def blocks_method(module: nn.Module, weight: GGUFQuantWeight, max_rows: int, lar
     blocks made at load are within 1/254 of the float weight they round: that weight serves)."""
     method = GGUFLinearMethod(weight, max_rows)
     if large is not None:
-        own: torch.Tensor = module.weight  # type: ignore[assignment]
-        method.large = large(weight, (lambda: own) if weight.qtype == "Q8_0" and not from_file else weight.dequantize)
+        method.large = large(weight, large_batch_values(module.weight, weight, made_here=not from_file))  # type: ignore[arg-type]
         if release_dtype is not None:  # a meta tensor: arithmetic on it fails loudly instead of reading stale values
             hold_as(module, "weight", release_dtype, "meta")
     return method
@@ -236,8 +245,7 @@ def attach_q8_0_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlock
             weight = quantize_blocks(module.weight, fallback)  # type: ignore[arg-type]
         else:
             assert source is not None
-            weight = GGUFQuantWeight(*raw)
-            source.served[id(weight.packed)] = weight.qtype
+            weight = source.serve(raw)
             if large is None and own_weight:  # the float weight serves large batches: the blocks' values then
                 with torch.no_grad():
                     module.weight.copy_(weight.dequantize())  # type: ignore[operator]

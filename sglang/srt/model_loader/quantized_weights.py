@@ -174,11 +174,12 @@ def check_quantized_checkpoint(model_dir: str, scheme: Scheme) -> int:
     return len(plan_quantized_modules(TensorStore(weight_files(model_dir)).names, scheme))
 
 
-def iterate_dequantized(files: list[Path], scheme: Scheme, dtype: torch.dtype,
-                        made: Optional[MadeBlocks] = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_dequantized(files: list[Path], scheme: Scheme, dtype: torch.dtype, made: Optional[MadeBlocks] = None,
+                        wanted: Optional[Callable[[str], bool]] = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the checkpoint `files`, its quantized weights dequantized to `dtype` (see the module doc);
     with `made`, the raw blocks of each quantized weight (MoE experts' too: model_loader/moe_blocks.py serves them)
-    are made from its integers as it is read and added to it."""
+    are made from its integers as it is read and added to it. With `wanted`, only the tensors it accepts (by the
+    name yielded) are read, and nothing is logged."""
     store = TensorStore(files)
     plan = plan_quantized_modules(store.names, scheme)
     companions = set(_companions(scheme))
@@ -186,6 +187,8 @@ def iterate_dequantized(files: list[Path], scheme: Scheme, dtype: torch.dtype,
     for name in store.names:
         module, _, leaf = name.rpartition(".")
         primary = plan.get(module)
+        if wanted is not None and not wanted(f"{module}.weight" if primary == leaf else name):
+            continue
         if primary == leaf:
             stored = read_weight(scheme, module, primary, store.get)
             if made is not None:
@@ -204,6 +207,8 @@ def iterate_dequantized(files: list[Path], scheme: Scheme, dtype: torch.dtype,
                 raise QuantizedCheckpointError(f"Checkpoint tensor {name} is float8 but has no scale beside it "
                                                f"({module}.weight_scale or {module}.weight_scale_inv)")
             yield name, tensor
+    if wanted is not None:
+        return
     if isinstance(scheme, OnlineScheme):
         logger.info("Quantized at load: %s, %s, %d linears of the decoder (embeddings, norms and the LM head as "
                     "stored), served as the checkpoint kind %s; their values loaded in %s", scheme.method,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -241,21 +242,38 @@ class DraftModel:
                 continue
             table[seq.row, seq.computed : req.seqlen] = self.mem.alloc_slots(need)
             chosen.append((i, req, seq, k))
-        trees = [DraftTree() for _ in reqs]
-        if not chosen:
-            return trees
-        try:
+
+        def start() -> tuple[list[tuple[list[int], list[float], Any]], list[int]]:
             logits = self._catch_up_logits([(req, seq) for _, req, seq, _ in chosen])
             for _, req, seq, _ in chosen:
                 seq.computed = req.seqlen
             ids, lps = top_candidates(logits, self.topk)
-            step: StepFn = lambda parts, ctxs: ([None] * len(parts), *top_candidates(  # noqa: E731
-                self._forward_logits([(row, pos, [token]) for row, pos, token in parts]), self.topk))
-            found = search_trees(self.mem, [(seq.row, req.seqlen) for _, req, seq, _ in chosen],
-                                 [(a, b, None) for a, b in zip(ids, lps)], [k for *_, k in chosen], self.topk,
+            return [(a, b, None) for a, b in zip(ids, lps)], [req.seqlen for _, req, _, _ in chosen]
+
+        def step(parts: list[tuple[int, int, int]], _: list[Any]) -> tuple[list[Any], list[list[int]],
+                                                                           list[list[float]]]:
+            logits = self._forward_logits([(row, pos, [token]) for row, pos, token in parts])
+            return [None] * len(parts), *top_candidates(logits, self.topk)
+
+        return self._search(len(reqs), chosen, start, step, "The draft model")
+
+    def _search(self, count: int, chosen: list[tuple[int, Any, Any, int]],
+                start: Callable[[], tuple[list[tuple[list[int], list[float], Any]], list[int]]], step: StepFn,
+                what: str) -> list[DraftTree]:
+        """The trees of the `count` requests of a proposal (empty but for `chosen`: index, request, its draft state
+        with a row, levels): `start` runs their catch-ups and returns each one's top-k after its last token (ids,
+        log-probabilities, the context its children go with) and the positions its row holds. A failure of the
+        draft costs these requests their drafts for this step, not the requests."""
+        trees = [DraftTree() for _ in range(count)]
+        if not chosen:
+            return trees
+        try:
+            first, bases = start()
+            found = search_trees(self.mem, [(seq.row, base) for (_, _, seq, _), base in zip(chosen, bases)], first,
+                                 [k for *_, k in chosen], self.topk,
                                  [min(self.tree_size, self.topk * k) for *_, k in chosen], step)
-        except Exception:  # noqa: BLE001 - the draft failing costs speculation for this step, not the requests
-            logger.exception("The draft model failed; these requests decode this step without a draft")
+        except Exception:  # noqa: BLE001 - see the docstring
+            logger.exception("%s failed; these requests decode this step without a draft", what)
             for _, req, _, _ in chosen:
                 self.release(req)
             return trees

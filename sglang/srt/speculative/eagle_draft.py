@@ -32,7 +32,7 @@ from sglang.srt.mem_cache.memory_pools import KVCacheSpec, build_memory_pools
 from sglang.srt.models.llama import head_dim_of
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.speculative.draft_model import MAX_DRAFT_KV_TOKENS, DraftModel, DraftSeq, draft_rows
-from sglang.srt.speculative.draft_search import SearchBudget, StepFn, search_trees, top_candidates
+from sglang.srt.speculative.draft_search import SearchBudget, top_candidates
 from sglang.srt.speculative.draft_tree import DraftTree
 from sglang.srt.speculative.eagle3_head import Eagle3Runner, TargetCapture, load_eagle3_runner
 from sglang.srt.speculative.eagle_head import EagleRunner, load_eagle_runner
@@ -183,36 +183,24 @@ class EagleDraft(DraftModel):
             table[seq.row, seq.computed : base] = self.mem.alloc_slots(base - seq.computed)
             seq.base, seq.steps, seq.pending = base, k, False
             chosen.append((i, req, seq, k))
-        trees = [DraftTree() for _ in reqs]
-        if not chosen:
-            return trees
         ids = self.runner.token_ids
-        try:
+
+        def start() -> tuple[list[tuple[list[int], list[float], Any]], list[int]]:
             hidden, logits = self._catch_up_hidden([(req, seq) for _, req, seq, _ in chosen])
             for _, _, seq, _ in chosen:
                 seq.computed = seq.base
             top, lps = top_candidates(logits, self.topk, ids)
-            first = [(top[n], lps[n], (hidden[n : n + 1], seq.start)) for n, (_, _, seq, _) in enumerate(chosen)]
+            return ([(top[n], lps[n], (hidden[n : n + 1], seq.start)) for n, (_, _, seq, _) in enumerate(chosen)],
+                    [seq.base for _, _, seq, _ in chosen])
 
-            def step(parts: list[tuple[int, int, int]], ctxs: list[Any]) -> tuple[list[Any], list[list[int]],
-                                                                                  list[list[float]]]:
-                starts = [start for _, start in ctxs]
-                out, logits = self._run([(row, pos, [token]) for row, pos, token in parts],
-                                        torch.cat([h for h, _ in ctxs]), starts)
-                return [(out[n : n + 1], s) for n, s in enumerate(starts)], *top_candidates(logits, self.topk, ids)
+        def step(parts: list[tuple[int, int, int]], ctxs: list[Any]) -> tuple[list[Any], list[list[int]],
+                                                                              list[list[float]]]:
+            starts = [start for _, start in ctxs]
+            out, logits = self._run([(row, pos, [token]) for row, pos, token in parts],
+                                    torch.cat([h for h, _ in ctxs]), starts)
+            return [(out[n : n + 1], s) for n, s in enumerate(starts)], *top_candidates(logits, self.topk, ids)
 
-            search: StepFn = step
-            found = search_trees(self.mem, [(seq.row, seq.base) for _, _, seq, _ in chosen], first,
-                                 [k for *_, k in chosen], self.topk,
-                                 [min(self.tree_size, self.topk * k) for *_, k in chosen], search)
-        except Exception:  # noqa: BLE001 - the head failing costs speculation for this step, not the requests
-            logger.exception("The EAGLE head failed; these requests decode this step without a draft")
-            for _, req, _, _ in chosen:
-                self.release(req)
-            return trees
-        for (i, *_), tree in zip(chosen, found):
-            trees[i] = tree
-        return trees
+        return self._search(len(reqs), chosen, start, step, "The EAGLE head")
 
     def _greedy(self, logits: torch.Tensor) -> list[int]:
         """Each row's greedy token, as a served-model id."""

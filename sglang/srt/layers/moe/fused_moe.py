@@ -155,8 +155,16 @@ class FusedMoE(nn.Module):
             raise ValueError(f"blocks of {blocks.num_experts} experts of intermediate size {blocks.intermediate_size} "
                              f"for a layer of {self.num_experts} x {self.intermediate_size}")
         self.expert_blocks = blocks
+        self.hold_stacked(release_dtype, "meta")
+
+    def stacked_params(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate_up_proj, self.down_proj
+
+    def hold_stacked(self, dtype: Optional[torch.dtype] = None, device: Optional[str] = None) -> None:
+        """Replace both stacked parameters with empty ones in `dtype` (None: theirs) on `device` (None: theirs):
+        "meta" releases them (loading skips meta parameters; their shapes stay for a weight update to compare)."""
         for name in ("gate_up_proj", "down_proj"):
-            hold_as(self, name, release_dtype, "meta")
+            hold_as(self, name, dtype or getattr(self, name).dtype, device)
 
     def served_values(self, param: torch.Tensor) -> Optional[torch.Tensor]:
         """The values the experts compute with for a released stacked parameter (`gate_up_proj` or `down_proj`,
