@@ -193,6 +193,10 @@ def test_hidden_log_spans():
     assert log.first(2, 10) == 9
     log.drop(2)
     assert log.first(2, 10) is None
+    # a tree's verify step: row 1's main path at positions 7, 8; a branch ran in spare row 5 at 7, 8 and was accepted
+    log.record(*decode([1, 5, 1, 5, 1], [6, 7, 7, 8, 8], [10.0, 21.0, 11.0, 22.0, 12.0]))
+    log.adopt(1, [7, 8], [5, 5])
+    assert log.get(1, 6, 9)[:, 0].tolist() == [10, 21, 22]
 
 
 class DecodingReq:

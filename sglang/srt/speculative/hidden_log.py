@@ -6,7 +6,8 @@ lo..hi-1. A prompt chunk continues the span only where it ends (the next chunk o
 at a position inside or just after the span extends or overwrites it (a verify step's rows for rejected draft
 tokens are overwritten when the accepted token at that position runs); any other write starts a new span there (a
 new request in the row, whose prefix served from the radix cache has no hidden states here). The draft consumes
-positions in order; what it has consumed is dropped.
+positions in order; what it has consumed is dropped. A draft tree's nodes off its main path run in spare rows: the
+accepted ones' states are moved to the request's row (`adopt`) and the spare rows' dropped.
 
 The fused CPU decode step hands these states over from its one call (FusedCpuDecode.forward_with_hidden), so
 speculation keeps it; `describe_decode_path` says so in the `Decode path:` line.
@@ -94,6 +95,13 @@ class HiddenLog:
 
     def drop(self, row: int) -> None:
         self.spans.pop(row, None)
+
+    def adopt(self, row: int, positions: list[int], rows_from: list[int]) -> None:
+        """A draft tree's verify step ran nodes off its main path in spare rows (speculative/verify.py): the hidden
+        states of the accepted ones (at `positions`, recorded under `rows_from`) become the request row's, in place
+        of the main path's nodes recorded there."""
+        for pos, src in zip(positions, rows_from):
+            self.write(row, pos, self.get(src, pos, pos + 1))
 
 
 def describe_decode_path(runner: Any, algorithm: str, states: str) -> None:

@@ -104,6 +104,10 @@ class Speculator:
         """`req` kept `accepted` tokens of `draft` (a path from its root; it may have finished and been released
         meanwhile)."""
 
+    def adopt_branches(self, reqs: list[Req], spec: VerifyInputs, paths: list[list[int]]) -> None:
+        """Before the accepted nodes' slots move into their requests' rows: whatever else the algorithm keeps per
+        request row and position of a verified node off its tree's main path (it ran in a spare row)."""
+
     def discard(self, req: Req, draft: DraftTree) -> None:
         """A proposed draft is not verified (the step runs as a plain decode step)."""
 
@@ -166,6 +170,7 @@ class Speculator:
         predicted = result.sample.next_token_ids.tolist()
         paths = [draft.accepted_path(predicted[first : first + 1 + len(draft)])
                  for first, draft in zip(spec.first_rows, spec.drafts)]
+        self.adopt_branches(batch.reqs, spec, paths)
         spec.settle(sched.mem, batch.reqs, paths)
         outputs: list[Req] = []
         now = time.monotonic()
@@ -300,13 +305,35 @@ class StandaloneSpeculator(Speculator):
 
 
 class EagleSpeculator(StandaloneSpeculator):
-    """An EAGLE or EAGLE3 head proposes the chain from the served model's hidden states (speculative/eagle_draft.py)."""
+    """An EAGLE or EAGLE3 head proposes the draft from the served model's hidden states (speculative/eagle_draft.py)."""
 
     name = "EAGLE"
 
-    def __init__(self, args: ServerArgs, draft: DraftModel) -> None:
+    def __init__(self, args: ServerArgs, draft: EagleDraft) -> None:
         self.name = args.speculative_algorithm or self.name
         super().__init__(args, draft)
+        self.hidden = draft.hidden
+
+    def adopt_branches(self, reqs: list[Req], spec: VerifyInputs, paths: list[list[int]]) -> None:
+        """The served model's hidden states of the accepted nodes that ran in spare rows become their requests' rows'
+        (the head's next catch-up reads them there); the spare rows' states are dropped."""
+        if not any(spec.spare_slots):
+            return
+        rows = spec.forward_batch.req_pool_indices.tolist()
+        spare: set[int] = set()
+        try:
+            for req, draft, first, path in zip(reqs, spec.drafts, spec.first_rows, paths):
+                node_rows = rows[first + 1 : first + 1 + len(draft)]
+                spare.update(r for r in node_rows if r != req.req_pool_idx)
+                moved = [n for n in path if node_rows[n] != req.req_pool_idx]
+                if moved:
+                    depths = draft.depths()
+                    self.hidden.adopt(req.req_pool_idx, [req.seqlen - 1 + depths[n] for n in moved],
+                                      [node_rows[n] for n in moved])
+        except Exception:  # noqa: BLE001 - the head's next drafts may be worse; the outputs are the served model's
+            logger.exception("The hidden states of a draft tree's accepted branch were not moved")
+        for row in spare:
+            self.hidden.drop(row)
 
 
 def create_speculator(sched: Scheduler) -> Optional[Speculator]:
