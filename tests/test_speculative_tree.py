@@ -118,3 +118,22 @@ def test_trees_cut_to_main_path_when_rows_run_out():
     narrow = DraftTree([1, 2], [-1, -1])
     cut, kept = fit_trees(mem, [wide, narrow])
     assert cut.tokens == [1] and kept.tokens == [1, 2]
+
+
+def test_verify_slots_leave_room_for_the_branches():
+    """With barely enough free slots, the main path takes only the slots it needs (not a decode run of
+    DECODE_SLOT_RUN), so that the nodes off it still find theirs."""
+    from sglang.srt.mem_cache.memory_pools import DECODE_SLOT_RUN
+
+    mem = build_memory_pools(KVCacheSpec(1, 1, 8, torch.float32), torch.device("cpu"), 128, 64, 0.5, 4,
+                             disable_radix_cache=True)
+    req = _req("a", [1, 2, 3, 4], [5])
+    req.req_pool_idx = mem.req_to_token_pool.alloc()
+    mem.req_to_token_pool.req_to_token[req.req_pool_idx, :5] = mem.alloc_slots(5)
+    req.kv_allocated_len = 5
+    tree = DraftTree([10, 11, 12, 13, 14], [-1, -1, 0, 1, 3])  # 3 on the main path, 2 off it
+    mem.alloc_slots(mem.allocator.available_size() - (DECODE_SLOT_RUN + 1))  # a run fits, a run + 2 does not
+    assert verify_slots_needed([req], [tree]) <= mem.allocator.available_size()
+    allocate_verify_slots(mem, [req], [tree])
+    spec = verify_inputs(mem, [req], [tree], 32, torch.device("cpu"))
+    assert req.kv_allocated_len == 8 and len(set(spec.forward_batch.out_cache_loc.tolist())) == 6

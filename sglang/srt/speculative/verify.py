@@ -111,7 +111,8 @@ def allocate_verify_slots(mem: MemoryPools, reqs: list, drafts: list[DraftTree])
         return
     width = table.shape[1]
     runs = [max(n, decode_run_len(req, start, width)) for req, start, n in need]
-    counts = runs if mem.allocator.available_size() >= sum(runs) else [n for _, _, n in need]
+    off_path = sum(len(draft) - depth for draft, depth in zip(drafts, depths))  # verify_inputs takes these next
+    counts = runs if mem.allocator.available_size() >= sum(runs) + off_path else [n for _, _, n in need]
     slots = mem.alloc_slots(sum(counts))
     offset = 0
     for (req, start, _), count in zip(need, counts):
