@@ -237,7 +237,7 @@ class DraftModel:
                     continue
                 seq = req.spec_state = DraftSeq(row)
             need = req.seqlen - seq.computed
-            k = budget.admit(need, self.topk, k)
+            k = budget.admit(need, self.topk, k) if need > 0 else 0
             if k == 0:
                 continue
             table[seq.row, seq.computed : req.seqlen] = self.mem.alloc_slots(need)

@@ -177,7 +177,7 @@ class EagleDraft(DraftModel):
             if seq is None:
                 continue
             base = req.seqlen - 1 - seq.start
-            k = budget.admit(base - seq.computed, self.topk, k)
+            k = budget.admit(base - seq.computed, self.topk, k) if base > seq.computed else 0
             if k == 0:
                 continue
             table[seq.row, seq.computed : base] = self.mem.alloc_slots(base - seq.computed)
