@@ -122,6 +122,8 @@ def test_served_blocks_are_the_checkpoint_weights(tmp_path, fmt, caplog):
     references = reference_weights(quant_dir)
     with caplog.at_level(logging.INFO, logger="sglang.srt.model_loader.checkpoint_blocks"):
         model = load_served(quant_dir, blocks_plan())
+    # the linear weights were never loaded as floats: the blocks of the checkpoint's integers alone serve them
+    assert any("linear layers are not loaded as floats" in r.getMessage() for r in caplog.records)
     served = model.quantized_checkpoint.served
     expected_bytes = 0
     blocks_values: dict[str, torch.Tensor] = {}
@@ -224,13 +226,26 @@ def test_dense_large_batch_weights_are_the_blocks_values(tmp_path):
 
 
 def test_shuffled_g_idx_keeps_the_dequantize_path_and_says_why(tmp_path, caplog):
+    """A checkpoint whose integers make no blocks (act-order groups): its linear weights, released at allocation for
+    the blocks that did not come, are read again dequantized, and the blocks quantized at load are made of exactly
+    those values."""
+    from sglang.srt.model_loader.q8_blocks import quantize_blocks
+
     _, quant_dir = build(tmp_path, FALLBACK)
     with caplog.at_level(logging.INFO, logger="sglang.srt.model_loader.checkpoint_blocks"):
         model = load_served(quant_dir, blocks_plan())
-    lines = [r.getMessage() for r in caplog.records if "keeps the dequantize path" in r.getMessage()]
+    messages = [r.getMessage() for r in caplog.records]
+    lines = [m for m in messages if "keeps the dequantize path" in m]
     assert len(lines) == 1 and "act-order group indices" in lines[0], lines
+    assert any("linear layers are not loaded as floats" in m for m in messages), messages
+    assert any("were read again, dequantized" in m for m in messages), messages
     assert not model.quantized_checkpoint.served
     assert "dequantized to float16 at load" in describe_weights(model)
+    references = reference_weights(quant_dir)
+    for module, parts in linears_with_parts(model):
+        loaded = torch.cat([references[p] for p in parts]).to(torch.float16).float()  # as loading reads them
+        served = module.linear_method.quant_weight.dequantize()
+        assert torch.equal(served, quantize_blocks(loaded, "Q8_0").dequantize()), parts
 
 
 # ---- through Engine -------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from sglang.srt.lora.layers import LoraBatchState, lora_rows
 from sglang.srt.mem_cache.kv_pool import KVPool
 from sglang.srt.mem_cache.memory_pools import KVCacheSpec
 from sglang.srt.model_executor.decode_strategy import DecodePlan, plan_decode
-from sglang.srt.model_loader.checkpoint_blocks import release_made_blocks
+from sglang.srt.model_loader.checkpoint_blocks import linears_released_for_checkpoint_blocks, release_made_blocks
 from sglang.srt.model_loader.dtype import checkpoint_dtype
 from sglang.srt.model_loader.gemm_methods import attach_large_batch_gemm, blocks_large_method
 from sglang.srt.model_loader.gguf_experts import experts_read_from_file
@@ -41,9 +41,10 @@ from sglang.srt.model_loader.moe_blocks import (
     keep_experts_in,
 )
 from sglang.srt.model_loader.pooling_config import read_pooling_config
-from sglang.srt.model_loader.q8_blocks import attach_q8_0_blocks, keep_linears_in
+from sglang.srt.model_loader.q8_blocks import attach_q8_0_blocks, decoder_linears, keep_linears_in
 from sglang.srt.model_loader.quant_config import resolve_quantization
 from sglang.srt.model_loader.weight_report import describe_weights, weight_bytes_by_format
+from sglang.srt.model_loader.weights import weight_files
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 logger = logging.getLogger(__name__)
@@ -87,8 +88,13 @@ def load_for_plan(model_dir: str, dtype: torch.dtype, device: torch.device, gguf
                           else keep_linears_in(meta_model, stored, keep_table=not gguf_path))
                 if reason is not None:
                     logger.info("Linear weights load as %s: %s", dtype, reason)
-                if not gguf_path:  # a quantized checkpoint's experts: the blocks of its integers alone
-                    return experts_released_for_checkpoint_blocks(meta_model) if experts and block_source else None
+                if not gguf_path:  # a quantized checkpoint's experts or linears: the blocks of its integers alone
+                    if not block_source or scheme is None:
+                        return None
+                    if experts:
+                        return experts_released_for_checkpoint_blocks(meta_model)
+                    return (linears_released_for_checkpoint_blocks(meta_model, weight_files(model_dir), scheme,
+                                                                   decoder_linears) if reason is None else None)
                 # a GGUF file's blocks are read from the file alone: those weights never exist as floats
                 releases = [linears_read_from_file(meta_model, gguf_path),
                             experts_read_from_file(meta_model, gguf_path) if experts else None]

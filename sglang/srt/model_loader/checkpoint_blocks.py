@@ -18,7 +18,7 @@ without them (another device or dtype) reads the quantized weights a second time
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -26,7 +26,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from sglang.srt.layers.linear import MergedLinear
+from sglang.srt.layers.linear import MergedLinear, hold_as
 from sglang.srt.layers.moe.fused_moe import FusedMoE
 from sglang.srt.layers.quantization.gguf_blocks import GGUFQuantWeight
 from sglang.srt.model_loader.int_blocks import MadeBlocks, RawBlocks, blocks_of, checkpoint_block_reason
@@ -66,6 +66,59 @@ def blocks_may_serve(scheme: Scheme, device: torch.device, dtype: torch.dtype) -
 
     return (device.type == "cpu" and dtype == torch.float32 and checkpoint_block_reason(scheme) is None
             and kernels_available() and get_tp_group().size == 1)
+
+
+def linears_released_for_checkpoint_blocks(model: nn.Module, files: list[Path], scheme: Scheme,
+                                           linears: Callable[[nn.Module], Sequence[nn.Module]]
+                                           ) -> Optional[Callable[[nn.Module], None]]:
+    """For a model on the meta device read from a quantized checkpoint whose integers make blocks, where the checkpoint
+    quantizes every one of the layers `linears` gives: a function to run once the model has storage that releases
+    their weights (meta tensors: loading skips them), so that they never exist as floats. The blocks made as the
+    checkpoint is read serve them (q8_blocks.attach_q8_0_blocks); where none come after all, `reload_released` reads
+    their dequantized values again. None where one of them is not quantized in the checkpoint (no blocks would
+    come)."""
+    from sglang.srt.model_loader.quantized_weights import TensorStore, plan_quantized_modules
+
+    names = {id(m): n for n, m in model.named_modules()}
+    try:
+        plan = plan_quantized_modules(TensorStore(files).names, scheme)
+    except ValueError:  # the loader reports it
+        return None
+    parts = [part for m in linears(model) for part in _checkpoint_parts(names.get(id(m), ""), m)]
+    if not parts or any(part not in plan for part in parts):
+        return None
+
+    def release(allocated: nn.Module) -> None:
+        held = linears(allocated)
+        for module in held:
+            weight: torch.Tensor = module.weight  # type: ignore[assignment]
+            hold_as(module, "weight", weight.dtype, "meta")
+        logger.info("The weights of %d linear layers are not loaded as floats: the blocks made from the checkpoint's "
+                    "integers serve them", len(held))
+
+    return release
+
+
+def reload_released(model: nn.Module, source: QuantizedSource, what: str) -> None:
+    """Parameters released before loading (meta tensors: blocks made from the checkpoint's integers were to serve
+    them) that get none after all: give them storage (float32, on CPU) and read their dequantized values from the
+    checkpoint again, as loading would have (in the checkpoint's dtype, then widened). `what` names them in the
+    log."""
+    from sglang.srt.model_loader.quant_config import dequantized_dtype
+    from sglang.srt.model_loader.quantized_weights import iterate_dequantized
+    from sglang.srt.model_loader.weights import load_checkpoint_weights, released_checkpoint_names
+
+    wanted = released_checkpoint_names(model)
+    released = [(module, leaf) for module in model.modules()
+                for leaf, param in module.named_parameters(recurse=False) if param.is_meta]
+    if not released:
+        return
+    for module, leaf in released:
+        hold_as(module, leaf, torch.float32, "cpu")
+    dtype = dequantized_dtype(str(source.files[0].parent), source.scheme)
+    load_checkpoint_weights(model, iterate_dequantized(source.files, source.scheme, dtype, wanted=wanted.__contains__),
+                            partial=True)
+    logger.info("%s read again, dequantized: the checkpoint has no blocks for them", what)
 
 
 def release_made_blocks(model: nn.Module) -> None:

@@ -36,7 +36,7 @@ from sglang.srt.layers.moe.expert_blocks import ExpertBlocks
 from sglang.srt.layers.moe.fused_moe import FusedMoE
 from sglang.srt.layers.quantization.gguf_blocks import QK, GGUFQuantWeight
 from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
-from sglang.srt.model_loader.checkpoint_blocks import checkpoint_blocks, expert_blocks, log_outcome
+from sglang.srt.model_loader.checkpoint_blocks import checkpoint_blocks, expert_blocks, log_outcome, reload_released
 from sglang.srt.model_loader.int_blocks import RawBlocks
 from sglang.srt.model_loader.q8_blocks import (
     LargeFromBlocks,
@@ -124,24 +124,10 @@ def experts_released_for_checkpoint_blocks(model: nn.Module) -> Callable[[nn.Mod
 
 def _reload_experts(model: Any, source: Any) -> None:
     """Stacked experts released before loading (experts_released_for_checkpoint_blocks) that get no blocks: read
-    their dequantized values from the checkpoint again, as loading would have (its dtype, then float32)."""
-    from sglang.srt.model_loader.quant_config import dequantized_dtype
-    from sglang.srt.model_loader.quantized_weights import iterate_dequantized
-
-    released = [(name, fused) for name, fused in model.named_modules()
-                if isinstance(fused, FusedMoE) and fused.gate_up_proj.is_meta]
-    if not released:
-        return
-    pieces = {}
-    for name, fused in released:
-        fused.hold_stacked(torch.float32, "cpu")
-        pieces.update(fused.checkpoint_pieces(name))
-    dtype = dequantized_dtype(str(source.files[0].parent), source.scheme)
-    with torch.no_grad():
-        for piece, tensor in iterate_dequantized(source.files, source.scheme, dtype, wanted=pieces.__contains__):
-            pieces[piece][1](tensor, piece)
-    logger.info("The experts of %d layers were read again, dequantized: the checkpoint has no blocks for them",
-                len(released))
+    their dequantized values from the checkpoint again, as loading would have."""
+    layers = sum(1 for m in model.modules() if isinstance(m, FusedMoE) and m.gate_up_proj.is_meta)
+    if layers:
+        reload_released(model, source, f"The experts of {layers} layers were")
 
 
 def why_no_expert_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlocks],

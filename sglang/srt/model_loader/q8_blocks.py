@@ -58,7 +58,7 @@ def quantize_q8_0(weight: torch.Tensor) -> GGUFQuantWeight:
     return quantize_blocks(weight, "Q8_0")
 
 
-def _decoder_linears(model: Any) -> list[Linear]:
+def decoder_linears(model: Any) -> list[Linear]:
     layers = getattr(getattr(model, "model", None), "layers", None) or []
     out: list[Linear] = []
     for layer in layers:
@@ -99,7 +99,7 @@ def _shape_reason(model: Any) -> Optional[str]:
     missing = kernels_missing()
     if missing is not None:
         return missing
-    linears = _decoder_linears(model)
+    linears = decoder_linears(model)
     if not linears:
         return f"{type(model).__name__} is not a dense Llama-family decoder"
     if any(m.weight.shape[1] % QK for m in linears):
@@ -112,11 +112,14 @@ def why_no_q8_0_blocks(model: Any) -> str | None:
     reason = _shape_reason(model)
     if reason is not None:
         return reason
-    # the linear weights (and a bf16 embedding table) may be in the checkpoint's dtype (keep_linears_in)
-    kept = {id(m.weight) for m in kept_owners(model, _decoder_linears(model), torch.bfloat16)}
-    if not float32_on_cpu_except(model, kept):
+    # the linear weights (and a bf16 embedding table) may be in the checkpoint's dtype (keep_linears_in), or released
+    # for the blocks of a quantized checkpoint's integers (checkpoint_blocks.linears_released_for_checkpoint_blocks)
+    linears = decoder_linears(model)
+    kept = {id(m.weight) for m in kept_owners(model, linears, torch.bfloat16)}
+    released = frozenset(id(m.weight) for m in linears if m.weight.is_meta)
+    if not float32_on_cpu_except(model, kept, released):
         return "the model is not float32 on CPU"
-    if any(isinstance(m.linear_method, GGUFLinearMethod) for m in _decoder_linears(model)):
+    if any(isinstance(m.linear_method, GGUFLinearMethod) for m in decoder_linears(model)):
         return "the model already has GGUF blocks"
     return None
 
@@ -169,7 +172,7 @@ def keep_linears_in(model: nn.Module, dtype: torch.dtype, keep_table: bool = Tru
     reason = _shape_reason(model)
     if reason is not None:
         return reason
-    for module in kept_owners(model, _decoder_linears(model), dtype, keep_table):
+    for module in kept_owners(model, decoder_linears(model), dtype, keep_table):
         hold_as(module, "weight", dtype)
     return None
 
@@ -220,23 +223,25 @@ def attach_q8_0_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlock
     `large`: no float weights are kept. Each layer's large batches run the method `large` makes from its blocks and
     float weight (the GEMM over the blocks, or an int8 copy whose outlier columns come from the blocks), and the
     float weight is released as soon as that is made, so the model never holds all of it twice."""
+    from sglang.srt.model_loader.checkpoint_blocks import checkpoint_blocks, release_made_blocks, reload_released
+
+    source = getattr(model, "quantized_checkpoint", None)
     reason = why_no_q8_0_blocks(model) if max_rows > 0 else "--gguf-kernel-max-rows is 0"
     if reason is not None:
         logger.info("No %s blocks for small batches: %s", qtype, reason)
-        from sglang.srt.model_loader.checkpoint_blocks import release_made_blocks
-
         release_made_blocks(model)  # those made from a quantized checkpoint's integers as it was read
+        if source is not None:
+            reload_released(model, source, "The linear layers' weights were")
         return 0
     dtype = model.model.norm.weight.dtype  # the model's (the embedding table may be kept bf16: keep_linears_in)
     head = head_for_blocks(model)
     heads = [head] if head is not None else []
-    source = getattr(model, "quantized_checkpoint", None)
     from_file: dict[int, Any] = {}
     if source is not None:
-        from sglang.srt.model_loader.checkpoint_blocks import checkpoint_blocks
-
-        found = checkpoint_blocks(model, source, _decoder_linears(model), heads)
+        found = checkpoint_blocks(model, source, decoder_linears(model), heads)
         from_file = found if isinstance(found, dict) else {}
+        if not from_file:  # the weights released for these blocks are read as floats after all
+            reload_released(model, source, "The linear layers' weights were")
 
     def make(module: nn.Module, fallback: str) -> GGUFLinearMethod:
         own_weight = module is not head or untied_head(model) is not None  # not the input embeddings
@@ -254,7 +259,7 @@ def attach_q8_0_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlock
 
     attached = made_here = 0
     made_types: set[str] = set()
-    for module, fallback in [(m, qtype) for m in _decoder_linears(model)] + [(h, "Q8_0") for h in heads]:
+    for module, fallback in [(m, qtype) for m in decoder_linears(model)] + [(h, "Q8_0") for h in heads]:
         # the LM head Q8_0 as llama.cpp keeps a Q4 model's output weight wider
         from_checkpoint = id(module) in from_file
         method = make(module, fallback)

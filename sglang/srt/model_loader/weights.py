@@ -98,14 +98,15 @@ _DERIVED_BUFFER_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rot
 
 
 def load_checkpoint_weights(
-    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], tied_aliases: Optional[dict[str, str]] = None
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], tied_aliases: Optional[dict[str, str]] = None,
+    partial: bool = False,
 ) -> None:
     """Copy checkpoint tensors into `model`, slicing q/k/v and gate/up into their fused modules and per-expert
     tensors into stacked expert parameters (modules with `checkpoint_pieces`, e.g. layers/moe/fused_moe.py).
 
     `tied_aliases` maps a checkpoint name onto the parameter it shares storage with (lm_head -> embeddings);
     it is used only when the target itself is absent from the checkpoint. Raises ValueError naming every
-    missing or unexpected checkpoint weight.
+    missing or unexpected checkpoint weight (`partial`: `weights` are some of the model's, none is missing).
     """
     tied_aliases = tied_aliases or {}
     params = dict(model.named_parameters())
@@ -153,7 +154,7 @@ def load_checkpoint_weights(
                 copy_checked(params[target].data, slicers.get(target, _whole)(tensor), source_name)
                 loaded.add(target)
 
-    missing = _missing_with_pieces(expected, loaded, piece_targets)
+    missing = [] if partial else _missing_with_pieces(expected, loaded, piece_targets)
     if missing:
         raise ValueError(f"Checkpoint is missing {len(missing)} weight(s): {_name_list(missing)}")
     if unexpected:
