@@ -102,4 +102,4 @@ def _checkpoint_weights(model_dir: str, config: Any, source: Optional[QuantizedS
 
     # an on-the-fly mode's dtype follows the served config; a quantized checkpoint's, its own files
     dtype = dequantized_dtype(config if isinstance(source.scheme, OnlineScheme) else model_dir, source.scheme)
-    return iterate_dequantized(source.files, source.scheme, dtype, source.made)
+    return iterate_dequantized(source.files, source.scheme, dtype, source.made, skip=skip)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -175,15 +175,18 @@ def check_quantized_checkpoint(model_dir: str, scheme: Scheme) -> int:
 
 
 def iterate_dequantized(files: list[Path], scheme: Scheme, dtype: torch.dtype, made: Optional[MadeBlocks] = None,
-                        wanted: Optional[Callable[[str], bool]] = None) -> Iterator[tuple[str, torch.Tensor]]:
+                        wanted: Optional[Callable[[str], bool]] = None, skip: Container[str] = ()
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the checkpoint `files`, its quantized weights dequantized to `dtype` (see the module doc);
     with `made`, the raw blocks of each quantized weight (MoE experts' too: model_loader/moe_blocks.py serves them)
     are made from its integers as it is read and added to it. With `wanted`, only the tensors it accepts (by the
-    name yielded) are read, and nothing is logged."""
+    name yielded) are read, and nothing is logged. Quantized weights named in `skip` (the model released them:
+    blocks serve them) are not dequantized nor yielded; their blocks are still made."""
     store = TensorStore(files)
     plan = plan_quantized_modules(store.names, scheme)
     companions = set(_companions(scheme))
     skipped: dict[str, int] = {}
+    dequantized: list[str] = []
     for name in store.names:
         module, _, leaf = name.rpartition(".")
         primary = plan.get(module)
@@ -193,6 +196,9 @@ def iterate_dequantized(files: list[Path], scheme: Scheme, dtype: torch.dtype, m
             stored = read_weight(scheme, module, primary, store.get)
             if made is not None:
                 made[module] = blocks_of(stored, module)
+            if f"{module}.weight" in skip:
+                continue
+            dequantized.append(module)
             weight = stored.dequantize()
             del stored
             yield f"{module}.weight", weight.to(dtype)
@@ -218,12 +224,14 @@ def iterate_dequantized(files: list[Path], scheme: Scheme, dtype: torch.dtype, m
         logger.info("Read past %s: activation and KV-cache quantization scales are not used here (activations are "
                     "quantized per token at run time where they are quantized; the KV cache has its own "
                     "--kv-cache-dtype)", ", ".join(f"{count} {leaf}" for leaf, count in skipped.items()))
-    logger.info("Dequantized %d %s weights to %s as they were read", len(plan), scheme.method, dtype_name(dtype))
-    experts = sum(1 for module in plan if _EXPERT_MODULE.search(module))
+    released = len(plan) - len(dequantized)
+    logger.info("Dequantized %d %s weights to %s as they were read%s", len(dequantized), scheme.method,
+                dtype_name(dtype), f" ({released} more only made into blocks: the model does not load them)"
+                if released else "")
+    experts = sum(1 for module in dequantized if _EXPERT_MODULE.search(module))
     if experts:
         logger.info("Of these, %d are MoE expert projections: their %s values fill the stacked expert parameters "
-                    "of the MoE layers, where they stay dense (the expert computation has no block kernel)",
-                    experts, dtype_name(dtype))
+                    "of the MoE layers", experts, dtype_name(dtype))
 
 
 def iterate_quantized(files: list[Path], scheme: Scheme) -> Iterator[tuple[str, AffineWeight]]:
