@@ -161,6 +161,8 @@ def test_experts_served_from_the_checkpoints_own_blocks(tmp_path, name, caplog):
     exact = reference_experts(quant_dir)  # the integers' values, in float32
     ours, messages = load_under_blocks_plan(quant_dir, caplog)
     assert any("experts of" in m and "not loaded as floats" in m for m in messages), messages
+    assert any("linear layers are not loaded as floats" in m for m in messages), messages
+    assert any("only made into blocks" in m for m in messages), messages  # released: never dequantized
     assert any("from its own Q4_1 blocks" in m and "every matmul and expert" in m for m in messages), messages
     for i, layer in enumerate(ours.model.layers):
         fused = getattr(layer.mlp, "experts", None)

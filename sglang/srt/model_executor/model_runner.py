@@ -39,6 +39,7 @@ from sglang.srt.model_loader.moe_blocks import (
     experts_released_for_checkpoint_blocks,
     has_experts,
     keep_experts_in,
+    moe_linears,
 )
 from sglang.srt.model_loader.pooling_config import read_pooling_config
 from sglang.srt.model_loader.q8_blocks import attach_q8_0_blocks, decoder_linears, keep_linears_in
@@ -91,25 +92,31 @@ def load_for_plan(model_dir: str, dtype: torch.dtype, device: torch.device, gguf
                 if not gguf_path:  # a quantized checkpoint's experts or linears: the blocks of its integers alone
                     if not block_source or scheme is None:
                         return None
-                    if experts:
-                        return experts_released_for_checkpoint_blocks(meta_model)
-                    return (linears_released_for_checkpoint_blocks(meta_model, weight_files(model_dir), scheme,
-                                                                   decoder_linears) if reason is None else None)
+                    linears = linears_released_for_checkpoint_blocks(meta_model, weight_files(model_dir), scheme,
+                                                                     moe_linears if experts else decoder_linears)
+                    return both(experts_released_for_checkpoint_blocks(meta_model) if experts else None, linears)
                 # a GGUF file's blocks are read from the file alone: those weights never exist as floats
                 releases = [linears_read_from_file(meta_model, gguf_path),
                             experts_read_from_file(meta_model, gguf_path) if experts else None]
-
-                def release(allocated: Any) -> None:
-                    for one in releases:
-                        if one is not None:
-                            one(allocated)
-                    read = [name for name, one in zip(("linear layers", "experts"), releases) if one is not None]
-                    if read:
-                        logger.info("GGUF %s read from the file's blocks alone (never loaded as floats)",
-                                    " and ".join(read))
-
-                return release
+                read = [name for name, one in zip(("linear layers", "experts"), releases) if one is not None]
+                if read:
+                    logger.info("GGUF %s read from the file's blocks alone (never loaded as floats)",
+                                " and ".join(read))
+                return both(*releases)
     return load_model(model_dir, dtype, device, config=config, prepare=prepare)
+
+
+def both(*releases: Optional[Callable[[Any], None]]) -> Optional[Callable[[Any], None]]:
+    """One function running each of `releases` that is given (None where none is)."""
+    given = [one for one in releases if one is not None]
+    if not given:
+        return None
+
+    def release(allocated: Any) -> None:
+        for one in given:
+            one(allocated)
+
+    return release
 
 
 def attach_fast_paths(model: Any, gguf_path: Optional[str], hf_config: Any, gguf_kernel_max_rows: int,

@@ -67,6 +67,11 @@ def _parts(model: Any) -> tuple[list[Linear], list[FusedMoE]]:
             [m for m in backbone.modules() if isinstance(m, FusedMoE)])
 
 
+def moe_linears(model: Any) -> list[Linear]:
+    """The decoder's linear layers beside the stacked experts (attention, dense and shared-expert MLPs)."""
+    return _parts(model)[0]
+
+
 def _shape_reason(model: Any, quantized_ok: bool = False) -> Optional[str]:
     """Why the decoder of `model` cannot be held as blocks, or None (`quantized_ok`: blocks may come from a quantized
     checkpoint's integers)."""
@@ -123,11 +128,13 @@ def experts_released_for_checkpoint_blocks(model: nn.Module) -> Callable[[nn.Mod
 
 
 def _reload_experts(model: Any, source: Any) -> None:
-    """Stacked experts released before loading (experts_released_for_checkpoint_blocks) that get no blocks: read
-    their dequantized values from the checkpoint again, as loading would have."""
+    """Stacked experts (and linear layers) released before loading (experts_released_for_checkpoint_blocks,
+    checkpoint_blocks.linears_released_for_checkpoint_blocks) that get no blocks: read their dequantized values from
+    the checkpoint again, as loading would have."""
     layers = sum(1 for m in model.modules() if isinstance(m, FusedMoE) and m.gate_up_proj.is_meta)
-    if layers:
-        reload_released(model, source, f"The experts of {layers} layers were")
+    linears = sum(1 for m in moe_linears(model) if m.weight.is_meta)
+    if layers or linears:
+        reload_released(model, source, f"The experts of {layers} layers and {linears} linear layers' weights were")
 
 
 def why_no_expert_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlocks],
@@ -144,7 +151,7 @@ def why_no_expert_blocks(model: Any, max_rows: int, large: Optional[LargeFromBlo
     linears, experts = _parts(model)
     kept = {id(m.weight) for m in kept_owners(model, linears, torch.bfloat16)}
     kept.update(id(p) for fused in experts for p in fused.stacked_params())
-    released = {id(m.weight) for m in linears if isinstance(m.linear_method, GGUFLinearMethod)}
+    released = {id(m.weight) for m in linears if isinstance(m.linear_method, GGUFLinearMethod) or m.weight.is_meta}
     released.update(id(p) for fused in experts for p in fused.stacked_params() if p.is_meta)
     head = head_for_blocks(model)
     if head is not None and _head_in_blocks(model):
