@@ -19,7 +19,8 @@ KNOWN_ALGORITHMS = ("NEXTN", "LOOKAHEAD")
 DEFAULT_NUM_DRAFT_TOKENS = 8
 # --speculative-ngram-max-bfs-breadth where not given: SGLang's default on GPUs, where a verify step's extra rows
 # cost little; 1 (chains) on CPUs, where each row adds its arithmetic to the step: SmolLM2-135M on two cores decoded
-# copy-heavy answers at 1.55x plain with chains and 1.42x with breadth 10 (benchmarks/RESULTS.md, "Draft trees").
+# copy-heavy answers at 1.49-1.50x plain with chains and 1.24-1.40x with breadth 10 (benchmarks/RESULTS.md,
+# "Draft trees").
 NGRAM_GPU_BREADTH = 10
 # STANDALONE's draft chain length when neither --speculative-num-steps nor --speculative-num-draft-tokens is given.
 DEFAULT_NUM_STEPS = 3
