@@ -103,11 +103,22 @@ def test_plan_serves_plain_checkpoints_from_blocks_on_native_bf16_cpus():
         assert choose_arithmetic("cpu", cpu_gemm="float32", cpu_flags=flags).large_batch_weights == "dense"
         assert choose_arithmetic("cpu", cpu_flags=flags, small_batch_quantization="none").large_batch_weights \
             == "dense"
-    # AVX2-only CPUs keep float32 weights (no blocks by default; bf16 GEMMs are emulated there)
-    assert choose_arithmetic("cpu", cpu_flags=AVX2_FLAGS).large_batch_weights == "dense"
-    forced = choose_arithmetic("cpu", cpu_flags=AVX2_FLAGS, small_batch_quantization="q8_0")
-    assert (forced.large_batch_weights, forced.large_batch_weights_reason) == (
-        "dense", "this CPU class keeps its float32 plan")
+    # AVX2-only CPUs keep a small model's float32 weights (no blocks by default; bf16 GEMMs are emulated there), and
+    # serve one of 1 GiB of float32 linear weights or more from its blocks alone, through float32 slabs
+    for size in (None, (1 << 30) - 1):
+        assert choose_arithmetic("cpu", cpu_flags=AVX2_FLAGS, linear_float_bytes=size).large_batch_weights == "dense"
+        forced = choose_arithmetic("cpu", cpu_flags=AVX2_FLAGS, small_batch_quantization="q8_0",
+                                   linear_float_bytes=size)
+        assert (forced.large_batch_weights, forced.large_batch_weights_reason) == (
+            "dense", "this CPU class keeps its float32 plan for a model this small")
+    large = choose_arithmetic("cpu", cpu_flags=AVX2_FLAGS, linear_float_bytes=1 << 30)
+    assert (large.small_batch_quantization, large.large_batch_weights, large.block_gemm) == ("q8_0", "blocks",
+                                                                                            "float32")
+    assert large.large_batch_weights_reason == "one copy of the weights"
+    assert "q8_0 blocks for every batch, the float32 GEMM over them" in large.describe()
+    # a float32 plan asked for keeps the float32 copy whatever the size
+    assert choose_arithmetic("cpu", cpu_gemm="float32", cpu_flags=AVX2_FLAGS,
+                             linear_float_bytes=8 << 30).large_batch_weights == "dense"
     asked = choose_arithmetic("cpu", cpu_flags=AVX2_FLAGS, **BLOCKS_PLAN)
     assert (asked.large_batch_weights, asked.block_gemm) == ("blocks", "float32")  # AVX2's fast GEMM
     with pytest.raises(ValueError, match="--large-batch-weights blocks needs blocks for small batches"):
@@ -116,20 +127,27 @@ def test_plan_serves_plain_checkpoints_from_blocks_on_native_bf16_cpus():
         choose_arithmetic("cpu", cpu_flags=AVX2_FLAGS, large_batch_weights="q4")
 
 
-@pytest.mark.parametrize("tied, block_gemm", [(False, "bfloat16"), (True, "float32"), (False, "int8")])
+@pytest.mark.parametrize("tied, block_gemm", [(False, "bfloat16"), (True, "float32"), (False, "int8"),
+                                              (True, "avx2")])
 def test_bf16_checkpoint_is_held_as_blocks_alone(tmp_path, tied, block_gemm):
     """A bf16 checkpoint under the blocks plan: linear weights load in bf16 and are released once their blocks are
     made; what remains is the blocks, the embedding table in bf16 (as stored) and the float32 norms. Prefill (more
     rows than the blocks' limit: the bf16 GEMM over the blocks) and fused decode steps give the logits of the float
-    model whose weights are the blocks' values."""
+    model whose weights are the blocks' values. `avx2`: an AVX2 CPU's automatic plan for a model of 1 GiB of float32
+    linear weights or more (float32 slabs over the blocks)."""
     from tests.test_fused_decode import decode_run
 
     config = tiny_config("llama", num_hidden_layers=3, hidden_size=128, intermediate_size=256,
                          tie_word_embeddings=tied, torch_dtype="bfloat16")
     build_models(tmp_path, config, dtype=torch.bfloat16)
-    rates = {"float32": 2.0 if block_gemm == "float32" else 0.5, "bfloat16": 1.0,
-             "int8": 3.0 if block_gemm == "int8" else 0.1}
-    plan = choose_arithmetic("cpu", cpu_flags=BF16_VNNI_FLAGS, measurements=rates, **BLOCKS_PLAN)
+    if block_gemm == "avx2":
+        plan = choose_arithmetic("cpu", cpu_flags=AVX2_FLAGS, linear_float_bytes=2 << 30)
+        assert (plan.small_batch_quantization, plan.large_batch_weights) == ("q8_0", "blocks")
+        block_gemm = "float32"
+    else:
+        rates = {"float32": 2.0 if block_gemm == "float32" else 0.5, "bfloat16": 1.0,
+                 "int8": 3.0 if block_gemm == "int8" else 0.1}
+        plan = choose_arithmetic("cpu", cpu_flags=BF16_VNNI_FLAGS, measurements=rates, **BLOCKS_PLAN)
     assert (plan.large_batch_gemm if block_gemm == "int8" else plan.block_gemm) == block_gemm
     ours = load_for_plan(str(tmp_path), torch.float32, torch.device("cpu"), None, 8, plan)
     loaded = [m.weight.dtype for m in ours.modules() if isinstance(m, Linear)]
@@ -204,7 +222,8 @@ def test_smollm2_bf16_served_from_blocks_keeps_greedy_tokens(smollm2_bf16_dir, r
     from sglang import Engine
     from tests.greedy_cases import BF16_MARGIN, GREEDY, PROMPTS, assert_same_or_near_tie, generate_ids, many_prompts
 
-    with Engine(model_path=smollm2_bf16_dir, **BLOCKS_PLAN) as engine:
+    rows = 64  # the blocks' limit on every class (AVX2's own is 2,048): the long prompt's prefill runs the GEMM
+    with Engine(model_path=smollm2_bf16_dir, gguf_kernel_max_rows=rows, **BLOCKS_PLAN) as engine:
         info = engine.get_server_info()
         assert info["arithmetic"]["large_batch_weights"] == "blocks"
         weights = info["weights"]
@@ -225,7 +244,7 @@ def test_smollm2_bf16_served_from_blocks_keeps_greedy_tokens(smollm2_bf16_dir, r
         for prompt, ours, expected in zip(prompts, generate_ids(engine, prompts), reference(prompts)):
             assert_same_or_near_tie(smollm2_hf, smollm2_tokenizer, prompt, ours, expected, BF16_MARGIN)
         long_prompt = " ".join(PROMPTS[1:] * 2)
-        assert len(smollm2_tokenizer.encode(long_prompt)) > info["arithmetic"]["small_batch_max_rows"]
+        assert len(smollm2_tokenizer.encode(long_prompt)) > rows
         ours = engine.generate(prompt=long_prompt, sampling_params=GREEDY)["output_ids"]
         assert_same_or_near_tie(smollm2_hf, smollm2_tokenizer, long_prompt, ours, reference([long_prompt])[0],
                                 BF16_MARGIN)

@@ -194,6 +194,13 @@ def test_small_batch_quantization_per_plan():
                  ("cpu", "auto", "float32", BF16_VNNI_FLAGS), ("cpu", "bfloat16", "auto", BF16_VNNI_FLAGS),
                  ("cuda", "auto", "auto", AMX_FLAGS)):
         assert choose_arithmetic(*args).small_batch_quantization == "none", args
+    # AVX2: blocks for a model of 1 GiB of float32 linear weights or more, unless a float32 plan is asked for
+    gib = 1 << 30
+    assert choose_arithmetic("cpu", "auto", "auto", AVX2_FLAGS, linear_float_bytes=gib).small_batch_quantization \
+        == "q8_0"
+    for args, size in ((("cpu", "auto", "auto", AVX2_FLAGS), gib - 1), (("cpu", "auto", "float32", AVX2_FLAGS), gib),
+                       (("cpu", "float32", "auto", AVX2_FLAGS), gib), (("cpu", "auto", "auto", ["fpu"]), gib)):
+        assert choose_arithmetic(*args, linear_float_bytes=size).small_batch_quantization == "none", args
     forced = choose_arithmetic("cpu", "auto", "float32", AVX2_FLAGS, small_batch_quantization="q8_0")
     assert forced.small_batch_quantization == "q8_0" and forced.to_dict()["small_batch_quantization"] == "q8_0"
     assert "q8_0 blocks for small batches" in forced.describe()

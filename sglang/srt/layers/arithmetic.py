@@ -203,7 +203,8 @@ def choose_arithmetic(
 
     `quantized_checkpoint`: the checkpoint's linear weights are quantized (GPTQ / AWQ / compressed-tensors integers,
     FP8, or quantized at load by --quantization). Blocks made from them then serve small batches on every CPU class
-    (AVX2 included, whose float32 plan otherwise keeps a float checkpoint dense). `gguf_checkpoint`: a GGUF file,
+    (AVX2 included, whose float32 plan otherwise keeps a float checkpoint of under DENSE_BELOW_FLOAT_BYTES of float32
+    linear weights dense; `linear_float_bytes`). `gguf_checkpoint`: a GGUF file,
     whose own blocks serve small batches whatever `small_batch_quantization` says (that setting then only concerns a
     float checkpoint a weight update may bring). For either, large batches read the blocks too where the model is not
     small: the user chose the quantized format for its size, and a dense float32 copy would hold 4 bytes per weight.
@@ -233,10 +234,12 @@ def choose_arithmetic(
         act, why = "float32", "no AVX512-VNNI on this CPU: float32 FMAs are the faster kernels"
     if small_batch_quantization == "auto":
         # where a reduced-precision GEMM already serves large batches, or the automatic plan of a CPU with native bf16
-        # measured float32 faster; a float32 plan asked for, or an AVX2 CPU's, stays float32
+        # measured float32 faster, or an AVX2 CPU's automatic plan for a model that is not small (its blocks then serve
+        # every batch: one copy of the weights); a float32 plan asked for stays float32
         native = automatic(dtype, cpu_gemm) and plan.cpu_class in NATIVE_BF16_CLASSES
+        avx2_large = automatic(dtype, cpu_gemm) and plan.cpu_class == AVX2 and not_small(linear_float_bytes)
         on = plan.cpu_class != "" and plan.weight_dtype == torch.float32 and (
-            plan.large_batch_gemm != "float32" or native or quantized_checkpoint)
+            plan.large_batch_gemm != "float32" or native or quantized_checkpoint or avx2_large)
         small_batch_quantization = "q8_0" if on else "none"
     elif small_batch_quantization != "none" and (plan.cpu_class == "" or plan.weight_dtype != torch.float32):
         raise ValueError(f"--small-batch-quantization {small_batch_quantization} needs float32 weights on CPU "
@@ -263,6 +266,11 @@ def choose_arithmetic(
 DENSE_BELOW_FLOAT_BYTES = 1 << 30
 
 
+def not_small(linear_float_bytes: Optional[int]) -> bool:
+    """Whether a model's float32 linear weights (None: unknown) reach DENSE_BELOW_FLOAT_BYTES."""
+    return linear_float_bytes is not None and linear_float_bytes >= DENSE_BELOW_FLOAT_BYTES
+
+
 def choose_large_batch_weights(requested: str, plan: ArithmeticPlan, small_batch_quantization: str,
                                linear_float_bytes: Optional[int] = None,
                                quantized_checkpoint: bool = False,
@@ -275,7 +283,9 @@ def choose_large_batch_weights(requested: str, plan: ArithmeticPlan, small_batch
     GEMM was measured fastest its copy stays beside the blocks (2.1 bytes per weight in all: the int8 GEMM ran
     2.2x the float32 GEMM there), its outlier columns read from the blocks. A quantized checkpoint's blocks serve
     large batches on every CPU class (float32 slabs on AVX2, whose block kernels already convert each block once
-    for all the rows of a batch of 10 rows or more)."""
+    for all the rows of a batch of 10 rows or more), and so do the blocks of any checkpoint on AVX2 where its float32
+    linear weights are not small: a float32 copy would hold 4 bytes per weight, and those kernels beat the float32
+    GEMM up to 2,048 rows there."""
     if requested == "dense":
         return "dense", "--large-batch-weights dense"
     if small_batch_quantization == "none" and not gguf_checkpoint:  # a GGUF file brings its own blocks
@@ -285,11 +295,12 @@ def choose_large_batch_weights(requested: str, plan: ArithmeticPlan, small_batch
         return "dense", "no blocks are made for small batches"
     if requested == "blocks":
         return "blocks", "--large-batch-weights blocks"
-    if plan.cpu_class not in NATIVE_BF16_CLASSES and not quantized_checkpoint:
-        return "dense", "this CPU class keeps its float32 plan"
+    avx2_large = plan.cpu_class == AVX2 and not_small(linear_float_bytes)
+    if plan.cpu_class not in NATIVE_BF16_CLASSES and not quantized_checkpoint and not avx2_large:
+        return "dense", "this CPU class keeps its float32 plan for a model this small"
     if linear_float_bytes is not None and linear_float_bytes < DENSE_BELOW_FLOAT_BYTES:
         return "dense", f"a float32 copy of {linear_float_bytes / 1e9:.2f} GB is small: the dense GEMM is faster"
-    if plan.cpu_class not in NATIVE_BF16_CLASSES:
+    if plan.cpu_class not in NATIVE_BF16_CLASSES and quantized_checkpoint:
         return "blocks", "one copy of the quantized checkpoint's weights"
     return "blocks", "one copy of the weights"
 
