@@ -113,9 +113,9 @@ def test_gguf_file_blocks_serve_every_batch(monkeypatch, tmp_path, file_qtype, l
 
 
 def test_quantized_checkpoints_are_served_from_their_blocks_on_avx2(monkeypatch, tmp_path):
-    """On an AVX2 CPU (float32 plan) a quantized checkpoint is still held as its blocks alone: they serve small
-    batches and, converted to float32 a slab at a time, large ones; a float checkpoint there keeps its float32 plan,
-    and a small quantized one its dense copy for large batches."""
+    """On an AVX2 CPU (float32 plan) a quantized checkpoint is held as its blocks alone: they serve small batches
+    and, converted to float32 a slab at a time, large ones; a float checkpoint of the same size there is served from
+    Q8_0 blocks made at load the same way, and a small quantized one keeps its dense copy for large batches."""
     from transformers import AutoConfig
 
     from sglang.srt.model_loader.resolve import resolve_model_path
@@ -124,11 +124,12 @@ def test_quantized_checkpoints_are_served_from_their_blocks_on_avx2(monkeypatch,
     big = 6_800_000_000  # a 1.7B model's float32 linears
     plan = choose_arithmetic("cpu", cpu_flags=AVX2_FLAGS, linear_float_bytes=big, gguf_checkpoint=True)
     assert (plan.cpu_class, plan.large_batch_gemm, plan.block_gemm) == ("avx2", "float32", "float32")
-    # the file's own blocks serve; blocks made at load stay off for a float checkpoint a weight update may bring
-    assert (plan.small_batch_quantization, plan.large_batch_weights) == ("none", "blocks")
+    # the file's own blocks serve; a float checkpoint a weight update may bring gets Q8_0 blocks made at load
+    assert (plan.small_batch_quantization, plan.large_batch_weights) == ("q8_0", "blocks")
     assert plan.large_batch_weights_reason == "one copy of the quantized checkpoint's weights"
     float_plan = choose_arithmetic("cpu", cpu_flags=AVX2_FLAGS, linear_float_bytes=big)
-    assert (float_plan.small_batch_quantization, float_plan.large_batch_weights) == ("none", "dense")
+    assert (float_plan.small_batch_quantization, float_plan.large_batch_weights) == ("q8_0", "blocks")
+    assert float_plan.large_batch_weights_reason == "one copy of the weights"
     small = choose_arithmetic("cpu", cpu_flags=AVX2_FLAGS, linear_float_bytes=500_000_000, gguf_checkpoint=True)
     assert small.large_batch_weights == "dense" and "is small" in small.large_batch_weights_reason
     # --cpu-gemm float32 on a CPU with native bf16 keeps a small GGUF model's plan as it was (dense, no blocks made)

@@ -61,9 +61,10 @@ def make_model(tmp_path, family: str = "llama", head: bool = False, max_rows: in
 
 
 def decode_with_lora(model, config, manager, names, fused: bool, steps: int = 4, max_rows: int = 8,
-                     configure=None) -> tuple[list, Any]:
+                     configure=None, decode_threads: int | None = None) -> tuple[list, Any]:
     """Prefill one prompt per entry of `names` (row i under adapter names[i]), then greedy decode steps with the rows
-    in reversed order; returns (each step's logits, the LoraStep or None)."""
+    in reversed order (on `decode_threads` threads where given); returns (each step's logits, the LoraStep or
+    None)."""
     prompts = [prompt_of(4 + 3 * i, 30 + i) for i in range(len(names))]
     cache = PagedCache(config, torch.float32, size=1024, rows=max(8, len(names)))
     step = LoraStep(make_fused(model, cache, max_rows), manager) if fused else None
@@ -76,6 +77,8 @@ def decode_with_lora(model, config, manager, names, fused: bool, steps: int = 4,
             step.names = list(names)
         cache.forward(model, list(enumerate(prompts)))
     next_tokens = {i: p[-1] for i, p in enumerate(prompts)}
+    if decode_threads is not None:
+        torch.set_num_threads(decode_threads)
     outputs = []
     for _ in range(steps):
         step_names = [names[i] for i in order]
@@ -108,14 +111,15 @@ def test_mixed_adapter_batch_runs_fused_and_matches_layer_by_layer(tmp_path, fam
 
 def test_lora_step_bits_do_not_depend_on_threads_or_shared_input(tmp_path):
     """Every LoRA output element is computed by one thread in a fixed order: 1, 2 or 4 threads, and the int8 input
-    built once for the team (19 rows on 2 threads) or by every thread, give the same bits."""
+    built once for the team (19 rows on 2 threads) or by every thread, give the same bits. The prefill runs layer by
+    layer on torch's GEMMs, whose sums may depend on the thread count: it runs on 2 threads each time."""
     config, ours, manager = make_model(tmp_path, max_rows=32)
     names = [ROWS[i % len(ROWS)] for i in range(19)]
     before = torch.get_num_threads()
     results = []
     try:
         for threads, shared in ((1, False), (2, False), (4, False), (2, True)):
-            torch.set_num_threads(threads)
+            torch.set_num_threads(2)
 
             def configure(strategy, shared=shared):
                 strategy.stack.set_int8_activations(True)
@@ -123,7 +127,7 @@ def test_lora_step_bits_do_not_depend_on_threads_or_shared_input(tmp_path):
                 assert strategy.stack.shares_input_for(len(names), 2) == shared
 
             results.append(decode_with_lora(ours, config, manager, names, fused=True, steps=2, max_rows=32,
-                                            configure=configure)[0])
+                                            configure=configure, decode_threads=threads)[0])
     finally:
         torch.set_num_threads(before)
     for other in results[1:]:
