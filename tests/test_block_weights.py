@@ -111,6 +111,11 @@ def test_plan_serves_plain_checkpoints_from_blocks_on_native_bf16_cpus():
                                    linear_float_bytes=size)
         assert (forced.large_batch_weights, forced.large_batch_weights_reason) == (
             "dense", "this CPU class keeps its float32 plan for a model this small")
+    # a CPU without AVX2 keeps its float32 copy whatever the size (its blocks serve small batches alone)
+    other = choose_arithmetic("cpu", cpu_flags=("sse4_2",), small_batch_quantization="q8_0",
+                              linear_float_bytes=8 << 30)
+    assert (other.large_batch_weights, other.large_batch_weights_reason) == (
+        "dense", "this CPU class keeps its float32 plan")
     large = choose_arithmetic("cpu", cpu_flags=AVX2_FLAGS, linear_float_bytes=1 << 30)
     assert (large.small_batch_quantization, large.large_batch_weights, large.block_gemm) == ("q8_0", "blocks",
                                                                                             "float32")

@@ -263,6 +263,23 @@ def test_row_groups_converted_once_match_the_tile_kernels(qtype, n, k):
         gb.set_dequant_min_rows(-1)
 
 
+@requires_kernels
+@pytest.mark.parametrize("int8", [False, True])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n,k", [(13, 576), (960, 576), (17, 1536)])
+def test_a_row_gives_the_same_bits_in_any_small_batch(qtype, n, k, int8):
+    """Below the row count from which row groups are converted once (10), each row of x gets exactly the outputs
+    it gets alone, whatever rows share its call: a speculative verify step (the rows of one sequence's draft)
+    then reproduces plain decoding's logits and greedy tokens, and a request's tokens do not depend on the batch
+    it decodes in. int8 activations: the AVX512-VNNI kernels, or their portable loop on other CPUs."""
+    w = gb.GGUFQuantWeight(qtype, random_raw(qtype, n, k, seed=7), n, k)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(n + k))
+    alone = torch.cat([w.linear(x[i:i + 1], int8=int8) for i in range(9)])
+    for m in range(2, 10):
+        for start in (0, 9 - m):
+            assert torch.equal(w.linear(x[start:start + m], int8=int8), alone[start:start + m]), (m, start)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The real SmolLM2 GGUF file
 

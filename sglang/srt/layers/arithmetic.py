@@ -237,9 +237,9 @@ def choose_arithmetic(
         # measured float32 faster, or an AVX2 CPU's automatic plan for a model that is not small (its blocks then serve
         # every batch: one copy of the weights); a float32 plan asked for stays float32
         native = automatic(dtype, cpu_gemm) and plan.cpu_class in NATIVE_BF16_CLASSES
-        avx2_large = automatic(dtype, cpu_gemm) and plan.cpu_class == AVX2 and not_small(linear_float_bytes)
+        large = automatic(dtype, cpu_gemm) and avx2_large(plan, linear_float_bytes)
         on = plan.cpu_class != "" and plan.weight_dtype == torch.float32 and (
-            plan.large_batch_gemm != "float32" or native or quantized_checkpoint or avx2_large)
+            plan.large_batch_gemm != "float32" or native or quantized_checkpoint or large)
         small_batch_quantization = "q8_0" if on else "none"
     elif small_batch_quantization != "none" and (plan.cpu_class == "" or plan.weight_dtype != torch.float32):
         raise ValueError(f"--small-batch-quantization {small_batch_quantization} needs float32 weights on CPU "
@@ -271,6 +271,11 @@ def not_small(linear_float_bytes: Optional[int]) -> bool:
     return linear_float_bytes is not None and linear_float_bytes >= DENSE_BELOW_FLOAT_BYTES
 
 
+def avx2_large(plan: ArithmeticPlan, linear_float_bytes: Optional[int]) -> bool:
+    """An AVX2 plan for a model that is not small: its blocks serve every batch (one copy of the weights)."""
+    return plan.cpu_class == AVX2 and not_small(linear_float_bytes)
+
+
 def choose_large_batch_weights(requested: str, plan: ArithmeticPlan, small_batch_quantization: str,
                                linear_float_bytes: Optional[int] = None,
                                quantized_checkpoint: bool = False,
@@ -295,9 +300,10 @@ def choose_large_batch_weights(requested: str, plan: ArithmeticPlan, small_batch
         return "dense", "no blocks are made for small batches"
     if requested == "blocks":
         return "blocks", "--large-batch-weights blocks"
-    avx2_large = plan.cpu_class == AVX2 and not_small(linear_float_bytes)
-    if plan.cpu_class not in NATIVE_BF16_CLASSES and not quantized_checkpoint and not avx2_large:
-        return "dense", "this CPU class keeps its float32 plan for a model this small"
+    if plan.cpu_class not in NATIVE_BF16_CLASSES and not quantized_checkpoint and not avx2_large(
+            plan, linear_float_bytes):
+        return "dense", ("this CPU class keeps its float32 plan for a model this small" if plan.cpu_class == AVX2
+                         else "this CPU class keeps its float32 plan")
     if linear_float_bytes is not None and linear_float_bytes < DENSE_BELOW_FLOAT_BYTES:
         return "dense", f"a float32 copy of {linear_float_bytes / 1e9:.2f} GB is small: the dense GEMM is faster"
     if plan.cpu_class not in NATIVE_BF16_CLASSES and quantized_checkpoint:

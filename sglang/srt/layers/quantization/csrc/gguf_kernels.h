@@ -22,11 +22,14 @@
 //         per call. A nibble is isolated with a single AND (value q * 16^i) and the matching x is pre-scaled by
 //         16^-i (exact: a power of two), so each product q * x is formed exactly as with the plain nibble.
 //   Q8_0: the byte is moved to the top of its lane (value q * 2^24, sign included) and 2^-24 is folded into d.
-// Rows of x are processed in tiles of up to 8: each block's weights are converted once into registers and used
-// for every row of the tile, so a small batch costs about the same memory traffic as a single row. x is copied
-// once per call into "panels" (one per tile, element [k][m]) so that every broadcast uses a fixed offset.
+// Rows of x are processed in tiles of up to 8: each block's weights are converted once per tile (or per sub-tile
+// of 3 rows) and used for every row of it, so a small batch costs about the same memory traffic as a single row.
+// x is copied once per call into "panels" (one per tile, element [k][m]) so that every broadcast uses a fixed
+// offset. Every row of a tile goes through the one-row kernel's operations in the one-row kernel's order, so up to
+// 9 rows a row's outputs are the same bits whatever else shares the call.
 // From 10 rows of x on (g_dequant_min_rows), each row group is instead converted once into floats for all the rows
-// and x is read as it is (gguf_dequant_gemm.h): 1.1-1.4x faster at 10-64 rows with AVX2.
+// and x is read as it is (gguf_dequant_gemm.h): 1.1-1.4x faster at 10-64 rows with AVX2 (its sums are ordered
+// differently: within float32 rounding of the tiles', not equal to them).
 
 //
 // This header holds the kernels themselves, with a raw-pointer API (prepare_input + matmul_groups) shared by
@@ -113,221 +116,212 @@ inline __m256 sum_vectors(const __m256* t) {
 
 // Calls f(std::integral_constant<int, S>) for S = 0 .. N-1 (fully unrolled).
 template <int S, int N, typename F>
-inline void unroll(F&& f) {
+__attribute__((always_inline)) inline void unroll(F&& f) {
   if constexpr (S < N) {
     f(std::integral_constant<int, S>{});
     unroll<S + 1, N>(f);
   }
 }
 
-// ---- small tiles (MT <= kBothMax rows of x) against a whole row group: both halves share each broadcast of x ----
+// ---- one row of x against a whole row group: both halves share each broadcast of x ----
+// Per block, the 32 products of a lane are summed in kChains chains (chain c holds k = c, c + 4, ..., in that order),
+// the chains are added pairwise, ((c0 + c1) + (c2 + c3)), and the block's sum enters the accumulator times d (plus m
+// times the block's sum of x for Q4_1). Larger tiles (below) perform exactly these operations for each of their rows,
+// so a row's outputs do not depend on how many rows share its call: a speculative verify step of several rows of one
+// sequence gives each row the values plain decoding gives it, bit for bit.
 
-constexpr int kBothMax = 2;
+constexpr int kChains = 4;
 
-template <int MT>
-struct BothTile {
-  static constexpr int kChains = MT == 1 ? 4 : 2;  // independent partial sums per (row of x, half)
-};
-
-// xt: pre-scaled panel [K][MT]; sxt: block sums [nb][MT]; y: 16 outputs per row of x (nvalid of them stored).
-template <int MT>
-void q4_1_group_both(const uint8_t* gp, int64_t nb, const float* xt, const float* sxt, float* y, int64_t ldy,
-                     int64_t nvalid) {
+// xt: pre-scaled panel [K][1] (x itself); sxt: block sums [nb]; y: the 16 outputs (nvalid of them stored).
+inline void q4_1_group_one(const uint8_t* gp, int64_t nb, const float* xt, const float* sxt, float* y,
+                           int64_t nvalid) {
   using L = Q41Layout;
-  constexpr int C = BothTile<MT>::kChains;
-  __m256 acc[2][MT];
-  for (int h = 0; h < 2; ++h)
-    for (int m = 0; m < MT; ++m) acc[h][m] = _mm256_setzero_ps();
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* bp = gp + b * L::kBlockBytes;
-    const float* xb = xt + b * kQK * MT;
+    const float* xb = xt + b * kQK;
     prefetch_ahead<L::kBlockBytes>(bp);
-    __m256 p[2][MT][C];
+    __m256 p[2][kChains];
     for (int h = 0; h < 2; ++h)
-      for (int m = 0; m < MT; ++m)
-        for (int c = 0; c < C; ++c) p[h][m][c] = _mm256_setzero_ps();
+      for (int c = 0; c < kChains; ++c) p[h][c] = _mm256_setzero_ps();
     unroll<0, 4>([&](auto jc) {
       constexpr int J = decltype(jc)::value;
       const __m256i v0 = load_vec(bp + L::vec(J, 0));
       const __m256i v1 = load_vec(bp + L::vec(J, 1));
       unroll<0, 8>([&](auto ic) {
         constexpr int I = decltype(ic)::value;
-        constexpr int c = (J * 8 + I) % C;
-        const __m256 w0 = q4_extract<I>(v0);
-        const __m256 w1 = q4_extract<I>(v1);
-        for (int m = 0; m < MT; ++m) {
-          const __m256 xv = bcast(xb + (J * 8 + I) * MT + m);
-          p[0][m][c] = _mm256_fmadd_ps(w0, xv, p[0][m][c]);
-          p[1][m][c] = _mm256_fmadd_ps(w1, xv, p[1][m][c]);
-        }
+        constexpr int c = (J * 8 + I) % kChains;
+        const __m256 xv = bcast(xb + J * 8 + I);
+        p[0][c] = _mm256_fmadd_ps(q4_extract<I>(v0), xv, p[0][c]);
+        p[1][c] = _mm256_fmadd_ps(q4_extract<I>(v1), xv, p[1][c]);
       });
     });
     for (int h = 0; h < 2; ++h) {
-      const __m256 dv = load_half8(bp + L::d(h));
-      const __m256 mv = load_half8(bp + L::m(h));
-      for (int m = 0; m < MT; ++m) {
-        acc[h][m] = _mm256_fmadd_ps(dv, sum_vectors<C>(p[h][m]), acc[h][m]);
-        acc[h][m] = _mm256_fmadd_ps(mv, bcast(sxt + b * MT + m), acc[h][m]);
-      }
+      acc[h] = _mm256_fmadd_ps(load_half8(bp + L::d(h)), sum_vectors<kChains>(p[h]), acc[h]);
+      acc[h] = _mm256_fmadd_ps(load_half8(bp + L::m(h)), bcast(sxt + b), acc[h]);
     }
   }
-  store_rows<MT>(acc[0], y, ldy, nvalid);
-  store_rows<MT>(acc[1], y + kHalf, ldy, nvalid - kHalf);
+  store_rows<1>(&acc[0], y, 0, nvalid);
+  store_rows<1>(&acc[1], y + kHalf, 0, nvalid - kHalf);
 }
 
-// xt: unscaled panel [K][MT] (x itself for one row); 2^-24 is folded into d.
-template <int MT>
-void q8_0_group_both(const uint8_t* gp, int64_t nb, const float* xt, const float* /*unused*/, float* y, int64_t ldy,
-                     int64_t nvalid) {
+// xt: x itself (unscaled); 2^-24 is folded into d.
+inline void q8_0_group_one(const uint8_t* gp, int64_t nb, const float* xt, const float* /*unused*/, float* y,
+                           int64_t nvalid) {
   using L = Q80Layout;
-  constexpr int C = BothTile<MT>::kChains;
   const __m256 unscale = _mm256_set1_ps(1.0f / 16777216.0f);
-  __m256 acc[2][MT];
-  for (int h = 0; h < 2; ++h)
-    for (int m = 0; m < MT; ++m) acc[h][m] = _mm256_setzero_ps();
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* bp = gp + b * L::kBlockBytes;
-    const float* xb = xt + b * kQK * MT;
+    const float* xb = xt + b * kQK;
     prefetch_ahead<L::kBlockBytes>(bp);
-    __m256 p[2][MT][C];
+    __m256 p[2][kChains];
     for (int h = 0; h < 2; ++h)
-      for (int m = 0; m < MT; ++m)
-        for (int c = 0; c < C; ++c) p[h][m][c] = _mm256_setzero_ps();
+      for (int c = 0; c < kChains; ++c) p[h][c] = _mm256_setzero_ps();
     unroll<0, 8>([&](auto jc) {
       constexpr int J = decltype(jc)::value;
       const __m256i v0 = load_vec(bp + L::vec(J, 0));
       const __m256i v1 = load_vec(bp + L::vec(J, 1));
       unroll<0, 4>([&](auto ic) {
         constexpr int I = decltype(ic)::value;
-        constexpr int c = (J * 4 + I) % C;
-        const __m256 w0 = q8_extract<I>(v0);
-        const __m256 w1 = q8_extract<I>(v1);
-        for (int m = 0; m < MT; ++m) {
-          const __m256 xv = bcast(xb + (J * 4 + I) * MT + m);
-          p[0][m][c] = _mm256_fmadd_ps(w0, xv, p[0][m][c]);
-          p[1][m][c] = _mm256_fmadd_ps(w1, xv, p[1][m][c]);
-        }
+        constexpr int c = (J * 4 + I) % kChains;
+        const __m256 xv = bcast(xb + J * 4 + I);
+        p[0][c] = _mm256_fmadd_ps(q8_extract<I>(v0), xv, p[0][c]);
+        p[1][c] = _mm256_fmadd_ps(q8_extract<I>(v1), xv, p[1][c]);
       });
     });
     for (int h = 0; h < 2; ++h) {
       const __m256 dv = _mm256_mul_ps(load_half8(bp + L::d(h)), unscale);
-      for (int m = 0; m < MT; ++m) acc[h][m] = _mm256_fmadd_ps(dv, sum_vectors<C>(p[h][m]), acc[h][m]);
+      acc[h] = _mm256_fmadd_ps(dv, sum_vectors<kChains>(p[h]), acc[h]);
     }
   }
-  store_rows<MT>(acc[0], y, ldy, nvalid);
-  store_rows<MT>(acc[1], y + kHalf, ldy, nvalid - kHalf);
+  store_rows<1>(&acc[0], y, 0, nvalid);
+  store_rows<1>(&acc[1], y + kHalf, 0, nvalid - kHalf);
 }
 
-// ---- larger tiles (kBothMax < MT <= kMaxTile rows of x) against one half of a row group ----
-// The weights are scaled by d once per conversion (d * q) and accumulated directly, one accumulator per (row of x,
-// chain); the extra multiply is amortised over MT FMAs. Sharing broadcasts between the halves as above would need
-// more than the 16 vector registers at these tile sizes, so each half is its own pass (the second one re-reads the
-// row group from L1/L2).
+// ---- several rows of x (2 .. kMaxTile) against a row group ----
+// The one-row kernels' operations for each row: per block and half, sub-tiles of up to kSubRows rows of x run the
+// four chains (kSubRows x 4 accumulators in registers). A tile of up to kSubRows rows converts each weight vector in
+// registers where it is used; a larger one converts the block half's 32 vectors once into a buffer that stays in L1
+// and runs its sub-tiles from there.
 
-template <int MT>
-constexpr int kHalfTileChains = MT <= 4 ? 2 : 1;
+constexpr int kSubRows = 3;
 
-// xt: pre-scaled panel [K][MT]; sxt: block sums [nb][MT]; y: the 8 outputs of half h for x row 0 (stride ldy).
-template <int MT>
-void q4_1_half_tile(const uint8_t* gp, int64_t nb, int64_t h, const float* xt, const float* sxt, float* y,
-                    int64_t ldy, int64_t nvalid) {
-  using L = Q41Layout;
-  constexpr int C = kHalfTileChains<MT>;
-  const uint8_t* dp = gp + L::d(h);
-  const uint8_t* mp = gp + L::m(h);
-  const uint8_t* vp = gp + L::vec(0, h);
-  __m256 a[MT][C];
-  for (int m = 0; m < MT; ++m)
-    for (int c = 0; c < C; ++c) a[m][c] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const int64_t off = b * L::kBlockBytes;
-    const float* xb = xt + b * kQK * MT;
-    prefetch_ahead<L::kBlockBytes>(gp + off);
-    const __m256 dv = load_half8(dp + off);
-    const __m256 mv = load_half8(mp + off);
-    for (int m = 0; m < MT; ++m) a[m][0] = _mm256_fmadd_ps(mv, bcast(sxt + b * MT + m), a[m][0]);
-    unroll<0, 4>([&](auto jc) {
-      constexpr int J = decltype(jc)::value;
-      const __m256i v = load_vec(vp + off + (L::vec(J, 0) - L::vec(0, 0)));
-      unroll<0, 8>([&](auto ic) {
-        constexpr int I = decltype(ic)::value;
-        constexpr int c = (J * 8 + I) % C;
-        const __m256 w = _mm256_mul_ps(q4_extract<I>(v), dv);
-        for (int m = 0; m < MT; ++m) a[m][c] = _mm256_fmadd_ps(w, bcast(xb + (J * 8 + I) * MT + m), a[m][c]);
-      });
-    });
+// Weight vector k of half h of a block, as the one-row kernels convert it (exact q * 16^i for Q4_1, q * 2^24 for
+// Q8_0).
+template <bool Q4, int k>
+__attribute__((always_inline)) inline __m256 weight_vector(const uint8_t* bp, int64_t h) {
+  if constexpr (Q4) {
+    return q4_extract<k % 8>(load_vec(bp + Q41Layout::vec(k / 8, h)));
+  } else {
+    return q8_extract<k % 4>(load_vec(bp + Q80Layout::vec(k / 4, h)));
   }
-  __m256 acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = sum_vectors<C>(a[m]);
-  store_rows<MT>(acc, y, ldy, nvalid);
 }
 
-// xt: unscaled panel [K][MT]; 2^-24 is folded into d.
-template <int MT>
-void q8_0_half_tile(const uint8_t* gp, int64_t nb, int64_t h, const float* xt, const float* /*unused*/, float* y,
-                    int64_t ldy, int64_t nvalid) {
-  using L = Q80Layout;
-  constexpr int C = kHalfTileChains<MT>;
+// MS rows of x against one block half, its weight vectors given by weight(std::integral_constant<int, k>):
+// acc[m] += d * ((c0 + c1) + (c2 + c3)) (+ m * the block's sum of x for Q4_1, sx[m]), chain c holding
+// k = c, c + 4, ..., in that order. xb: the panel at the block's first input and the sub-tile's first row (k stride
+// PS, a constant: offsets from one pointer, not one induction variable per address).
+template <bool Q4, int MS, int PS, typename Weight>
+__attribute__((always_inline)) inline void rows_block(Weight&& weight, const float* xb, __m256 dv, __m256 mv,
+                                                      const float* sx, __m256* acc) {
+  __m256 p[MS][kChains];
+  for (int m = 0; m < MS; ++m)
+    for (int c = 0; c < kChains; ++c) p[m][c] = _mm256_setzero_ps();
+  unroll<0, kQK / kChains>([&](auto jc) {
+    unroll<0, kChains>([&](auto cc) {
+      constexpr int c = decltype(cc)::value;
+      constexpr int k = decltype(jc)::value * kChains + c;
+      const __m256 wk = weight(std::integral_constant<int, k>{});
+      for (int m = 0; m < MS; ++m) p[m][c] = _mm256_fmadd_ps(wk, bcast(xb + k * PS + m), p[m][c]);
+    });
+  });
+  for (int m = 0; m < MS; ++m) {
+    __m256 a = _mm256_fmadd_ps(dv, sum_vectors<kChains>(p[m]), acc[m]);
+    if constexpr (Q4) a = _mm256_fmadd_ps(mv, bcast(sx + m), a);
+    acc[m] = a;
+  }
+}
+
+// A tile of MT rows of x (2 .. kMaxTile) against one row group. xt: the tile's panel [K][MT] (pre-scaled for Q4_1,
+// whose block sums sxt are [nb][MT]); y: the tile's first row of outputs (row stride ldy), nvalid of 16 stored.
+template <bool Q4, int MT>
+void group_rows(const uint8_t* gp, int64_t nb, const float* xt, const float* sxt, float* y, int64_t ldy,
+                int64_t nvalid) {
+  using L = std::conditional_t<Q4, Q41Layout, Q80Layout>;
   const __m256 unscale = _mm256_set1_ps(1.0f / 16777216.0f);
-  const uint8_t* dp = gp + L::d(h);
-  const uint8_t* vp = gp + L::vec(0, h);
-  __m256 a[MT][C];
-  for (int m = 0; m < MT; ++m)
-    for (int c = 0; c < C; ++c) a[m][c] = _mm256_setzero_ps();
+  __m256 acc[2][MT];
+  for (int h = 0; h < 2; ++h)
+    for (int m = 0; m < MT; ++m) acc[h][m] = _mm256_setzero_ps();
+  alignas(32) __m256 w[kQK];  // a block half's weight vectors, for tiles of more than kSubRows rows
   for (int64_t b = 0; b < nb; ++b) {
-    const int64_t off = b * L::kBlockBytes;
+    const uint8_t* bp = gp + b * L::kBlockBytes;
     const float* xb = xt + b * kQK * MT;
-    prefetch_ahead<L::kBlockBytes>(gp + off);
-    const __m256 dv = _mm256_mul_ps(load_half8(dp + off), unscale);
-    unroll<0, 8>([&](auto jc) {
-      constexpr int J = decltype(jc)::value;
-      const __m256i v = load_vec(vp + off + (L::vec(J, 0) - L::vec(0, 0)));
-      unroll<0, 4>([&](auto ic) {
-        constexpr int I = decltype(ic)::value;
-        constexpr int c = (J * 4 + I) % C;
-        const __m256 w = _mm256_mul_ps(q8_extract<I>(v), dv);
-        for (int m = 0; m < MT; ++m) a[m][c] = _mm256_fmadd_ps(w, bcast(xb + (J * 4 + I) * MT + m), a[m][c]);
-      });
-    });
+    // opaque to the loop optimiser: every read of x is then xb plus a constant, rather than one pointer per address
+    // advanced block by block (GCC makes those, and spills them)
+    asm("" : "+r"(xb));
+    const float* sx = Q4 ? sxt + b * MT : nullptr;
+    prefetch_ahead<L::kBlockBytes>(bp);
+    for (int64_t h = 0; h < 2; ++h) {
+      if (h * kHalf >= nvalid) break;
+      __m256 dv, mv = _mm256_setzero_ps();
+      if constexpr (Q4) {
+        dv = load_half8(bp + L::d(h));
+        mv = load_half8(bp + Q41Layout::m(h));
+      } else {
+        dv = _mm256_mul_ps(load_half8(bp + L::d(h)), unscale);
+      }
+      if constexpr (MT <= kSubRows) {
+        rows_block<Q4, MT, MT>([&](auto kc) { return weight_vector<Q4, decltype(kc)::value>(bp, h); }, xb, dv, mv,
+                               sx, acc[h]);
+      } else {
+        unroll<0, kQK>([&](auto kc) { w[decltype(kc)::value] = weight_vector<Q4, decltype(kc)::value>(bp, h); });
+        unroll<0, (MT + kSubRows - 1) / kSubRows>([&](auto tc) {
+          constexpr int s0 = decltype(tc)::value * kSubRows;
+          constexpr int ms = MT - s0 < kSubRows ? MT - s0 : kSubRows;
+          // each sub-tile reads the buffer anew: the vectors kept in registers from the sub-tile before would not
+          // fit, and GCC would spill its accumulators instead
+          asm volatile("" ::: "memory");
+          rows_block<Q4, ms, MT>([&](auto kc) { return w[decltype(kc)::value]; }, xb + s0, dv, mv,
+                                 Q4 ? sx + s0 : nullptr, acc[h] + s0);
+        });
+      }
+    }
   }
-  __m256 acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = sum_vectors<C>(a[m]);
-  store_rows<MT>(acc, y, ldy, nvalid);
+  for (int64_t h = 0; h < 2; ++h) {
+    const int64_t nh = std::min(kHalf, nvalid - h * kHalf);
+    for (int m = 0; m < MT && nh > 0; ++m) {
+      const __m256 out = acc[h][m];
+      store_rows<1>(&out, y + m * ldy + h * kHalf, 0, nh);
+    }
+  }
 }
 
-using BothFn = void (*)(const uint8_t*, int64_t, const float*, const float*, float*, int64_t, int64_t);
-using HalfTileFn = void (*)(const uint8_t*, int64_t, int64_t, const float*, const float*, float*, int64_t, int64_t);
+using GroupRowsFn = void (*)(const uint8_t*, int64_t, const float*, const float*, float*, int64_t, int64_t);
 
-constexpr BothFn kQ41Both[kBothMax + 1] = {nullptr, q4_1_group_both<1>, q4_1_group_both<2>};
-constexpr BothFn kQ80Both[kBothMax + 1] = {nullptr, q8_0_group_both<1>, q8_0_group_both<2>};
-constexpr HalfTileFn kQ41Tiles[kMaxTile + 1] = {
-    nullptr,           nullptr,           nullptr,           q4_1_half_tile<3>, q4_1_half_tile<4>,
-    q4_1_half_tile<5>, q4_1_half_tile<6>, q4_1_half_tile<7>, q4_1_half_tile<8>,
+template <bool Q4>
+constexpr GroupRowsFn kGroupRows[kMaxTile + 1] = {
+    nullptr,           nullptr,           group_rows<Q4, 2>, group_rows<Q4, 3>, group_rows<Q4, 4>,
+    group_rows<Q4, 5>, group_rows<Q4, 6>, group_rows<Q4, 7>, group_rows<Q4, 8>,
 };
-constexpr HalfTileFn kQ80Tiles[kMaxTile + 1] = {
-    nullptr,           nullptr,           nullptr,           q8_0_half_tile<3>, q8_0_half_tile<4>,
-    q8_0_half_tile<5>, q8_0_half_tile<6>, q8_0_half_tile<7>, q8_0_half_tile<8>,
-};
-static_assert(kBothMax == 2, "the half-tile tables start at MT = kBothMax + 1");
 
 // One row group (16 rows, nvalid of them real) against all M rows of x, given the panels of x (see make_panel:
 // tile t of up to kMaxTile rows starts at row t * kMaxTile, its panel at that row times K, its block sums at that
 // row times nb). For Q8_0 with M == 1 the "panel" is x itself.
 inline void group_avx2(bool q4, const uint8_t* gp, int64_t nb, int64_t K, int64_t M, const float* xt,
                        const float* sxt, float* y, int64_t ldy, int64_t nvalid) {
-  const HalfTileFn* table = q4 ? kQ41Tiles : kQ80Tiles;
+  if (M == 1) {
+    (q4 ? q4_1_group_one : q8_0_group_one)(gp, nb, xt, sxt, y, nvalid);
+    return;
+  }
   for (int64_t m0 = 0; m0 < M; m0 += kMaxTile) {
     const int64_t mt = std::min(kMaxTile, M - m0);
     const float* panel = xt + m0 * K;
-    const float* sums = sxt ? sxt + m0 * nb : nullptr;
     float* ym = y + m0 * ldy;
-    if (mt <= kBothMax) {
-      (q4 ? kQ41Both : kQ80Both)[mt](gp, nb, panel, sums, ym, ldy, nvalid);
-      continue;
-    }
-    for (int64_t h = 0; h < 2; ++h) {
-      const int64_t nh = std::min(kHalf, nvalid - h * kHalf);
-      if (nh > 0) table[mt](gp, nb, h, panel, sums, ym + h * kHalf, ldy, nh);
+    if (mt == 1) {
+      (q4 ? q4_1_group_one : q8_0_group_one)(gp, nb, panel, sxt ? sxt + m0 * nb : nullptr, ym, nvalid);
+    } else {
+      (q4 ? kGroupRows<true> : kGroupRows<false>)[mt](gp, nb, panel, sxt ? sxt + m0 * nb : nullptr, ym, ldy, nvalid);
     }
   }
 }
