@@ -11,7 +11,9 @@ import pytest
 import requests
 
 from sglang.srt.managers.scheduler.speculative import MAX_BACKOFF, DraftState
+from sglang.srt.model_loader.dtype import read_cpu_flags
 from sglang.srt.server_args import ServerArgs, prepare_server_args
+from sglang.srt.speculative.args import ngram_default_draft_tokens
 from sglang.srt.speculative.draft_tree import DraftTree
 from sglang.srt.speculative.ngram_cache import NgramCache, TokenIndex, propose_draft
 from sglang.srt.speculative.ngram_tree import TreeShape
@@ -267,7 +269,15 @@ def test_flags_defaults():
     args = prepare_server_args(["--model-path", "m", "--speculative-algorithm", "ngram",
                                 "--speculative-ngram-match-type", "PROB"])
     args.validate()
-    assert args.speculative_algorithm == "NGRAM" and args.speculative_num_draft_tokens == 8
+    assert args.speculative_algorithm == "NGRAM"
+    assert args.speculative_num_draft_tokens == ngram_default_draft_tokens("cpu", read_cpu_flags())
+    # tokens per step: 8 on GPUs and on CPUs with int8 dot products; 4 where the kernels' rows cost nearly a step
+    assert ngram_default_draft_tokens("cuda", ()) == 8
+    assert ngram_default_draft_tokens("cpu", ("avx", "avx2", "fma", "f16c")) == 4
+    assert ngram_default_draft_tokens("cpu", ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")) == 8
+    on_gpu = prepare_server_args(["--model-path", "m", "--speculative-algorithm", "NGRAM", "--device", "cuda"])
+    on_gpu.validate()
+    assert on_gpu.speculative_num_draft_tokens == 8
     assert ServerArgs(model_path="m").speculative_algorithm is None
     # the tree's breadth: chains on CPU (measured faster there), SGLang's 10 on GPUs, at least the minimum given
     ngram = ["--model-path", "m", "--speculative-algorithm", "NGRAM"]

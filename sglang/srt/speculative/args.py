@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from typing import Any
+
+from sglang.srt.layers.cpu_classes import VNNI_FLAGS
+from sglang.srt.model_loader.dtype import read_cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -17,6 +21,11 @@ EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3")
 KNOWN_ALGORITHMS = ("NEXTN", "LOOKAHEAD")
 # Tokens verified per step (the draft plus the bonus token) when --speculative-num-draft-tokens is not given.
 DEFAULT_NUM_DRAFT_TOKENS = 8
+# NGRAM's default on a CPU without AVX512-VNNI, whose GGUF kernels take float32 activations: there a verified row
+# costs ~0.85x a one-row step's matmuls (bound by arithmetic, not by reading the weights), and SmolLM2-135M on two
+# AVX2 cores decoded copy-heavy answers at 1.29x plain with 4 tokens per step, 1.08x with 3 and 1.06x with 8
+# (benchmarks/RESULTS.md, "Speculative verify steps on the AVX2 class").
+CPU_FLOAT_NUM_DRAFT_TOKENS = 4
 # --speculative-ngram-max-bfs-breadth where not given: SGLang's default on GPUs, where a verify step's extra rows
 # cost little; 1 (chains) on CPUs, where each row adds its arithmetic to the step: SmolLM2-135M on two cores decoded
 # copy-heavy answers at 1.49-1.50x plain with chains and 1.24-1.40x with breadth 10 (benchmarks/RESULTS.md,
@@ -37,9 +46,11 @@ SPECULATIVE_HELP = {
                              "by default.",
     "speculative_num_draft_tokens": "Tokens verified per decode step, the request's last token included (the draft "
                                     "has up to this many minus one nodes). Default with NGRAM: "
-                                    f"{DEFAULT_NUM_DRAFT_TOKENS}. With STANDALONE, EAGLE or EAGLE3 and "
-                                    "--speculative-eagle-topk 1 it is --speculative-num-steps + 1, as SGLang sets it "
-                                    "(another value is adjusted, with a warning); given alone, it sets "
+                                    f"{DEFAULT_NUM_DRAFT_TOKENS} ({CPU_FLOAT_NUM_DRAFT_TOKENS} on a CPU without "
+                                    "AVX512-VNNI, where each verified row costs nearly a whole step). With "
+                                    "STANDALONE, EAGLE or EAGLE3 and --speculative-eagle-topk 1 it is "
+                                    "--speculative-num-steps + 1, as SGLang sets it (another value is adjusted, with "
+                                    "a warning); given alone, it sets "
                                     "--speculative-num-steps to this minus one. With a larger top-k: the tree's "
                                     f"nodes plus one, default {DEFAULT_NUM_DRAFT_TOKENS} (at most all the nodes the "
                                     "search scores).",
@@ -96,7 +107,7 @@ def check_speculative_args(args: Any) -> None:
         raise ValueError("--speculative-draft-model-path is only used with --speculative-algorithm "
                          f"{' or '.join(DRAFTING_ALGORITHMS)}")
     if args.speculative_num_draft_tokens is None:
-        args.speculative_num_draft_tokens = DEFAULT_NUM_DRAFT_TOKENS
+        args.speculative_num_draft_tokens = ngram_default_draft_tokens(args.device, read_cpu_flags())
     if args.speculative_num_draft_tokens < 2:
         raise ValueError("--speculative-num-draft-tokens must be at least 2 (one draft token plus the bonus token), "
                          f"got {args.speculative_num_draft_tokens}")
@@ -120,6 +131,14 @@ def check_speculative_args(args: Any) -> None:
     if args.speculative_ngram_branch_length < 1:
         raise ValueError(f"--speculative-ngram-branch-length must be at least 1, got "
                          f"{args.speculative_ngram_branch_length}")
+
+
+def ngram_default_draft_tokens(device: str, cpu_flags: Iterable[str]) -> int:
+    """NGRAM's --speculative-num-draft-tokens where not given: DEFAULT_NUM_DRAFT_TOKENS on GPUs and on CPUs with
+    AVX512-VNNI (int8 activations), CPU_FLOAT_NUM_DRAFT_TOKENS on other CPUs."""
+    if device == "cpu" and not VNNI_FLAGS <= frozenset(cpu_flags):
+        return CPU_FLOAT_NUM_DRAFT_TOKENS
+    return DEFAULT_NUM_DRAFT_TOKENS
 
 
 def _check_drafting(args: Any) -> None:

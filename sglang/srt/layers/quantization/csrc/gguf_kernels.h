@@ -23,7 +23,7 @@
 //         16^-i (exact: a power of two), so each product q * x is formed exactly as with the plain nibble.
 //   Q8_0: the byte is moved to the top of its lane (value q * 2^24, sign included) and 2^-24 is folded into d.
 // Rows of x are processed in tiles of up to 8: each block's weights are converted once per tile (or per sub-tile
-// of 3 rows) and used for every row of it, so a small batch costs about the same memory traffic as a single row.
+// of 2 rows) and used for every row of it, so a small batch costs about the same memory traffic as a single row.
 // x is copied once per call into "panels" (one per tile, element [k][m]) so that every broadcast uses a fixed
 // offset. Every row of a tile goes through the one-row kernel's operations in the one-row kernel's order, so up to
 // 9 rows a row's outputs are the same bits whatever else shares the call.
@@ -200,12 +200,13 @@ inline void q8_0_group_one(const uint8_t* gp, int64_t nb, const float* xt, const
 }
 
 // ---- several rows of x (2 .. kMaxTile) against a row group ----
-// The one-row kernels' operations for each row: per block and half, sub-tiles of up to kSubRows rows of x run the
-// four chains (kSubRows x 4 accumulators in registers). A tile of up to kSubRows rows converts each weight vector in
-// registers where it is used; a larger one converts the block half's 32 vectors once into a buffer that stays in L1
-// and runs its sub-tiles from there.
+// The one-row kernels' operations for each row, both halves of the row group in one pass (each broadcast of x feeds
+// both), sub-tiles of up to kSubRows rows: chains 0 and 1 of a block first (2 x kSubRows x 2 accumulators), added,
+// then chains 2 and 3, added, then the two sums; the accumulators across blocks live in memory (a load and a store
+// per block). A tile of up to kSubRows rows converts each weight vector in registers where it is used; a larger one
+// converts the block's 64 vectors once into a buffer that stays in L1 and runs its sub-tiles from there.
 
-constexpr int kSubRows = 3;
+constexpr int kSubRows = 2;
 
 // Weight vector k of half h of a block, as the one-row kernels convert it (exact q * 16^i for Q4_1, q * 2^24 for
 // Q8_0).
@@ -218,28 +219,48 @@ __attribute__((always_inline)) inline __m256 weight_vector(const uint8_t* bp, in
   }
 }
 
-// MS rows of x against one block half, its weight vectors given by weight(std::integral_constant<int, k>):
-// acc[m] += d * ((c0 + c1) + (c2 + c3)) (+ m * the block's sum of x for Q4_1, sx[m]), chain c holding
-// k = c, c + 4, ..., in that order. xb: the panel at the block's first input and the sub-tile's first row (k stride
-// PS, a constant: offsets from one pointer, not one induction variable per address).
-template <bool Q4, int MS, int PS, typename Weight>
-__attribute__((always_inline)) inline void rows_block(Weight&& weight, const float* xb, __m256 dv, __m256 mv,
-                                                      const float* sx, __m256* acc) {
-  __m256 p[MS][kChains];
-  for (int m = 0; m < MS; ++m)
-    for (int c = 0; c < kChains; ++c) p[m][c] = _mm256_setzero_ps();
-  unroll<0, kQK / kChains>([&](auto jc) {
-    unroll<0, kChains>([&](auto cc) {
+// Chains C0 and C0 + 1 of one block for MS rows of x and both halves, added: s[h][m] = c0 + c1 (chain c holds
+// k = c, c + 4, ..., in that order). weight(h, k) gives the weight vectors (std::integral_constant arguments); xb: the
+// panel at the block's first input and the sub-tile's first row (k stride PS, a constant: offsets from one pointer).
+template <int C0, int MS, int PS, typename Weight>
+__attribute__((always_inline)) inline void chain_pair(Weight&& weight, const float* xb, __m256 (&s)[2][MS]) {
+  __m256 p[2][MS][2];
+  for (int h = 0; h < 2; ++h)
+    for (int m = 0; m < MS; ++m) p[h][m][0] = p[h][m][1] = _mm256_setzero_ps();
+  unroll<0, kQK / kChains>([&](auto jc) __attribute__((always_inline)) {
+    unroll<0, 2>([&](auto cc) __attribute__((always_inline)) {
       constexpr int c = decltype(cc)::value;
-      constexpr int k = decltype(jc)::value * kChains + c;
-      const __m256 wk = weight(std::integral_constant<int, k>{});
-      for (int m = 0; m < MS; ++m) p[m][c] = _mm256_fmadd_ps(wk, bcast(xb + k * PS + m), p[m][c]);
+      constexpr int k = decltype(jc)::value * kChains + C0 + c;
+      const __m256 w0 = weight(std::integral_constant<int, 0>{}, std::integral_constant<int, k>{});
+      const __m256 w1 = weight(std::integral_constant<int, 1>{}, std::integral_constant<int, k>{});
+      for (int m = 0; m < MS; ++m) {
+        const __m256 xv = bcast(xb + k * PS + m);
+        p[0][m][c] = _mm256_fmadd_ps(w0, xv, p[0][m][c]);
+        p[1][m][c] = _mm256_fmadd_ps(w1, xv, p[1][m][c]);
+      }
     });
   });
-  for (int m = 0; m < MS; ++m) {
-    __m256 a = _mm256_fmadd_ps(dv, sum_vectors<kChains>(p[m]), acc[m]);
-    if constexpr (Q4) a = _mm256_fmadd_ps(mv, bcast(sx + m), a);
-    acc[m] = a;
+  for (int h = 0; h < 2; ++h)
+    for (int m = 0; m < MS; ++m) s[h][m] = _mm256_add_ps(p[h][m][0], p[h][m][1]);
+}
+
+// MS rows of x against one block (both halves): acc[h][m] += d * ((c0 + c1) + (c2 + c3)) (+ m * the block's sum of
+// x for Q4_1, sx[m]).
+template <bool Q4, int MS, int PS, typename Weight>
+__attribute__((always_inline)) inline void rows_block(Weight&& weight, const float* xb, const __m256* dv,
+                                                      const __m256* mv, const float* sx, __m256* acc0,
+                                                      __m256* acc1) {
+  static_assert(kChains == 4, "the chains are added as ((c0 + c1) + (c2 + c3))");
+  __m256 s[2][MS], t[2][MS];
+  chain_pair<0, MS, PS>(weight, xb, s);
+  chain_pair<2, MS, PS>(weight, xb, t);
+  __m256* acc[2] = {acc0, acc1};
+  for (int h = 0; h < 2; ++h) {
+    for (int m = 0; m < MS; ++m) {
+      __m256 a = _mm256_fmadd_ps(dv[h], _mm256_add_ps(s[h][m], t[h][m]), acc[h][m]);
+      if constexpr (Q4) a = _mm256_fmadd_ps(mv[h], bcast(sx + m), a);
+      acc[h][m] = a;
+    }
   }
 }
 
@@ -253,7 +274,7 @@ void group_rows(const uint8_t* gp, int64_t nb, const float* xt, const float* sxt
   __m256 acc[2][MT];
   for (int h = 0; h < 2; ++h)
     for (int m = 0; m < MT; ++m) acc[h][m] = _mm256_setzero_ps();
-  alignas(32) __m256 w[kQK];  // a block half's weight vectors, for tiles of more than kSubRows rows
+  alignas(32) __m256 w[2][kQK];  // a block's weight vectors, for tiles of more than kSubRows rows
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* bp = gp + b * L::kBlockBytes;
     const float* xb = xt + b * kQK * MT;
@@ -262,30 +283,36 @@ void group_rows(const uint8_t* gp, int64_t nb, const float* xt, const float* sxt
     asm("" : "+r"(xb));
     const float* sx = Q4 ? sxt + b * MT : nullptr;
     prefetch_ahead<L::kBlockBytes>(bp);
-    for (int64_t h = 0; h < 2; ++h) {
-      if (h * kHalf >= nvalid) break;
-      __m256 dv, mv = _mm256_setzero_ps();
+    __m256 dv[2], mv[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int h = 0; h < 2; ++h) {
       if constexpr (Q4) {
-        dv = load_half8(bp + L::d(h));
-        mv = load_half8(bp + Q41Layout::m(h));
+        dv[h] = load_half8(bp + L::d(h));
+        mv[h] = load_half8(bp + Q41Layout::m(h));
       } else {
-        dv = _mm256_mul_ps(load_half8(bp + L::d(h)), unscale);
+        dv[h] = _mm256_mul_ps(load_half8(bp + L::d(h)), unscale);
       }
-      if constexpr (MT <= kSubRows) {
-        rows_block<Q4, MT, MT>([&](auto kc) { return weight_vector<Q4, decltype(kc)::value>(bp, h); }, xb, dv, mv,
-                               sx, acc[h]);
-      } else {
-        unroll<0, kQK>([&](auto kc) { w[decltype(kc)::value] = weight_vector<Q4, decltype(kc)::value>(bp, h); });
-        unroll<0, (MT + kSubRows - 1) / kSubRows>([&](auto tc) {
-          constexpr int s0 = decltype(tc)::value * kSubRows;
-          constexpr int ms = MT - s0 < kSubRows ? MT - s0 : kSubRows;
-          // each sub-tile reads the buffer anew: the vectors kept in registers from the sub-tile before would not
-          // fit, and GCC would spill its accumulators instead
-          asm volatile("" ::: "memory");
-          rows_block<Q4, ms, MT>([&](auto kc) { return w[decltype(kc)::value]; }, xb + s0, dv, mv,
-                                 Q4 ? sx + s0 : nullptr, acc[h] + s0);
-        });
-      }
+    }
+    if constexpr (MT <= kSubRows) {
+      const auto convert = [&](auto hc, auto kc) __attribute__((always_inline)) {
+        return weight_vector<Q4, decltype(kc)::value>(bp, hc);
+      };
+      rows_block<Q4, MT, MT>(convert, xb, dv, mv, sx, acc[0], acc[1]);
+    } else {
+      unroll<0, kQK>([&](auto kc) __attribute__((always_inline)) {
+        w[0][decltype(kc)::value] = weight_vector<Q4, decltype(kc)::value>(bp, 0);
+        w[1][decltype(kc)::value] = weight_vector<Q4, decltype(kc)::value>(bp, 1);
+      });
+      unroll<0, (MT + kSubRows - 1) / kSubRows>([&](auto tc) __attribute__((always_inline)) {
+        constexpr int s0 = decltype(tc)::value * kSubRows;
+        constexpr int ms = MT - s0 < kSubRows ? MT - s0 : kSubRows;
+        // each sub-tile reads the buffer anew: the vectors kept in registers from the sub-tile before would not
+        // fit, and GCC would spill its accumulators instead
+        asm volatile("" ::: "memory");
+        const auto from_buffer = [&](auto hc, auto kc) __attribute__((always_inline)) {
+          return w[decltype(hc)::value][decltype(kc)::value];
+        };
+        rows_block<Q4, ms, MT>(from_buffer, xb + s0, dv, mv, Q4 ? sx + s0 : nullptr, acc[0] + s0, acc[1] + s0);
+      });
     }
   }
   for (int64_t h = 0; h < 2; ++h) {
