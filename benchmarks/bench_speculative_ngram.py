@@ -2,7 +2,7 @@
 copy-heavy prompts (the answer repeats the prompt) and free prompts, against servers this script starts.
 
     python benchmarks/bench_speculative_ngram.py [--model HuggingFaceTB/SmolLM2-135M-Instruct] [--max-new-tokens 128]
-        [--num-draft-tokens 8] [--tree-breadth 10]
+        [--num-draft-tokens N] [--tree-breadth 10]
 
 With --tree-breadth a third server drafts trees of that breadth (--speculative-ngram-max-bfs-breadth; SGLang's
 default is 10) beside the default (chains on CPU).
@@ -124,16 +124,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--num-draft-tokens", type=int, default=8)
+    parser.add_argument("--num-draft-tokens", type=int, default=None,
+                        help="--speculative-num-draft-tokens (default: the server's, 8 or 4 on a CPU without VNNI)")
     parser.add_argument("--tree-breadth", type=int, default=0, help="also a server drafting trees of this breadth")
     args = parser.parse_args()
-    ngram = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(args.num_draft_tokens)]
+    ngram = ["--speculative-algorithm", "NGRAM"]
+    if args.num_draft_tokens is not None:
+        ngram += ["--speculative-num-draft-tokens", str(args.num_draft_tokens)]
     configs = {"plain": [], "ngram": ngram}
     if args.tree_breadth:
         configs["tree"] = [*ngram, "--speculative-ngram-max-bfs-breadth", str(args.tree_breadth)]
     results = measure(args.model, configs, args.max_new_tokens)
-    print(f"# {args.model}, batch 1, greedy, {args.max_new_tokens} new tokens, "
-          f"up to {args.num_draft_tokens} tokens verified per step")
+    per_step = (f"up to {args.num_draft_tokens} tokens" if args.num_draft_tokens
+                else "the server's default number of tokens")
+    print(f"# {args.model}, batch 1, greedy, {args.max_new_tokens} new tokens, {per_step} verified per step")
     report(results, "ngram", "NGRAM")
     if args.tree_breadth:
         report(results, "tree", f"NGRAM trees of breadth {args.tree_breadth}")
