@@ -19,6 +19,7 @@ namespace gguf_kernels {
 constexpr int64_t kQK = 32;    // weights per GGUF block
 constexpr int64_t kHalf = 8;   // output rows per half (one 32-bit lane each)
 constexpr int64_t kRows = 16;  // output rows interleaved in one row group
+constexpr int64_t kMaxTile = 8;  // rows of x processed per pass over a row group (float32 tiles of panels)
 
 // Byte offsets inside one packed block of a row group.
 struct Q41Layout {
