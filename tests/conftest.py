@@ -105,3 +105,18 @@ def save_tiny_llama(path, tokenizer, max_position_embeddings: int = 256, num_hid
 def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer) -> str:
     """The tiny random Llama with a 256-token context (the API-level tests: fuzzing, authentication)."""
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """A cache of its own for the conversions of the test files, sharing the compiled CPU kernels of the usual
+    one (built once per source version, not once per run)."""
+    from sglang.srt.model_loader.disk_cache import cache_root
+
+    kernels = cache_root() / "torch_extensions"
+    kernels.mkdir(parents=True, exist_ok=True)
+    path = tmp_path_factory.mktemp("cache")
+    (path / "torch_extensions").symlink_to(kernels, target_is_directory=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SGLANG_CACHE_DIR", str(path))
+        yield path

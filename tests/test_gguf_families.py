@@ -161,21 +161,6 @@ def random_checkpoint(family: str):
     return model
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    """A cache of its own for the conversions of the test files, sharing the compiled CPU kernels of the usual
-    one (built once per source version, not once per run)."""
-    from sglang.srt.model_loader.disk_cache import cache_root
-
-    kernels = cache_root() / "torch_extensions"
-    kernels.mkdir(parents=True, exist_ok=True)
-    path = tmp_path_factory.mktemp("cache")
-    (path / "torch_extensions").symlink_to(kernels, target_is_directory=True)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SGLANG_CACHE_DIR", str(path))
-        yield path
-
-
 def blocks_plan():
     """float32 arithmetic over the blocks for every batch (no float weights kept)."""
     return choose_arithmetic("cpu", cpu_gemm="float32", cpu_flags=BF16_VNNI_FLAGS, gguf_activations="float32",

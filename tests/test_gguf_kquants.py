@@ -206,14 +206,6 @@ def expected_formats(mix: dict[str, str], config: Any) -> dict[str, int]:
     return out
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("SGLANG_CACHE_DIR", str(path))
-        yield path
-
-
 def blocks_plan():
     return choose_arithmetic("cpu", cpu_gemm="float32", cpu_flags=BF16_VNNI_FLAGS, small_batch_quantization="q8_0",
                              large_batch_weights="blocks")
