@@ -24,7 +24,7 @@ serve: setup
 
 test: setup
 	$(PY) -m sglang.srt.layers.build_extensions --portable  # the builds without AVX2 code that the tests check
-	$(PY) -m pytest -q --durations=25 tests
+	$(PY) -m pytest -q --durations=0 --durations-min=3 tests  # every phase of 3 s or more, slowest first
 
 # Style and types: ruff (lint + import order) on the whole tree, mypy on the runtime.
 lint: setup
