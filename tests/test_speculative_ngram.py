@@ -274,7 +274,17 @@ def test_flags_defaults():
     # tokens per step: 8 on GPUs and on CPUs with int8 dot products; 4 where the kernels' rows cost nearly a step
     assert ngram_default_draft_tokens("cuda", ()) == 8
     assert ngram_default_draft_tokens("cpu", ("avx", "avx2", "fma", "f16c")) == 4
-    assert ngram_default_draft_tokens("cpu", ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")) == 8
+    vnni = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+    assert ngram_default_draft_tokens("cpu", vnni) == 8
+    # float32 activations asked for on a VNNI CPU: its rows cost what they cost without VNNI
+    assert ngram_default_draft_tokens("cpu", vnni, dtype="float32") == 4
+    assert ngram_default_draft_tokens("cpu", vnni, cpu_gemm="float32") == 4
+    assert ngram_default_draft_tokens("cpu", vnni, gguf_activations="float32") == 4
+    assert ngram_default_draft_tokens("cpu", ("avx", "avx2", "fma", "f16c"), gguf_activations="int8") == 8
+    float_args = prepare_server_args(["--model-path", "m", "--speculative-algorithm", "NGRAM", "--device", "cpu",
+                                      "--gguf-activations", "float32"])
+    float_args.validate()
+    assert float_args.speculative_num_draft_tokens == 4
     on_gpu = prepare_server_args(["--model-path", "m", "--speculative-algorithm", "NGRAM", "--device", "cuda"])
     on_gpu.validate()
     assert on_gpu.speculative_num_draft_tokens == 8

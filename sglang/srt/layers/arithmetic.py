@@ -176,6 +176,24 @@ def _gain(measurements: Mapping[str, float], new: str, old: str) -> Optional[flo
     return None
 
 
+def choose_gguf_activations(on_cpu: bool, device: str, dtype: str = "auto", cpu_gemm: str = "auto",
+                            gguf_activations: str = "auto", cpu_flags: Iterable[str] = (),
+                            machine: str = "x86_64") -> tuple[str, str]:
+    """(activations, reason): the GGUF block kernels' activations, int8 or float32 (the plan's choice; also what a
+    speculative verify row costs: int8 rows add little to a step, float32 rows nearly a step's arithmetic)."""
+    if gguf_activations != "auto":
+        return gguf_activations, f"--gguf-activations {gguf_activations}"
+    if not on_cpu:
+        return "float32", f"the GGUF kernels run on CPU only, not {device}"
+    if not automatic(dtype):
+        return "float32", f"--dtype {dtype}"
+    if cpu_gemm == "float32":
+        return "float32", "--cpu-gemm float32 asks for float32 arithmetic"
+    if is_x86(machine) and VNNI_FLAGS <= frozenset(cpu_flags):
+        return "int8", "the CPU has AVX512-VNNI integer dot products"
+    return "float32", "no AVX512-VNNI on this CPU: float32 FMAs are the faster kernels"
+
+
 def choose_arithmetic(
     device: str,
     dtype: str = "auto",
@@ -220,18 +238,7 @@ def choose_arithmetic(
         raise ValueError(f"--large-batch-weights must be one of {LARGE_BATCH_WEIGHTS}, got {large_batch_weights!r}")
     flags = frozenset(cpu_flags)
     plan = _choose_gemm(device, dtype, cpu_gemm, flags, machine, measurements, config_dtype)
-    if gguf_activations != "auto":
-        act, why = gguf_activations, f"--gguf-activations {gguf_activations}"
-    elif plan.cpu_class == "":
-        act, why = "float32", f"the GGUF kernels run on CPU only, not {device}"
-    elif not automatic(dtype):
-        act, why = "float32", f"--dtype {dtype}"
-    elif cpu_gemm == "float32":
-        act, why = "float32", "--cpu-gemm float32 asks for float32 arithmetic"
-    elif is_x86(machine) and VNNI_FLAGS <= flags:
-        act, why = "int8", "the CPU has AVX512-VNNI integer dot products"
-    else:
-        act, why = "float32", "no AVX512-VNNI on this CPU: float32 FMAs are the faster kernels"
+    act, why = choose_gguf_activations(plan.cpu_class != "", device, dtype, cpu_gemm, gguf_activations, flags, machine)
     if small_batch_quantization == "auto":
         # where a reduced-precision GEMM already serves large batches, or the automatic plan of a CPU with native bf16
         # measured float32 faster, or an AVX2 CPU's automatic plan for a model that is not small (its blocks then serve

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 from collections.abc import Iterable
 from typing import Any
 
-from sglang.srt.layers.cpu_classes import VNNI_FLAGS
+from sglang.srt.layers.arithmetic import choose_gguf_activations
 from sglang.srt.model_loader.dtype import read_cpu_flags
 
 logger = logging.getLogger(__name__)
@@ -21,10 +22,10 @@ EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3")
 KNOWN_ALGORITHMS = ("NEXTN", "LOOKAHEAD")
 # Tokens verified per step (the draft plus the bonus token) when --speculative-num-draft-tokens is not given.
 DEFAULT_NUM_DRAFT_TOKENS = 8
-# NGRAM's default on a CPU without AVX512-VNNI, whose GGUF kernels take float32 activations: there a verified row
-# costs ~0.85x a one-row step's matmuls (bound by arithmetic, not by reading the weights), and SmolLM2-135M on two
-# AVX2 cores decoded copy-heavy answers at 1.29x plain with 4 tokens per step, 1.08x with 3 and 1.06x with 8
-# (benchmarks/RESULTS.md, "Speculative verify steps on the AVX2 class").
+# NGRAM's default on a CPU whose GGUF kernels take float32 activations (no AVX512-VNNI, or float32 asked for): there
+# a verified row costs 0.4-0.85x a one-row step's matmuls (bound by arithmetic, not by reading the weights), and
+# SmolLM2-135M on two AVX2 cores decoded copy-heavy answers at 1.29x plain with 4 tokens per step, 1.08x with 3 and
+# 1.06x with 8 (benchmarks/RESULTS.md, "Speculative verify steps on the AVX2 class").
 CPU_FLOAT_NUM_DRAFT_TOKENS = 4
 # --speculative-ngram-max-bfs-breadth where not given: SGLang's default on GPUs, where a verify step's extra rows
 # cost little; 1 (chains) on CPUs, where each row adds its arithmetic to the step: SmolLM2-135M on two cores decoded
@@ -46,8 +47,9 @@ SPECULATIVE_HELP = {
                              "by default.",
     "speculative_num_draft_tokens": "Tokens verified per decode step, the request's last token included (the draft "
                                     "has up to this many minus one nodes). Default with NGRAM: "
-                                    f"{DEFAULT_NUM_DRAFT_TOKENS} ({CPU_FLOAT_NUM_DRAFT_TOKENS} on a CPU without "
-                                    "AVX512-VNNI, where each verified row costs nearly a whole step). With "
+                                    f"{DEFAULT_NUM_DRAFT_TOKENS} ({CPU_FLOAT_NUM_DRAFT_TOKENS} on a CPU whose block "
+                                    "kernels take float32 activations (no AVX512-VNNI, or float32 asked for), where "
+                                    "each verified row costs much of a step). With "
                                     "STANDALONE, EAGLE or EAGLE3 and --speculative-eagle-topk 1 it is "
                                     "--speculative-num-steps + 1, as SGLang sets it (another value is adjusted, with "
                                     "a warning); given alone, it sets "
@@ -107,7 +109,8 @@ def check_speculative_args(args: Any) -> None:
         raise ValueError("--speculative-draft-model-path is only used with --speculative-algorithm "
                          f"{' or '.join(DRAFTING_ALGORITHMS)}")
     if args.speculative_num_draft_tokens is None:
-        args.speculative_num_draft_tokens = ngram_default_draft_tokens(args.device, read_cpu_flags())
+        args.speculative_num_draft_tokens = ngram_default_draft_tokens(
+            args.device, read_cpu_flags(), args.dtype, args.cpu_gemm, args.gguf_activations)
     if args.speculative_num_draft_tokens < 2:
         raise ValueError("--speculative-num-draft-tokens must be at least 2 (one draft token plus the bonus token), "
                          f"got {args.speculative_num_draft_tokens}")
@@ -133,12 +136,16 @@ def check_speculative_args(args: Any) -> None:
                          f"{args.speculative_ngram_branch_length}")
 
 
-def ngram_default_draft_tokens(device: str, cpu_flags: Iterable[str]) -> int:
-    """NGRAM's --speculative-num-draft-tokens where not given: DEFAULT_NUM_DRAFT_TOKENS on GPUs and on CPUs with
-    AVX512-VNNI (int8 activations), CPU_FLOAT_NUM_DRAFT_TOKENS on other CPUs."""
-    if device == "cpu" and not VNNI_FLAGS <= frozenset(cpu_flags):
-        return CPU_FLOAT_NUM_DRAFT_TOKENS
-    return DEFAULT_NUM_DRAFT_TOKENS
+def ngram_default_draft_tokens(device: str, cpu_flags: Iterable[str], dtype: str = "auto", cpu_gemm: str = "auto",
+                               gguf_activations: str = "auto") -> int:
+    """NGRAM's --speculative-num-draft-tokens where not given: DEFAULT_NUM_DRAFT_TOKENS on GPUs and where the CPU's
+    block kernels take int8 activations (AVX512-VNNI, automatic arithmetic), CPU_FLOAT_NUM_DRAFT_TOKENS where they
+    take float32 ones (no VNNI, or --dtype / --cpu-gemm / --gguf-activations asking for float32)."""
+    if device != "cpu":
+        return DEFAULT_NUM_DRAFT_TOKENS
+    activations, _ = choose_gguf_activations(True, device, dtype, cpu_gemm, gguf_activations, cpu_flags,
+                                             platform.machine())
+    return DEFAULT_NUM_DRAFT_TOKENS if activations == "int8" else CPU_FLOAT_NUM_DRAFT_TOKENS
 
 
 def _check_drafting(args: Any) -> None:
