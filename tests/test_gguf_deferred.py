@@ -24,7 +24,6 @@ from tests import test_gguf_families as families  # noqa: E402
 from tests.gguf_writer import write_gguf  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="the compiled GGUF kernels are unavailable")
-cache_dir = families.cache_dir  # the fixture: a conversion cache of the module's own
 FAMILIES = ["mistral", "qwen2_moe", "phi3", "gemma3"]
 
 

@@ -34,7 +34,6 @@ from tests.test_gguf_families import (  # noqa: E402
 from tests.test_models import FLOAT32_TOL, assert_logits_close, reference_logits  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="the compiled GGUF kernels are unavailable")
-cache_dir = test_gguf_families.cache_dir  # the fixture: a conversion cache of the module's own
 
 T = gguf.GGMLQuantizationType
 # (family, the type of each expert / shared-expert role, the block type each expert projection is served as)
