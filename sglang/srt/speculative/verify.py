@@ -91,12 +91,16 @@ def fit_trees(mem: MemoryPools, drafts: list[DraftTree]) -> list[DraftTree]:
 
 
 def verify_slots_needed(reqs: list, drafts: list[DraftTree]) -> int:
-    """KV slots a verify step must allocate: positions seqlen-1 .. seqlen-1+depth not yet allocated in the requests'
-    rows, and one slot per node off a draft's main path."""
+    """KV slots a verify step must allocate for `drafts` (see slots_for_draft_sizes)."""
+    return slots_for_draft_sizes(reqs, [(len(draft), draft.depth()) for draft in drafts])
+
+
+def slots_for_draft_sizes(reqs: list, sizes: list[tuple[int, int]]) -> int:
+    """KV slots a verify step must allocate for drafts of (nodes, depth) `sizes`: positions seqlen-1 ..
+    seqlen-1+depth not yet allocated in the requests' rows, and one slot per node off a draft's main path."""
     total = 0
-    for req, draft in zip(reqs, drafts):
-        depth = draft.depth()
-        total += max(0, req.seqlen + depth - req.kv_allocated_len) + len(draft) - depth
+    for req, (nodes, depth) in zip(reqs, sizes):
+        total += max(0, req.seqlen + depth - req.kv_allocated_len) + nodes - depth
     return total
 
 

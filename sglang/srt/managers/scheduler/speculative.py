@@ -36,6 +36,7 @@ from sglang.srt.speculative.verify import (
     VerifyInputs,
     allocate_verify_slots,
     fit_trees,
+    slots_for_draft_sizes,
     verify_inputs,
     verify_slots_needed,
 )
@@ -278,11 +279,11 @@ class StandaloneSpeculator(Speculator):
     def propose(self, sched: Scheduler, reqs: list[Req]) -> list[DraftTree]:
         table = sched.mem.req_to_token_pool.req_to_token
         steps = [min(self.room(req, table.shape[1]), self.draft.max_steps(req)) for req in reqs]
-        # Run the draft only when the verify step will find its KV slots (the largest drafts it can make).
+        # Run the draft only when the verify step will find its KV slots (the largest drafts it can make: a main path
+        # of k tokens, plus the tree's other nodes).
         extra = max(0, self.draft.tree_size - 1) if self.draft.topk > 1 else 0
-        largest = [DraftTree([0] * (k + extra), list(range(-1, k - 1)) + [-1] * extra) if k else DraftTree()
-                   for k in steps]
-        if not any(steps) or verify_slots_needed(reqs, largest) > sched.mem.available_tokens():
+        largest = [(k + extra, k) if k else (0, 0) for k in steps]
+        if not any(steps) or slots_for_draft_sizes(reqs, largest) > sched.mem.available_tokens():
             return [DraftTree() for _ in reqs]
         if self.draft.topk > 1:
             return self.draft.propose_trees(reqs, steps)
