@@ -23,9 +23,10 @@ KNOWN_ALGORITHMS = ("NEXTN", "LOOKAHEAD")
 # Tokens verified per step (the draft plus the bonus token) when --speculative-num-draft-tokens is not given.
 DEFAULT_NUM_DRAFT_TOKENS = 8
 # NGRAM's default on a CPU whose GGUF kernels take float32 activations (no AVX512-VNNI, or float32 asked for): there
-# a verified row costs 0.4-0.85x a one-row step's matmuls (bound by arithmetic, not by reading the weights), and
-# SmolLM2-135M on two AVX2 cores decoded copy-heavy answers at 1.29x plain with 4 tokens per step, 1.08x with 3 and
-# 1.06x with 8 (benchmarks/RESULTS.md, "Speculative verify steps on the AVX2 class").
+# a verified row costs 0.35-0.5x a one-row step (bound by arithmetic, not by reading the weights), and SmolLM2-135M
+# on two AVX2 cores decoded copy-heavy answers at 1.29x plain with 4 tokens per step, 1.08x with 3 and 1.06x with 8
+# (benchmarks/RESULTS.md, "Speculative verify steps on the AVX2 class"; 1.22-1.42x with 4 since the tiles of 3 and 4
+# rows got faster).
 CPU_FLOAT_NUM_DRAFT_TOKENS = 4
 # --speculative-ngram-max-bfs-breadth where not given: SGLang's default on GPUs, where a verify step's extra rows
 # cost little; 1 (chains) on CPUs, where each row adds its arithmetic to the step: SmolLM2-135M on two cores decoded
