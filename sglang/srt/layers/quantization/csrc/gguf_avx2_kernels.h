@@ -70,43 +70,24 @@ __attribute__((always_inline)) inline void unroll(F&& f) {
 
 constexpr int kChains = 4;
 
-// xt: pre-scaled panel [K][1] (x itself); sxt: block sums [nb]; y: the 16 outputs (nvalid of them stored).
-inline void q4_1_group_one(const uint8_t* gp, int64_t nb, const float* xt, const float* sxt, float* y,
-                           int64_t nvalid) {
-  using L = Q41Layout;
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* bp = gp + b * L::kBlockBytes;
-    const float* xb = xt + b * kQK;
-    prefetch_ahead<L::kBlockBytes>(bp);
-    __m256 p[2][kChains];
-    for (int h = 0; h < 2; ++h)
-      for (int c = 0; c < kChains; ++c) p[h][c] = _mm256_setzero_ps();
-    unroll<0, 4>([&](auto jc) {
-      constexpr int J = decltype(jc)::value;
-      const __m256i v0 = load_vec(bp + L::vec(J, 0));
-      const __m256i v1 = load_vec(bp + L::vec(J, 1));
-      unroll<0, 8>([&](auto ic) {
-        constexpr int I = decltype(ic)::value;
-        constexpr int c = (J * 8 + I) % kChains;
-        const __m256 xv = bcast(xb + J * 8 + I);
-        p[0][c] = _mm256_fmadd_ps(q4_extract<I>(v0), xv, p[0][c]);
-        p[1][c] = _mm256_fmadd_ps(q4_extract<I>(v1), xv, p[1][c]);
-      });
-    });
-    for (int h = 0; h < 2; ++h) {
-      acc[h] = _mm256_fmadd_ps(load_half8(bp + L::d(h)), sum_vectors<kChains>(p[h]), acc[h]);
-      acc[h] = _mm256_fmadd_ps(load_half8(bp + L::m(h)), bcast(sxt + b), acc[h]);
-    }
+// Weight vector k of half h of a block, as the one-row kernels convert it (exact q * 16^i for Q4_1, q * 2^24 for
+// Q8_0).
+template <bool Q4, int k>
+__attribute__((always_inline)) inline __m256 weight_vector(const uint8_t* bp, int64_t h) {
+  if constexpr (Q4) {
+    return q4_extract<k % 8>(load_vec(bp + Q41Layout::vec(k / 8, h)));
+  } else {
+    return q8_extract<k % 4>(load_vec(bp + Q80Layout::vec(k / 4, h)));
   }
-  store_rows<1>(&acc[0], y, 0, nvalid);
-  store_rows<1>(&acc[1], y + kHalf, 0, nvalid - kHalf);
 }
 
-// xt: x itself (unscaled); 2^-24 is folded into d.
-inline void q8_0_group_one(const uint8_t* gp, int64_t nb, const float* xt, const float* /*unused*/, float* y,
-                           int64_t nvalid) {
-  using L = Q80Layout;
+// One row of x against a row group. Q4_1: xt is the pre-scaled panel [K][1] (x itself), sxt the block sums [nb];
+// Q8_0: xt is x itself (unscaled: 2^-24 is folded into d) and sxt is unused. y: the 16 outputs (nvalid of them
+// stored). Input k of a block feeds chain k % kChains of both halves, k = 0 .. 31 in order (the loads of a weight
+// vector shared by several k are one load once inlined).
+template <bool Q4>
+inline void group_one(const uint8_t* gp, int64_t nb, const float* xt, const float* sxt, float* y, int64_t nvalid) {
+  using L = std::conditional_t<Q4, Q41Layout, Q80Layout>;
   const __m256 unscale = _mm256_set1_ps(1.0f / 16777216.0f);
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t b = 0; b < nb; ++b) {
@@ -116,21 +97,20 @@ inline void q8_0_group_one(const uint8_t* gp, int64_t nb, const float* xt, const
     __m256 p[2][kChains];
     for (int h = 0; h < 2; ++h)
       for (int c = 0; c < kChains; ++c) p[h][c] = _mm256_setzero_ps();
-    unroll<0, 8>([&](auto jc) {
-      constexpr int J = decltype(jc)::value;
-      const __m256i v0 = load_vec(bp + L::vec(J, 0));
-      const __m256i v1 = load_vec(bp + L::vec(J, 1));
-      unroll<0, 4>([&](auto ic) {
-        constexpr int I = decltype(ic)::value;
-        constexpr int c = (J * 4 + I) % kChains;
-        const __m256 xv = bcast(xb + J * 4 + I);
-        p[0][c] = _mm256_fmadd_ps(q8_extract<I>(v0), xv, p[0][c]);
-        p[1][c] = _mm256_fmadd_ps(q8_extract<I>(v1), xv, p[1][c]);
-      });
+    unroll<0, kQK>([&](auto kc) __attribute__((always_inline)) {
+      constexpr int k = decltype(kc)::value;
+      const __m256 xv = bcast(xb + k);
+      p[0][k % kChains] = _mm256_fmadd_ps(weight_vector<Q4, k>(bp, 0), xv, p[0][k % kChains]);
+      p[1][k % kChains] = _mm256_fmadd_ps(weight_vector<Q4, k>(bp, 1), xv, p[1][k % kChains]);
     });
     for (int h = 0; h < 2; ++h) {
-      const __m256 dv = _mm256_mul_ps(load_half8(bp + L::d(h)), unscale);
-      acc[h] = _mm256_fmadd_ps(dv, sum_vectors<kChains>(p[h]), acc[h]);
+      if constexpr (Q4) {
+        acc[h] = _mm256_fmadd_ps(load_half8(bp + L::d(h)), sum_vectors<kChains>(p[h]), acc[h]);
+        acc[h] = _mm256_fmadd_ps(load_half8(bp + Q41Layout::m(h)), bcast(sxt + b), acc[h]);
+      } else {
+        const __m256 dv = _mm256_mul_ps(load_half8(bp + L::d(h)), unscale);
+        acc[h] = _mm256_fmadd_ps(dv, sum_vectors<kChains>(p[h]), acc[h]);
+      }
     }
   }
   store_rows<1>(&acc[0], y, 0, nvalid);
@@ -148,17 +128,6 @@ inline void q8_0_group_one(const uint8_t* gp, int64_t nb, const float* xt, const
 
 constexpr int kSubRows = 2;
 constexpr int kByHalfRows = 4;
-
-// Weight vector k of half h of a block, as the one-row kernels convert it (exact q * 16^i for Q4_1, q * 2^24 for
-// Q8_0).
-template <bool Q4, int k>
-__attribute__((always_inline)) inline __m256 weight_vector(const uint8_t* bp, int64_t h) {
-  if constexpr (Q4) {
-    return q4_extract<k % 8>(load_vec(bp + Q41Layout::vec(k / 8, h)));
-  } else {
-    return q8_extract<k % 4>(load_vec(bp + Q80Layout::vec(k / 4, h)));
-  }
-}
 
 // Chains C0 and C0 + 1 of one block for MS rows of x and both halves, added: s[h][m] = c0 + c1 (chain c holds
 // k = c, c + 4, ..., in that order). weight(h, k) gives the weight vectors (std::integral_constant arguments); xb: the
@@ -322,7 +291,7 @@ constexpr GroupRowsFn kGroupRows[kMaxTile + 1] = {
 inline void group_avx2(bool q4, const uint8_t* gp, int64_t nb, int64_t K, int64_t M, const float* xt,
                        const float* sxt, float* y, int64_t ldy, int64_t nvalid) {
   if (M == 1) {
-    (q4 ? q4_1_group_one : q8_0_group_one)(gp, nb, xt, sxt, y, nvalid);
+    (q4 ? group_one<true> : group_one<false>)(gp, nb, xt, sxt, y, nvalid);
     return;
   }
   for (int64_t m0 = 0; m0 < M; m0 += kMaxTile) {
@@ -330,7 +299,7 @@ inline void group_avx2(bool q4, const uint8_t* gp, int64_t nb, int64_t K, int64_
     const float* panel = xt + m0 * K;
     float* ym = y + m0 * ldy;
     if (mt == 1) {
-      (q4 ? q4_1_group_one : q8_0_group_one)(gp, nb, panel, sxt ? sxt + m0 * nb : nullptr, ym, nvalid);
+      (q4 ? group_one<true> : group_one<false>)(gp, nb, panel, sxt ? sxt + m0 * nb : nullptr, ym, nvalid);
     } else {
       (q4 ? kGroupRows<true> : kGroupRows<false>)[mt](gp, nb, panel, sxt ? sxt + m0 * nb : nullptr, ym, ldy, nvalid);
     }
