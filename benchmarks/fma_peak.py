@@ -14,14 +14,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from sglang.srt.model_loader.dtype import read_cpu_flags
+
 SOURCE = Path(__file__).resolve().parent / "probes" / "fma_peak.c"
-
-
-def cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def main() -> None:
@@ -29,7 +24,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--iters", type=int, default=20_000_000, help="loop trips per thread (10 FMAs each)")
     args = parser.parse_args()
-    flags = cpu_flags()
+    flags = read_cpu_flags()
     print("CPU flags:", " ".join(sorted(f for f in flags if f.startswith(("avx", "amx")) or f in ("fma", "f16c"))))
     widths = [256] if {"avx2", "fma"} <= flags else []
     if "avx512f" in flags:
