@@ -220,9 +220,11 @@ def add_byte_level_tokenizer(writer) -> list[str]:
     return tokens
 
 
-def _write_tiny_gguf(path: Path, tensors: dict[str, np.ndarray], t: dict = TINY, linear_qtype: str = "") -> None:
-    """A llama GGUF of `tensors` (dims `t`); `linear_qtype` (e.g. "Q4_0") stores the 2-D weights other than the
-    embeddings in those blocks, as llama.cpp's quantizer writes them."""
+def _write_tiny_gguf(path: Path, tensors: dict[str, np.ndarray], t: dict = TINY, linear_qtype: str = "",
+                     embed_qtype: str = "") -> None:
+    """A llama GGUF of `tensors` (dims `t`; without `lm_head.weight` the head is the embeddings); `linear_qtype`
+    (e.g. "Q4_0") stores the 2-D weights other than the embeddings in those blocks, as llama.cpp's quantizer writes
+    them, and `embed_qtype` the embeddings."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -243,8 +245,9 @@ def _write_tiny_gguf(path: Path, tensors: dict[str, np.ndarray], t: dict = TINY,
             value = _llama_cpp_permute(value, t["heads"])
         elif name.endswith("k_proj.weight"):
             value = _llama_cpp_permute(value, t["kv_heads"])
-        if linear_qtype and value.ndim == 2 and name != "model.embed_tokens.weight":
-            qtype = gguf.GGMLQuantizationType[linear_qtype]
+        stored = embed_qtype if name == "model.embed_tokens.weight" else linear_qtype
+        if stored and value.ndim == 2:
+            qtype = gguf.GGMLQuantizationType[stored]
             writer.add_tensor(_gguf_name(name), gguf.quants.quantize(value, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(_gguf_name(name), value)

@@ -37,6 +37,7 @@ from sglang.srt.distributed.parallel_state import get_tp_group
 from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.layers.cpu_extension import CpuExtension
 from sglang.srt.layers.cpu_ops import CSRC
+from sglang.srt.layers.quantization.block_embedding import BlockEmbedding
 from sglang.srt.layers.quantization.gguf_blocks import KERNEL_HEADERS
 from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
@@ -258,7 +259,12 @@ def build_fused_decode(model: Any, k_buffers: list[torch.Tensor], v_buffers: lis
     stack.set_int8_activations(int8)
     from_tokens = _plain_token_inputs(backbone)
     if from_tokens:
-        stack.set_token_tables(backbone.embed_tokens.weight.detach(), rotary.cos_cache, rotary.sin_cache)
+        table = backbone.embed_tokens
+        if isinstance(table, BlockEmbedding):  # the table held as blocks: the step gathers the same rows
+            blocks = table.quant_weight
+            stack.set_token_blocks(blocks.packed, blocks.n, blocks.qtype, rotary.cos_cache, rotary.sin_cache)
+        else:
+            stack.set_token_tables(table.weight.detach(), rotary.cos_cache, rotary.sin_cache)
         head = _fusable_head(model, max_rows, int8)
         if head is not None:
             stack.set_head(*head)
@@ -267,9 +273,13 @@ def build_fused_decode(model: Any, k_buffers: list[torch.Tensor], v_buffers: lis
 
 def _plain_token_inputs(backbone: Any) -> bool:
     """Whether the first layer's input is embedding rows and RotaryEmbedding.lookup rows (LlamaModel.embed on an
-    nn.Embedding and a plain RoPE table), so the step can build it from the token ids."""
+    nn.Embedding, or its table held as Q4_1 / Q8_0 blocks, and a plain RoPE table), so the step can build it from the
+    token ids."""
     rotary = backbone.rotary_emb
-    return (type(backbone).embed is LlamaModel.embed and type(backbone.embed_tokens) is nn.Embedding
+    table = backbone.embed_tokens
+    return (type(backbone).embed is LlamaModel.embed
+            and (type(table) is nn.Embedding or (isinstance(table, BlockEmbedding)
+                                                 and table.quant_weight.qtype in ("Q4_1", "Q8_0")))
             and type(rotary) is RotaryEmbedding and rotary.cos_cache.dtype == torch.float32
             and rotary.cos_cache.is_contiguous() and rotary.sin_cache.is_contiguous())
 

@@ -115,7 +115,8 @@ def _served_values(model: nn.Module, module_name: str, param: torch.Tensor) -> t
     method = getattr(module, "linear_method", None)
     if method is None and module is getattr(model, "lm_head", None):
         method = getattr(getattr(model, "logits_processor", None), "head_method", None)
-    quant_weight = getattr(method, "quant_weight", None)
+    # an input embedding table read from blocks holds them itself (layers/quantization/block_embedding.py)
+    quant_weight = getattr(method, "quant_weight", None) or getattr(module, "quant_weight", None)
     if quant_weight is None:
         raise KeyError(f"Parameter {module_name} holds no values in the served model.")
     return quant_weight.dequantize()

@@ -33,6 +33,7 @@ from torch import nn
 
 from sglang.srt.layers.linear import Linear, hold_as
 from sglang.srt.layers.moe.fused_moe import FusedMoE
+from sglang.srt.layers.quantization.block_embedding import serve_embeddings_from
 from sglang.srt.layers.quantization.gguf_blocks import (
     GGUFQuantWeight,
     kernels_available,
@@ -294,7 +295,8 @@ def _attach_linears(model: Any, block: Callable[[str], Optional[RawBlocks]], con
                                      head.weight)
         if head_parts is not None:
             plan.append((head, head_parts))
-    return _attach(model, plan, max_rows, large, model.model.embed_tokens.weight.dtype)
+    return _attach(model, plan, max_rows, large, model.model.embed_tokens.weight.dtype,
+                   lambda: _as_parts(block("token_embd.weight")))
 
 
 def _mlp_linears(mlp: nn.Module) -> Optional[list[tuple[Any, str]]]:
@@ -310,11 +312,12 @@ def _mlp_linears(mlp: nn.Module) -> Optional[list[tuple[Any, str]]]:
 
 
 def _attach(model: Any, plan: list[tuple[nn.Module, Parts]], max_rows: int, large: Optional[LargeFromBlocks],
-            dtype: torch.dtype) -> int:
+            dtype: torch.dtype, token_embd: Callable[[], Optional[Parts]]) -> int:
     """Give each module of `plan` (the LM head last, if there) the blocks of its matched parts; returns their
     bytes. Converted blocks are named by what was read (`model.gguf_block_origins`, the weights report); where the
     float weights stay for large batches they are set to the converted blocks' values, and an LM head that is the
-    input embeddings takes blocks only where their values are the embeddings' own."""
+    input embeddings takes blocks only where their values are the embeddings' own. The input embeddings are then
+    read from blocks where those hold the table's values (`_embeddings_from_blocks`; `token_embd`: the file's)."""
     head = getattr(model, "lm_head", None)
     tied = head is not None and head.weight is model.model.embed_tokens.weight
     served: list[tuple[nn.Module, GGUFQuantWeight, bool, str]] = []
@@ -328,6 +331,7 @@ def _attach(model: Any, plan: list[tuple[nn.Module, Parts]], max_rows: int, larg
     origins = block_origins(model)
     routes: set[str] = set()
     attached = 0
+    head_blocks: Optional[GGUFQuantWeight] = None
     for module, weight, as_stored, read in served:
         if module is head and tied and not as_stored and not _dequantizes_to(
                 [(weight.qtype, weight.raw(), weight.n, weight.k)], module.weight):
@@ -340,6 +344,7 @@ def _attach(model: Any, plan: list[tuple[nn.Module, Parts]], max_rows: int, larg
                 with torch.no_grad():  # the float weight serves large batches: the blocks' values then
                     module.weight.copy_(weight.dequantize())  # type: ignore[operator]
         if module is head:
+            head_blocks = weight
             release = dtype if not tied else None
             model.logits_processor.set_head_method(blocks_method(head, weight, max_rows, large, release,
                                                                  from_file=True))
@@ -349,4 +354,37 @@ def _attach(model: Any, plan: list[tuple[nn.Module, Parts]], max_rows: int, larg
     what = "every matmul (no float weights kept)" if large is not None else f"matmuls of up to {max_rows} rows"
     converted = f" (converted at load: {', '.join(sorted(routes))})" if routes else ""
     logger.info("Attached %.1f MB of GGUF blocks for %s%s", attached / 2**20, what, converted)
-    return attached
+    # a tied table whose float copy serves the head's large batches stays
+    return attached + _embeddings_from_blocks(model, head_blocks if tied and large is not None else None,
+                                              token_embd if not tied else None)
+
+
+def _embeddings_from_blocks(model: Any, head_blocks: Optional[GGUFQuantWeight],
+                            token_embd: Optional[Callable[[], Optional[Parts]]]) -> int:
+    """Read the float32 input embeddings from blocks of the same values (layers/quantization/block_embedding.py):
+    `head_blocks`, those of the LM head tied to them, or else the file's own `token_embd` blocks where they hold the
+    table's values (Q4_0 / Q4_1 / Q8_0: other types are converted to coarser blocks). Returns the bytes of blocks
+    added (none for the head's)."""
+    table = model.model.embed_tokens
+    if type(table) is not nn.Embedding or table.weight.dtype != torch.float32 or (
+            head_blocks is None and token_embd is None):
+        return 0
+    added = 0
+    if head_blocks is None:
+        assert token_embd is not None
+        parts = _matching_parts([token_embd], table.weight)
+        if parts is None:
+            return 0
+        head_blocks, as_stored = _served(parts)
+        if not as_stored and not _dequantizes_to([(head_blocks.qtype, head_blocks.raw(), head_blocks.n,
+                                                   head_blocks.k)], table.weight):
+            logger.info("The input embeddings stay float32: the file's %s blocks of them convert to other values",
+                        parts[0][0])
+            return 0
+        added = head_blocks.nbytes
+        if not as_stored:
+            block_origins(model)[id(head_blocks.packed)] = f"GGUF {parts[0][0]}"
+    serve_embeddings_from(model, head_blocks)
+    logger.info("The input embeddings are read from %s blocks (%.1f MB of float32 released)", head_blocks.qtype,
+                head_blocks.n * head_blocks.k * 4 / 2**20)
+    return added

@@ -156,10 +156,10 @@ def kept_owners(model: Any, linears: Sequence[nn.Module], dtype: torch.dtype,
 
 def float32_on_cpu_except(model: nn.Module, kept: set[int], released: frozenset[int] = frozenset()) -> bool:
     """Whether every parameter of `model` is on CPU and, but for those whose id is in `kept` (held in the
-    checkpoint's dtype), float32; those in `released` (meta tensors: blocks serve their values) aside."""
-    return not any(id(p) not in released and (p.device.type != "cpu" or (p.dtype != torch.float32
-                                                                          and id(p) not in kept))
-                   for p in model.parameters())
+    checkpoint's dtype), float32; those in `released` and meta tensors (released: blocks serve their values, e.g. an
+    input embedding table read from blocks) aside."""
+    return not any(id(p) not in released and not p.is_meta and (
+        p.device.type != "cpu" or (p.dtype != torch.float32 and id(p) not in kept)) for p in model.parameters())
 
 
 def keep_linears_in(model: nn.Module, dtype: torch.dtype, keep_table: bool = True) -> Optional[str]:

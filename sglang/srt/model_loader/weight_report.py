@@ -14,6 +14,8 @@ from torch import nn
 
 from sglang.srt.layers.linear import LinearMethod, linear_methods
 from sglang.srt.layers.moe.fused_moe import expert_linear_methods
+from sglang.srt.layers.quantization.block_embedding import BlockEmbedding
+from sglang.srt.layers.quantization.gguf_blocks import GGUFQuantWeight
 from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
 from sglang.srt.model_loader.dtype import dtype_name
 from sglang.srt.model_loader.quant_config import describe_checkpoint_quantization
@@ -27,15 +29,22 @@ def _method_copies(method: LinearMethod, from_checkpoint: dict[int, str], method
     out: list[tuple[Any, str, int]] = []
     if isinstance(method, GGUFLinearMethod):
         qw = method.quant_weight
-        origin = f" from the {method_read} checkpoint" if id(qw.packed) in from_checkpoint else ""
-        if id(qw.packed) in from_gguf:
-            origin = f" from {from_gguf[id(qw.packed)]}"
-        out.append((id(qw.packed), f"{qw.qtype} blocks{origin}", qw.nbytes))
+        read = method_read if id(qw.packed) in from_checkpoint else ""
+        out.append(_blocks_entry(qw, read, from_gguf))
         method = method.large
     nbytes = int(getattr(method, "nbytes", 0) or 0)
     if nbytes:
         out.append((id(method), method.weight_format, nbytes))
     return out
+
+
+def _blocks_entry(qw: GGUFQuantWeight, checkpoint_read: str, from_gguf: dict[int, str]) -> tuple[Any, str, int]:
+    """(identity, format, bytes) of blocks: made from the `checkpoint_read` checkpoint's integers (where not ""), or
+    converted from what a GGUF file stored (`from_gguf`), or as the file stored them."""
+    origin = f" from the {checkpoint_read} checkpoint" if checkpoint_read else ""
+    if id(qw.packed) in from_gguf:
+        origin = f" from {from_gguf[id(qw.packed)]}"
+    return id(qw.packed), f"{qw.qtype} blocks{origin}", qw.nbytes
 
 
 def weight_bytes_by_format(model: nn.Module) -> dict[str, int]:
@@ -51,11 +60,13 @@ def weight_bytes_by_format(model: nn.Module) -> dict[str, int]:
         name = dtype_name(param.dtype)
         totals[name] = totals.get(name, 0) + param.numel() * param.element_size()
     from_gguf = getattr(model, "gguf_block_origins", None) or {}
-    for method in linear_methods(model) + expert_linear_methods(model):  # experts served from blocks included
-        for key, name, nbytes in _method_copies(method, from_checkpoint, method_read, from_gguf):
-            if key not in seen:
-                seen.add(key)
-                totals[name] = totals.get(name, 0) + nbytes
+    copies = [copy for method in linear_methods(model) + expert_linear_methods(model)  # experts' blocks included
+              for copy in _method_copies(method, from_checkpoint, method_read, from_gguf)]
+    copies += [_blocks_entry(m.quant_weight, "", from_gguf) for m in model.modules() if isinstance(m, BlockEmbedding)]
+    for key, name, nbytes in copies:
+        if key not in seen:
+            seen.add(key)
+            totals[name] = totals.get(name, 0) + nbytes
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 

@@ -52,6 +52,7 @@
 #include <immintrin.h>
 #endif
 
+#include "../quantization/csrc/gguf_dequant_rows.h"
 #include "../quantization/csrc/gguf_kernels.h"
 #include "attention_split.h"
 #include "cpu_kernels.h"
@@ -249,17 +250,22 @@ class DecodeStack {
                     (embed.scalar_type() == torch::kFloat || embed.scalar_type() == torch::kBFloat16) &&
                     embed.is_contiguous() && embed.dim() == 2 && embed.size(0) > 0 && embed.size(1) == hidden_,
                 "embed must be a contiguous float32 or bf16 CPU table [vocab, hidden]");
-    for (const auto* t : {&cos_half, &sin_half}) {
-      TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kFloat && t->is_contiguous() && t->dim() == 2 &&
-                      t->size(0) > 0 && t->size(1) == rotary_dim_ / 2,
-                  "cos_half/sin_half must be contiguous float32 CPU tables [positions, rotary_dim / 2]");
-    }
-    TORCH_CHECK(cos_half.size(0) == sin_half.size(0), "cos_half and sin_half differ in length");
+    set_rope_tables(cos_half, sin_half);
     embed_ = embed;
-    cos_half_ = cos_half;
-    sin_half_ = sin_half;
+    embed_blocks_ = QuantLinear();
   }
-  bool has_token_tables() const { return embed_.defined(); }
+
+  // As set_token_tables, with the embedding table [vocab, hidden] held as GGUF Q4_1 / Q8_0 blocks (the LM head's of a
+  // tied model, or the file's own): each row is read as gguf_dequant_rows.h's gather_row, the dequantized table's row
+  // bit for bit.
+  void set_token_blocks(const torch::Tensor& packed, int64_t vocab, const std::string& qtype,
+                        const torch::Tensor& cos_half, const torch::Tensor& sin_half) {
+    QuantLinear blocks = make_linear(packed, vocab, hidden_, qtype, c10::nullopt, "embed");
+    set_rope_tables(cos_half, sin_half);
+    embed_blocks_ = blocks;
+    embed_ = torch::Tensor();
+  }
+  bool has_token_tables() const { return embed_.defined() || embed_blocks_.packed.defined(); }
 
   // The LM head [vocab, hidden] as GGUF Q4_1 / Q8_0 blocks; it computes like the layers' linears (int8 activations
   // when they have them).
@@ -360,6 +366,17 @@ class DecodeStack {
     }
   }
 
+  void set_rope_tables(const torch::Tensor& cos_half, const torch::Tensor& sin_half) {
+    for (const auto* t : {&cos_half, &sin_half}) {
+      TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kFloat && t->is_contiguous() && t->dim() == 2 &&
+                      t->size(0) > 0 && t->size(1) == rotary_dim_ / 2,
+                  "cos_half/sin_half must be contiguous float32 CPU tables [positions, rotary_dim / 2]");
+    }
+    TORCH_CHECK(cos_half.size(0) == sin_half.size(0), "cos_half and sin_half differ in length");
+    cos_half_ = cos_half;
+    sin_half_ = sin_half;
+  }
+
   // The first layer's input (x, cos, sin) of forward_tokens, from the token ids and positions.
   std::array<torch::Tensor, 3> token_inputs(const torch::Tensor& input_ids, const torch::Tensor& positions) const {
     TORCH_CHECK(has_token_tables(), "the decode stack has no token tables (set_token_tables)");
@@ -369,16 +386,18 @@ class DecodeStack {
     }
     const int64_t B = input_ids.size(0), half = rotary_dim_ / 2;
     TORCH_CHECK(positions.size(0) == B, "input_ids and positions differ in length");
-    const int64_t vocab = embed_.size(0), table_len = cos_half_.size(0);
+    const bool blocks = embed_blocks_.packed.defined();
+    const int64_t vocab = blocks ? embed_blocks_.n : embed_.size(0), table_len = cos_half_.size(0);
     const int64_t* ids = input_ids.data_ptr<int64_t>();
     const int64_t* pos = positions.data_ptr<int64_t>();
     const auto options = cos_half_.options();
     auto x = torch::empty({B, hidden_}, options);
     auto cos = torch::empty({B, rotary_dim_}, options);
     auto sin = torch::empty({B, rotary_dim_}, options);
-    const bool bf16_table = embed_.scalar_type() == torch::kBFloat16;
-    const float* embed = bf16_table ? nullptr : embed_.data_ptr<float>();
+    const bool bf16_table = !blocks && embed_.scalar_type() == torch::kBFloat16;
+    const float* embed = blocks || bf16_table ? nullptr : embed_.data_ptr<float>();
     const uint16_t* embed_bf16 = bf16_table ? reinterpret_cast<const uint16_t*>(embed_.data_ptr()) : nullptr;
+    const uint8_t* embed_packed = blocks ? embed_blocks_.packed.data_ptr<uint8_t>() : nullptr;
     const float* ch = cos_half_.data_ptr<float>();
     const float* sh = sin_half_.data_ptr<float>();
     float* xp = x.data_ptr<float>();
@@ -387,7 +406,9 @@ class DecodeStack {
     for (int64_t b = 0; b < B; ++b) {
       TORCH_CHECK(ids[b] >= 0 && ids[b] < vocab, "token id out of range");
       TORCH_CHECK(pos[b] >= 0 && pos[b] < table_len, "position out of range of the RoPE table");
-      if (bf16_table) {
+      if (blocks) {
+        gguf_kernels::rows::gather_row(embed_blocks_.q4, embed_packed, hidden_, ids[b], xp + b * hidden_);
+      } else if (bf16_table) {
         const uint16_t* row = embed_bf16 + ids[b] * hidden_;
         float* out = xp + b * hidden_;
         for (int64_t j = 0; j < hidden_; ++j) {
@@ -874,6 +895,7 @@ class DecodeStack {
   torch::Tensor final_norm_;
   std::vector<Layer> layers_;
   torch::Tensor embed_, cos_half_, sin_half_;  // forward_tokens' tables (undefined until set_token_tables)
+  QuantLinear embed_blocks_;                   // or the embedding table as blocks (set_token_blocks)
   QuantLinear head_;                           // the LM head (packed undefined until set_head)
   // LoRA: the adapters by slot (null: free), and each site kind's input width and shard output bounds.
   std::vector<std::shared_ptr<const lora_deltas::Adapter>> lora_;
@@ -919,6 +941,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("lora_adapters", &DecodeStack::lora_adapters)
       .def("set_token_tables", &DecodeStack::set_token_tables, py::arg("embed"), py::arg("cos_half"),
            py::arg("sin_half"))
+      .def("set_token_blocks", &DecodeStack::set_token_blocks, py::arg("packed"), py::arg("vocab"), py::arg("qtype"),
+           py::arg("cos_half"), py::arg("sin_half"))
       .def("has_token_tables", &DecodeStack::has_token_tables)
       .def("set_head", &DecodeStack::set_head, py::arg("packed"), py::arg("vocab"), py::arg("qtype"))
       .def("has_head", &DecodeStack::has_head)

@@ -332,6 +332,13 @@ class GGUFQuantWeight:
             return self.dequantize().index_select(1, cols)
         return ext.gather_columns(self.packed, self.qtype == "Q4_1", self.n, self.k, cols.contiguous())
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Float32 [len(ids), k]: the dequantized weight's rows `ids` (int64), read from the blocks."""
+        ext = kernel_module()
+        if ext is None:
+            return self.dequantize().index_select(0, ids)
+        return ext.gather_rows(self.packed, self.qtype == "Q4_1", self.n, self.k, ids.contiguous())
+
     def _resolve_kernel(self) -> Any:
         ext = kernel_module()
         if ext is not None:

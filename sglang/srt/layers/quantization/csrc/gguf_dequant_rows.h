@@ -2,7 +2,8 @@
 // the blocks a slab of output rows at a time (layers/quantization/block_gemm.py): a batch too large for the block
 // kernels multiplies with the same blocks that small batches read, through the CPU's float32 or bf16 GEMM, without a
 // second copy of the weights. Each value is d * q (+ m for Q4_1) in float32, as is or rounded to the nearest bf16
-// (ties to even). `gather_columns` reads a few whole columns the same way (the int8 GEMM's outlier columns).
+// (ties to even). `gather_columns` reads a few whole columns the same way (the int8 GEMM's outlier columns), and
+// `gather_row` one whole row (an embedding lookup).
 //
 // The packed block holds, per half of 8 rows, one 32-byte vector per 4 (Q8_0) or 8 (Q4_1) inputs whose 4-byte lane
 // r belongs to row r: an 8 x 8 (Q8_0) or 8 x 4 (Q4_1) transpose of 32-bit lanes gives each row its 32 inputs in
@@ -191,6 +192,21 @@ inline void gather_columns(bool q4, const uint8_t* packed, int64_t N, int64_t K,
         o[j] = block_weight(q4, d, m, block_quant(q4, bp, row, cols[j] % kQK));
       }
     }
+  }
+}
+
+// Row `row` of the packed weight [N, K] as float32 at out: the values dequant_groups writes. Each product d * q is
+// exact in float32 (an fp16 scale times at most 8 bits), so Q4_1's d * q + m rounds once with or without FMA and
+// the row equals the dequantized weight's bit for bit. An input embedding read from the LM head's blocks.
+inline void gather_row(bool q4, const uint8_t* packed, int64_t K, int64_t row, float* out) {
+  const int64_t nb = K / kQK, bb = q4 ? Q41Layout::kBlockBytes : Q80Layout::kBlockBytes;
+  const uint8_t* gp = packed + row / kRows * nb * bb;
+  const int64_t r = row % kRows;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* bp = gp + b * bb;
+    float d, m;
+    block_scales(q4, bp, r, &d, &m);
+    for (int64_t i = 0; i < kQK; ++i) out[b * kQK + i] = block_weight(q4, d, m, block_quant(q4, bp, r, i));
   }
 }
 

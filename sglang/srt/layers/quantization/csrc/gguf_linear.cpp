@@ -189,6 +189,26 @@ torch::Tensor gather_columns(const torch::Tensor& packed, bool q4, int64_t N, in
   return out;
 }
 
+// Rows `ids` (int64, each in [0, N)) of the packed weight [N, K] as float32 [ids.size(0), K]: embedding lookups in a
+// table held as blocks.
+torch::Tensor gather_rows(const torch::Tensor& packed, bool q4, int64_t N, int64_t K, const torch::Tensor& ids) {
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed must be contiguous uint8");
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.dim() == 1 && ids.is_contiguous(),
+              "ids must be a contiguous int64 vector");
+  TORCH_CHECK(K > 0 && K % kQK == 0 && N > 0, "K must be a positive multiple of 32 and N positive");
+  TORCH_CHECK(packed.numel() == row_groups(N) * (K / kQK) * group_block_bytes(q4), "packed has the wrong size");
+  const int64_t count = ids.size(0);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t j = 0; j < count; ++j) TORCH_CHECK(ip[j] >= 0 && ip[j] < N, "row ", ip[j], " is outside [0, N)");
+  auto out = torch::empty({count, K}, packed.options().dtype(torch::kFloat32));
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, count, 64, [&](int64_t a, int64_t b) {
+    for (int64_t j = a; j < b; ++j) rows::gather_row(q4, wp, K, ip[j], op + j * K);
+  });
+  return out;
+}
+
 bool has_openmp() {
 #ifdef _OPENMP
   return true;
@@ -230,5 +250,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather_columns", &gather_columns,
         "columns cols of packed Q4_1 / Q8_0 weights [N, K] as float32 [N, len(cols)]", py::arg("packed"),
         py::arg("q4"), py::arg("N"), py::arg("K"), py::arg("cols"), py::call_guard<py::gil_scoped_release>());
+  m.def("gather_rows", &gather_rows, "rows ids of packed Q4_1 / Q8_0 weights [N, K] as float32 [len(ids), K]",
+        py::arg("packed"), py::arg("q4"), py::arg("N"), py::arg("K"), py::arg("ids"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("has_openmp", &has_openmp, "whether the kernels were compiled with OpenMP (multi-threaded)");
 }

@@ -1,0 +1,139 @@
+"""The input embeddings of a GGUF model read from blocks (layers/quantization/block_embedding.py): where the file's
+blocks serve every batch, a table tied to the LM head is read from the head's blocks and an untied one from the
+file's own `token_embd` blocks, with no float32 copy held, and every lookup (the layer-by-layer path and the fused
+decode step's) returns the float table's row bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+gguf = pytest.importorskip("gguf")
+
+from sglang.srt.layers import cpu_ops  # noqa: E402
+from sglang.srt.layers.quantization.block_embedding import BlockEmbedding  # noqa: E402
+from sglang.srt.layers.quantization.gguf_blocks import kernels_available  # noqa: E402
+from sglang.srt.model_executor import fused_cpu_decode  # noqa: E402
+from sglang.srt.model_executor.model_runner import attach_fast_paths, load_for_plan  # noqa: E402
+from sglang.srt.model_executor.weight_update import weights_by_name  # noqa: E402
+from sglang.srt.model_loader import gguf_quant  # noqa: E402
+from sglang.srt.model_loader.q8_blocks import quantize_blocks  # noqa: E402
+from sglang.srt.model_loader.weight_report import weight_bytes_by_format  # noqa: E402
+from tests.test_gguf_one_copy import TINY_BLOCKS, plan_for  # noqa: E402
+
+# (built, or found in the cache, before a test points SGLANG_CACHE_DIR elsewhere)
+pytestmark = pytest.mark.skipif(not (kernels_available() and fused_cpu_decode.available() and cpu_ops.available()),
+                                reason="the compiled CPU kernels are unavailable")
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_rows_of_blocks_are_the_dequantized_rows(qtype):
+    table = torch.randn(53, 96)  # 53 rows: the last row group is partial
+    table[7] = 0.0  # an all-zero row (d = 0)
+    blocks = quantize_blocks(table, qtype)
+    values = blocks.dequantize()
+    ids = torch.tensor([0, 52, 17, 16, 15, 17, 7, 48])
+    assert torch.equal(blocks.rows(ids), values[ids])
+    embed = BlockEmbedding(blocks)
+    assert embed.weight.is_meta and tuple(embed.weight.shape) == (53, 96)
+    assert torch.equal(embed(ids.view(2, 4)), values[ids].view(2, 4, 96))
+    assert embed(ids[:0]).shape == (0, 96)
+    with pytest.raises(RuntimeError, match="row 53 is outside"):
+        blocks.rows(torch.tensor([53]))
+
+
+def _tiny_file(tmp_path, name: str, embed_qtype: str, tied: bool):
+    from sglang.srt.model_loader.resolve import resolve_model_path
+    from tests.test_model_loader import _tiny_llama_tensors, _write_tiny_gguf
+
+    tensors = {n: (np.ones_like(v) if v.ndim == 1 else v * 0.05)
+               for n, v in _tiny_llama_tensors(seed=5, t=TINY_BLOCKS).items()}
+    if tied:
+        del tensors["lm_head.weight"]
+    path = tmp_path / f"{name}.gguf"
+    _write_tiny_gguf(path, tensors, TINY_BLOCKS, linear_qtype="Q8_0", embed_qtype=embed_qtype)
+    return resolve_model_path(str(path)), str(path)
+
+
+def _load(model_dir: str, gguf_path: str, plan):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    model = load_for_plan(model_dir, torch.float32, torch.device("cpu"), gguf_path, 8, plan)
+    assert attach_fast_paths(model, gguf_path, config, 8, plan) > 0
+    return model, config
+
+
+def _same_outputs(ours, kept, config) -> None:
+    """The model reading its table from blocks gives the logits of the one holding the float table, bit for bit,
+    layer by layer and through the fused decode step (which gathers the rows itself)."""
+    from tests.test_fused_decode import decode_run
+
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=generator).tolist() for n in (23, 4)]
+    for fused in (False, True):
+        actual, cache = decode_run(ours, config, fused, prompts, steps=4, max_rows=8)
+        expected, _ = decode_run(kept, config, fused, prompts, steps=4, max_rows=8)
+        assert not fused or cache.decode_strategy.from_tokens  # the step reads the blocks' rows
+        assert all(torch.equal(a, e) for a, e in zip(actual, expected)), fused
+
+
+@pytest.mark.parametrize("embed_qtype", ["Q8_0", "Q4_0"])
+def test_tied_table_is_read_from_the_heads_blocks(monkeypatch, tmp_path, embed_qtype):
+    monkeypatch.setenv("SGLANG_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir, path = _tiny_file(tmp_path, f"tied-{embed_qtype}", embed_qtype, tied=True)
+    plan = plan_for("float32")
+    ours, config = _load(model_dir, path, plan)
+    table = ours.model.embed_tokens
+    assert isinstance(table, BlockEmbedding) and ours.lm_head is table
+    head_blocks = ours.logits_processor.head_method.quant_weight
+    assert table.quant_weight is head_blocks  # one copy: the head's blocks
+    assert head_blocks.qtype == ("Q4_1" if embed_qtype == "Q4_0" else "Q8_0")
+    by_format = weight_bytes_by_format(ours)
+    norms = (2 * config.num_hidden_layers + 1) * config.hidden_size * 4
+    assert by_format.pop("float32") == norms  # no float32 table
+    linears = [m.linear_method.quant_weight for layer in ours.model.layers
+               for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    assert sum(by_format.values()) == sum(w.nbytes for w in linears) + head_blocks.nbytes
+    # the float table as loaded equals the blocks' values, and reading it back by name gives them
+    monkeypatch.setattr(gguf_quant, "_embeddings_from_blocks", lambda *args: 0)
+    kept, _ = _load(model_dir, path, plan)
+    assert type(kept.model.embed_tokens) is nn.Embedding
+    assert torch.equal(kept.model.embed_tokens.weight, head_blocks.dequantize())
+    assert weights_by_name(ours, "model.embed_tokens.weight", 3) == weights_by_name(kept, "model.embed_tokens.weight",
+                                                                                       3)
+    _same_outputs(ours, kept, config)
+
+
+def test_tied_table_stays_where_it_serves_the_heads_large_batches(monkeypatch, tmp_path):
+    """Under the dense plan the float table is the head's weight for large batches: it stays."""
+    from sglang.srt.layers.arithmetic import choose_arithmetic
+    from tests.test_cpu_arithmetic import BF16_VNNI_FLAGS
+
+    monkeypatch.setenv("SGLANG_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir, path = _tiny_file(tmp_path, "tied-dense", "Q8_0", tied=True)
+    plan = choose_arithmetic("cpu", cpu_flags=BF16_VNNI_FLAGS, small_batch_quantization="q8_0",
+                             large_batch_weights="dense")
+    ours, _ = _load(model_dir, path, plan)
+    assert type(ours.model.embed_tokens) is nn.Embedding and not ours.model.embed_tokens.weight.is_meta
+
+
+def test_untied_table_is_read_from_the_files_blocks(monkeypatch, tmp_path):
+    monkeypatch.setenv("SGLANG_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir, path = _tiny_file(tmp_path, "untied-q4_0", "Q4_0", tied=False)
+    plan = plan_for("float32")
+    ours, config = _load(model_dir, path, plan)
+    table = ours.model.embed_tokens
+    assert isinstance(table, BlockEmbedding) and ours.lm_head is not table
+    assert table.quant_weight.qtype == "Q4_1"  # Q4_0 as the Q4_1 blocks of the same values
+    by_format = weight_bytes_by_format(ours)
+    assert by_format["Q4_1 blocks from GGUF Q4_0"] == table.quant_weight.nbytes
+    assert by_format.pop("float32") == (2 * config.num_hidden_layers + 1) * config.hidden_size * 4
+    monkeypatch.setattr(gguf_quant, "_embeddings_from_blocks", lambda *args: 0)
+    kept, _ = _load(model_dir, path, plan)
+    assert torch.equal(kept.model.embed_tokens.weight, table.quant_weight.dequantize())
+    assert weights_by_name(ours, "model.embed_tokens.weight", 5) == weights_by_name(kept, "model.embed_tokens.weight",
+                                                                                       5)
+    _same_outputs(ours, kept, config)
