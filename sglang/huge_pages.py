@@ -18,7 +18,9 @@ The move costs a copy of the weights, and where the machine's free memory is fra
 the first huge pages: 0.3 s for 2 GB on compacted memory, 1.9 s for SmolLM2-135M's 0.76 GB on a machine that had
 been starting servers for hours. Below AUTO_MIN_BYTES of weights (where the gain measured 1.03x) the weights stay
 unless SGLANG_HUGE_PAGES=1; SGLANG_HUGE_PAGES=0 never moves them, nor does a kernel whose mode
-(/sys/kernel/mm/transparent_hugepage/enabled) is `never`. This module imports torch only inside its functions.
+(/sys/kernel/mm/transparent_hugepage/enabled) is `never`. Either way the heap's free pages are handed back once the
+weights are final: what loading freed (a GGUF file's tensors, float copies released for blocks) would otherwise stay
+resident. This module imports torch only inside its functions.
 """
 
 from __future__ import annotations
@@ -160,10 +162,12 @@ def move_weights(model: Any) -> str:
     log's line on it."""
     reason = why_not_huge()
     if reason is not None:
+        release_free_heap()  # what loading freed (a checkpoint's raw blocks, float copies released) goes back
         return f"weights in the allocator's pages ({reason})"
     groups = _storage_groups(held_tensors(model))
     size = sum(ts[0].untyped_storage().nbytes() for ts in groups.values())
     if size < AUTO_MIN_BYTES and os.environ.get(ENV) != "1":
+        release_free_heap()
         return (f"weights in the allocator's pages ({size / 1e9:.2f} GB, below {AUTO_MIN_BYTES / 2**30:.0f} GiB: "
                 f"{ENV}=1 moves them to 2 MB pages)")
     before, start = anon_huge_bytes(), time.perf_counter()

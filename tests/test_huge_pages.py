@@ -99,6 +99,20 @@ def test_small_models_keep_their_pages_unless_asked(monkeypatch):
     assert huge_pages.move_weights(model).startswith("weights in the allocator's pages (0.00 GB, below 1 GiB")
 
 
+@pytest.mark.parametrize("env", ["", "0"])
+def test_weights_left_in_place_still_hand_back_what_loading_freed(monkeypatch, env):
+    """Loading frees a checkpoint's raw blocks and released float copies; a model whose weights stay in the
+    allocator's pages hands the heap's free pages back as one whose weights move does."""
+    trims: list[bool] = []
+    monkeypatch.setattr(huge_pages, "release_free_heap", lambda: trims.append(True))
+    if env:
+        monkeypatch.setenv(huge_pages.ENV, env)
+    else:
+        monkeypatch.delenv(huge_pages.ENV, raising=False)
+    assert huge_pages.move_weights(nn.Sequential(nn.Linear(1024, 1024))).startswith("weights in the allocator's pages")
+    assert trims
+
+
 @pytest.mark.skipif(huge_pages.kernel_mode() != "madvise", reason="only the madvise mode leaves the choice to us")
 def test_the_environment_can_keep_the_allocators_pages():
     assert probe({"THP_MEM_ALLOC_ENABLE": "0", huge_pages.ENV: "0"}) < 8 * MB
