@@ -40,8 +40,10 @@ def test_rows_of_blocks_are_the_dequantized_rows(qtype):
     assert embed.weight.is_meta and tuple(embed.weight.shape) == (53, 96)
     assert torch.equal(embed(ids.view(2, 4)), values[ids].view(2, 4, 96))
     assert embed(ids[:0]).shape == (0, 96)
-    with pytest.raises(RuntimeError, match="row 53 is outside"):
+    with pytest.raises(RuntimeError, match=r"row 53 is outside \[0, 53\)"):
         blocks.rows(torch.tensor([53]))
+    with pytest.raises(RuntimeError, match=r"column -1 is outside \[0, 96\)"):  # the same checks
+        blocks.columns(torch.tensor([-1]))
 
 
 def _tiny_file(tmp_path, name: str, embed_qtype: str, tied: bool):

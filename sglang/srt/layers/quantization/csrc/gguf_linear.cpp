@@ -169,16 +169,26 @@ void dequant_rows(const torch::Tensor& packed, bool q4, int64_t N, int64_t K, in
   });
 }
 
-// Columns `cols` (int64, each in [0, K)) of the packed weight [N, K] as float32 [N, cols.size(0)].
-torch::Tensor gather_columns(const torch::Tensor& packed, bool q4, int64_t N, int64_t K, const torch::Tensor& cols) {
+// The checks of gather_columns and gather_rows: packed weights [N, K] and `index`, a vector of `what` (columns or
+// rows) whose entries lie in [0, bound). Returns its entries.
+const int64_t* checked_index(const torch::Tensor& packed, bool q4, int64_t N, int64_t K, const torch::Tensor& index,
+                             int64_t bound, const char* what) {
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed must be contiguous uint8");
-  TORCH_CHECK(cols.scalar_type() == torch::kInt64 && cols.dim() == 1 && cols.is_contiguous(),
-              "cols must be a contiguous int64 vector");
+  TORCH_CHECK(index.scalar_type() == torch::kInt64 && index.dim() == 1 && index.is_contiguous(), what,
+              " must be a contiguous int64 vector");
   TORCH_CHECK(K > 0 && K % kQK == 0 && N > 0, "K must be a positive multiple of 32 and N positive");
   TORCH_CHECK(packed.numel() == row_groups(N) * (K / kQK) * group_block_bytes(q4), "packed has the wrong size");
+  const int64_t* entries = index.data_ptr<int64_t>();
+  for (int64_t j = 0; j < index.size(0); ++j) {
+    TORCH_CHECK(entries[j] >= 0 && entries[j] < bound, what, " ", entries[j], " is outside [0, ", bound, ")");
+  }
+  return entries;
+}
+
+// Columns `cols` (int64, each in [0, K)) of the packed weight [N, K] as float32 [N, cols.size(0)].
+torch::Tensor gather_columns(const torch::Tensor& packed, bool q4, int64_t N, int64_t K, const torch::Tensor& cols) {
+  const int64_t* cp = checked_index(packed, q4, N, K, cols, K, "column");
   const int64_t ncols = cols.size(0);
-  const int64_t* cp = cols.data_ptr<int64_t>();
-  for (int64_t j = 0; j < ncols; ++j) TORCH_CHECK(cp[j] >= 0 && cp[j] < K, "column ", cp[j], " is outside [0, K)");
   auto out = torch::empty({N, ncols}, packed.options().dtype(torch::kFloat32));
   if (ncols == 0) return out;
   const uint8_t* wp = packed.data_ptr<uint8_t>();
@@ -192,14 +202,8 @@ torch::Tensor gather_columns(const torch::Tensor& packed, bool q4, int64_t N, in
 // Rows `ids` (int64, each in [0, N)) of the packed weight [N, K] as float32 [ids.size(0), K]: embedding lookups in a
 // table held as blocks.
 torch::Tensor gather_rows(const torch::Tensor& packed, bool q4, int64_t N, int64_t K, const torch::Tensor& ids) {
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous(), "packed must be contiguous uint8");
-  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.dim() == 1 && ids.is_contiguous(),
-              "ids must be a contiguous int64 vector");
-  TORCH_CHECK(K > 0 && K % kQK == 0 && N > 0, "K must be a positive multiple of 32 and N positive");
-  TORCH_CHECK(packed.numel() == row_groups(N) * (K / kQK) * group_block_bytes(q4), "packed has the wrong size");
+  const int64_t* ip = checked_index(packed, q4, N, K, ids, N, "row");
   const int64_t count = ids.size(0);
-  const int64_t* ip = ids.data_ptr<int64_t>();
-  for (int64_t j = 0; j < count; ++j) TORCH_CHECK(ip[j] >= 0 && ip[j] < N, "row ", ip[j], " is outside [0, N)");
   auto out = torch::empty({count, K}, packed.options().dtype(torch::kFloat32));
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
