@@ -23,7 +23,7 @@ from sglang.srt.model_loader.q8_blocks import quantize_blocks  # noqa: E402
 from sglang.srt.model_loader.weight_report import weight_bytes_by_format  # noqa: E402
 from tests.test_gguf_one_copy import TINY_BLOCKS, plan_for  # noqa: E402
 
-# (built, or found in the cache, before a test points SGLANG_CACHE_DIR elsewhere)
+# (the checks run prefill and the fused decode step)
 pytestmark = pytest.mark.skipif(not (kernels_available() and fused_cpu_decode.available() and cpu_ops.available()),
                                 reason="the compiled CPU kernels are unavailable")
 
@@ -83,8 +83,7 @@ def _same_outputs(ours, kept, config) -> None:
 
 
 @pytest.mark.parametrize("embed_qtype", ["Q8_0", "Q4_0"])
-def test_tied_table_is_read_from_the_heads_blocks(monkeypatch, tmp_path, embed_qtype):
-    monkeypatch.setenv("SGLANG_CACHE_DIR", str(tmp_path / "cache"))
+def test_tied_table_is_read_from_the_heads_blocks(monkeypatch, tmp_path, cache_dir, embed_qtype):
     model_dir, path = _tiny_file(tmp_path, f"tied-{embed_qtype}", embed_qtype, tied=True)
     plan = plan_for("float32")
     ours, config = _load(model_dir, path, plan)
@@ -109,12 +108,11 @@ def test_tied_table_is_read_from_the_heads_blocks(monkeypatch, tmp_path, embed_q
     _same_outputs(ours, kept, config)
 
 
-def test_tied_table_stays_where_it_serves_the_heads_large_batches(monkeypatch, tmp_path):
+def test_tied_table_stays_where_it_serves_the_heads_large_batches(tmp_path, cache_dir):
     """Under the dense plan the float table is the head's weight for large batches: it stays."""
     from sglang.srt.layers.arithmetic import choose_arithmetic
     from tests.test_cpu_arithmetic import BF16_VNNI_FLAGS
 
-    monkeypatch.setenv("SGLANG_CACHE_DIR", str(tmp_path / "cache"))
     model_dir, path = _tiny_file(tmp_path, "tied-dense", "Q8_0", tied=True)
     plan = choose_arithmetic("cpu", cpu_flags=BF16_VNNI_FLAGS, small_batch_quantization="q8_0",
                              large_batch_weights="dense")
@@ -122,8 +120,7 @@ def test_tied_table_stays_where_it_serves_the_heads_large_batches(monkeypatch, t
     assert type(ours.model.embed_tokens) is nn.Embedding and not ours.model.embed_tokens.weight.is_meta
 
 
-def test_untied_table_is_read_from_the_files_blocks(monkeypatch, tmp_path):
-    monkeypatch.setenv("SGLANG_CACHE_DIR", str(tmp_path / "cache"))
+def test_untied_table_is_read_from_the_files_blocks(monkeypatch, tmp_path, cache_dir):
     model_dir, path = _tiny_file(tmp_path, "untied-q4_0", "Q4_0", tied=False)
     plan = plan_for("float32")
     ours, config = _load(model_dir, path, plan)

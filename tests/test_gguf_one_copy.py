@@ -22,8 +22,7 @@ from sglang.srt.model_loader.weight_report import weight_bytes_by_format  # noqa
 from tests.test_cpu_arithmetic import AVX2_FLAGS, BF16_VNNI_FLAGS  # noqa: E402
 from tests.test_models import build_models, max_diff, tiny_config  # noqa: E402
 
-# (the fused step's and the attention kernels' extensions built, or found in the cache, before a test points
-# SGLANG_CACHE_DIR elsewhere)
+# (the checks run prefill and the fused decode step)
 pytestmark = pytest.mark.skipif(not (kernels_available() and fused_cpu_decode.available() and cpu_ops.available()),
                                 reason="the compiled CPU kernels are unavailable")
 
@@ -90,13 +89,12 @@ def assert_served_from_blocks(ours, reference, config, qtype: str, large_gemm: s
 
 
 @pytest.mark.parametrize("file_qtype, large_gemm", [("Q4_0", "float32"), ("Q8_0", "bfloat16"), ("Q4_1", "int8")])
-def test_gguf_file_blocks_serve_every_batch(monkeypatch, tmp_path, file_qtype, large_gemm):
+def test_gguf_file_blocks_serve_every_batch(tmp_path, cache_dir, file_qtype, large_gemm):
     from transformers import AutoConfig
 
     from sglang.srt.model_loader.resolve import resolve_model_path
     from tests.test_model_loader import _tiny_llama_tensors, _write_tiny_gguf
 
-    monkeypatch.setenv("SGLANG_CACHE_DIR", str(tmp_path / "cache"))
     tensors = {name: (np.ones_like(v) if v.ndim == 1 else v * 0.05)
                for name, v in _tiny_llama_tensors(seed=3, t=TINY_BLOCKS).items()}
     gguf_path = tmp_path / "tiny-blocks.gguf"
@@ -117,7 +115,7 @@ def test_gguf_file_blocks_serve_every_batch(monkeypatch, tmp_path, file_qtype, l
     assert torch.equal(q_blocks, reference.model.layers[1].mlp.down_proj.weight)
 
 
-def test_quantized_checkpoints_are_served_from_their_blocks_on_avx2(monkeypatch, tmp_path):
+def test_quantized_checkpoints_are_served_from_their_blocks_on_avx2(tmp_path, cache_dir):
     """On an AVX2 CPU (float32 plan) a quantized checkpoint is held as its blocks alone: they serve small batches
     and, converted to float32 a slab at a time, large ones; a float checkpoint of the same size there is served from
     Q8_0 blocks made at load the same way, and a small quantized one keeps its dense copy for large batches."""
@@ -142,7 +140,6 @@ def test_quantized_checkpoints_are_served_from_their_blocks_on_avx2(monkeypatch,
                                  gguf_checkpoint=True)
     assert (explicit.small_batch_quantization, explicit.large_batch_weights) == ("none", "dense")
 
-    monkeypatch.setenv("SGLANG_CACHE_DIR", str(tmp_path / "cache"))
     tensors = {name: (np.ones_like(v) if v.ndim == 1 else v * 0.05)
                for name, v in _tiny_llama_tensors(seed=4, t=TINY_BLOCKS).items()}
     gguf_path = tmp_path / "tiny-avx2.gguf"
