@@ -273,13 +273,10 @@ def build_fused_decode(model: Any, k_buffers: list[torch.Tensor], v_buffers: lis
 
 def _plain_token_inputs(backbone: Any) -> bool:
     """Whether the first layer's input is embedding rows and RotaryEmbedding.lookup rows (LlamaModel.embed on an
-    nn.Embedding, or its table held as Q4_1 / Q8_0 blocks, and a plain RoPE table), so the step can build it from the
-    token ids."""
+    nn.Embedding, or its table held as blocks, and a plain RoPE table), so the step can build it from the token ids."""
     rotary = backbone.rotary_emb
-    table = backbone.embed_tokens
     return (type(backbone).embed is LlamaModel.embed
-            and (type(table) is nn.Embedding or (isinstance(table, BlockEmbedding)
-                                                 and table.quant_weight.qtype in ("Q4_1", "Q8_0")))
+            and (type(backbone.embed_tokens) is nn.Embedding or isinstance(backbone.embed_tokens, BlockEmbedding))
             and type(rotary) is RotaryEmbedding and rotary.cos_cache.dtype == torch.float32
             and rotary.cos_cache.is_contiguous() and rotary.sin_cache.is_contiguous())
 

@@ -110,6 +110,11 @@ def _dequantizes_to(parts: Parts, target: torch.Tensor, slice_values: Optional[i
     return True
 
 
+def _holds(weight: GGUFQuantWeight, target: torch.Tensor) -> bool:
+    """Whether blocks converted at load still hold `target`'s values exactly."""
+    return _dequantizes_to([(weight.qtype, weight.raw(), weight.n, weight.k)], target)
+
+
 def _as_parts(found: Optional[RawBlocks | Parts]) -> Optional[Parts]:
     return [found] if isinstance(found, tuple) else found
 
@@ -333,8 +338,7 @@ def _attach(model: Any, plan: list[tuple[nn.Module, Parts]], max_rows: int, larg
     attached = 0
     head_blocks: Optional[GGUFQuantWeight] = None
     for module, weight, as_stored, read in served:
-        if module is head and tied and not as_stored and not _dequantizes_to(
-                [(weight.qtype, weight.raw(), weight.n, weight.k)], module.weight):
+        if module is head and tied and not as_stored and not _holds(weight, module.weight):
             logger.info("GGUF %s LM head tied to the embeddings keeps its float weights", read)
             continue
         if not as_stored:
@@ -376,8 +380,7 @@ def _embeddings_from_blocks(model: Any, head_blocks: Optional[GGUFQuantWeight],
         if parts is None:
             return 0
         head_blocks, as_stored = _served(parts)
-        if not as_stored and not _dequantizes_to([(head_blocks.qtype, head_blocks.raw(), head_blocks.n,
-                                                   head_blocks.k)], table.weight):
+        if not as_stored and not _holds(head_blocks, table.weight):
             logger.info("The input embeddings stay float32: the file's %s blocks of them convert to other values",
                         parts[0][0])
             return 0

@@ -48,18 +48,20 @@ inline float block_weight(bool q4, float d, float m, int q) {
   return q4 ? d * static_cast<float>(q) + m : d * static_cast<float>(q);
 }
 
+// The 32 values of row `row` (0-15 in its row group) in one packed block bp, at o.
+template <typename Out>
+inline void block_row(bool q4, const uint8_t* bp, int64_t row, Out* o) {
+  float d, m;
+  block_scales(q4, bp, row, &d, &m);
+  for (int64_t i = 0; i < kQK; ++i) put(o + i, block_weight(q4, d, m, block_quant(q4, bp, row, i)));
+}
+
 // Portable: rows [0, nvalid) of one row group, nb blocks, into out (row stride ldo, in elements of Out).
 template <typename Out>
 inline void group_portable(bool q4, const uint8_t* gp, int64_t nb, int64_t nvalid, Out* out, int64_t ldo) {
   const int64_t bb = q4 ? Q41Layout::kBlockBytes : Q80Layout::kBlockBytes;
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* bp = gp + b * bb;
-    for (int64_t row = 0; row < nvalid; ++row) {
-      float d, m;
-      block_scales(q4, bp, row, &d, &m);
-      Out* o = out + row * ldo + b * kQK;
-      for (int64_t i = 0; i < kQK; ++i) put(o + i, block_weight(q4, d, m, block_quant(q4, bp, row, i)));
-    }
+    for (int64_t row = 0; row < nvalid; ++row) block_row(q4, gp + b * bb, row, out + row * ldo + b * kQK);
   }
 }
 
@@ -201,13 +203,7 @@ inline void gather_columns(bool q4, const uint8_t* packed, int64_t N, int64_t K,
 inline void gather_row(bool q4, const uint8_t* packed, int64_t K, int64_t row, float* out) {
   const int64_t nb = K / kQK, bb = q4 ? Q41Layout::kBlockBytes : Q80Layout::kBlockBytes;
   const uint8_t* gp = packed + row / kRows * nb * bb;
-  const int64_t r = row % kRows;
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* bp = gp + b * bb;
-    float d, m;
-    block_scales(q4, bp, r, &d, &m);
-    for (int64_t i = 0; i < kQK; ++i) out[b * kQK + i] = block_weight(q4, d, m, block_quant(q4, bp, r, i));
-  }
+  for (int64_t b = 0; b < nb; ++b) block_row(q4, gp + b * bb, row % kRows, out + b * kQK);
 }
 
 }  // namespace rows
