@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sglang.srt.layers.quantization.gguf_blocks import QK, dequantize_raw
+from sglang.srt.layers.quantization.gguf_blocks import PACKED_FROM, QK, GGUFQuantWeight, dequantize_raw, pack_stored
 from sglang.srt.model_loader.gguf_reader import GGML_BLOCK_TYPES, q4_0_as_q4_1
 
 # The block type each stored type is served as when a layer's parts all allow Q4_1; otherwise Q8_0.
@@ -54,7 +54,14 @@ def _numpy(raw: Any) -> np.ndarray:
 
 
 def file_values(qtype: str, raw: Any, n: int, k: int) -> torch.Tensor:
-    """Float32 [n, k]: the values of stored blocks, as the reference (`gguf.quants.dequantize`) computes them."""
+    """Float32 [n, k]: the values of stored blocks, as the reference (`gguf.quants.dequantize`) computes them (Q4_0,
+    Q4_1 and Q8_0 packed and read back by the kernels where they are available)."""
+    if qtype in PACKED_FROM:
+        rows = raw if isinstance(raw, torch.Tensor) else torch.from_numpy(np.array(raw, dtype=np.uint8))
+        target = PACKED_FROM[qtype][1]
+        packed = pack_stored(target, [(qtype, rows)], k)
+        if packed is not None:
+            return GGUFQuantWeight.from_packed(target, packed, n, k).dequantize()
     if qtype in KERNEL_TYPES:
         return dequantize_raw(qtype, torch.as_tensor(_numpy(raw)), n, k)
     if qtype == "Q4_0":  # the Q4_1 blocks of the same values, dequantized faster than the reference's numpy

@@ -35,9 +35,11 @@ from sglang.srt.layers.linear import Linear, hold_as
 from sglang.srt.layers.moe.fused_moe import FusedMoE
 from sglang.srt.layers.quantization.block_embedding import serve_embeddings_from
 from sglang.srt.layers.quantization.gguf_blocks import (
+    ROW_GROUP,
     GGUFQuantWeight,
     kernels_available,
     kernels_unavailable_reason,
+    pack_stored,
     rotary_rows_gguf_to_hf,
 )
 from sglang.srt.model_loader.gguf_block_convert import convert_blocks, file_values, served_type
@@ -111,8 +113,16 @@ def _dequantizes_to(parts: Parts, target: torch.Tensor, slice_values: Optional[i
 
 
 def _holds(weight: GGUFQuantWeight, target: torch.Tensor) -> bool:
-    """Whether blocks converted at load still hold `target`'s values exactly."""
-    return _dequantizes_to([(weight.qtype, weight.raw(), weight.n, weight.k)], target)
+    """Whether blocks converted at load still hold `target`'s values exactly (compared as `_dequantizes_to` does, a
+    slice of rows at a time, read from the packed blocks)."""
+    if target.shape != weight.shape or target.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    step = max(ROW_GROUP, CHECK_SLICE_VALUES // weight.k // ROW_GROUP * ROW_GROUP)
+    for start in range(0, weight.n, step):
+        rows = weight.dequantize_rows(start, min(step, weight.n - start)).to(target.dtype)
+        if not torch.equal(rows, target[start : start + rows.shape[0]]):
+            return False
+    return True
 
 
 def _as_parts(found: Optional[RawBlocks | Parts]) -> Optional[Parts]:
@@ -146,8 +156,12 @@ def _served(parts: Parts) -> tuple[GGUFQuantWeight, bool]:
     types = {p[0] for p in parts}
     target = served_type(types)
     as_stored = types == {target}
+    n, k = sum(p[2] for p in parts), parts[0][3]
+    packed = pack_stored(target, [(p[0], p[1]) for p in parts], k)  # Q4_0 / Q4_1 / Q8_0: straight into row groups
+    if packed is not None:
+        return GGUFQuantWeight.from_packed(target, packed, n, k), as_stored
     raws = [p[1] if as_stored else convert_blocks(p[0], p[1], p[2], p[3], target) for p in parts]
-    return GGUFQuantWeight(target, torch.cat(raws), sum(p[2] for p in parts), parts[0][3]), as_stored
+    return GGUFQuantWeight(target, torch.cat(raws), n, k), as_stored
 
 
 def _matching(candidates: Sequence[Callable[[], Optional[RawBlocks | Parts]]], target: torch.Tensor) -> Optional[

@@ -19,6 +19,7 @@ GGML_BLOCK_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22
                     8: ("Q8_0", 32, 34), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
                     13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210)}
 Q4_0_BLOCK_BYTES = 18
+_STRING_LENGTH = struct.Struct("<Q")
 
 
 def q4_0_as_q4_1(raw: np.ndarray) -> np.ndarray:
@@ -64,6 +65,10 @@ def gguf_tensor_table(path: str | os.PathLike) -> tuple[np.ndarray, list[tuple[s
             elem_type, count = take("IQ")
             if elem_type in _GGUF_SCALAR_SIZES:
                 pos += _GGUF_SCALAR_SIZES[elem_type] * count
+            elif elem_type == _GGUF_STRING:  # a tokenizer's vocabulary: tens of thousands of length-prefixed strings
+                length_at = _STRING_LENGTH.unpack_from
+                for _ in range(count):
+                    pos += 8 + length_at(buf, pos)[0]
             else:
                 for _ in range(count):
                     skip_value(elem_type)

@@ -62,7 +62,7 @@ KERNEL_HEADERS = [_SOURCE.parent / name
 
 
 _EXTENSION = CpuExtension("sglang_gguf_linear", _SOURCE, "GGUF quantized CPU kernels", DISABLE_ENV,
-                          headers=KERNEL_HEADERS)
+                          headers=[*KERNEL_HEADERS, _SOURCE.parent / "gguf_pack.h"])
 
 
 def kernels_available() -> bool:
@@ -168,9 +168,37 @@ def dequantize_raw(qtype: Any, raw: torch.Tensor, n: int, k: int) -> torch.Tenso
     return w.reshape(n, k)
 
 
+# GGML type ids of the stored types the compiled packer writes into row groups (csrc/gguf_pack.h), and the type each
+# is served as.
+PACKED_FROM = {"Q4_0": (2, "Q4_1"), "Q4_1": (3, "Q4_1"), "Q8_0": (8, "Q8_0")}
+
+
+def pack_stored(target: str, parts: Sequence[tuple[str, torch.Tensor]], k: int) -> torch.Tensor | None:
+    """The stored matrices `parts` ((type, uint8 [rows, row bytes as stored]), e.g. views of a GGUF file) stacked
+    along N, packed as `target` row groups by the compiled packer in one pass: no converted or stacked copy of the
+    raw blocks (Q4_0 becomes Q4_1 of the same values as on the way, as model_loader/gguf_reader.q4_0_as_q4_1 makes
+    them). None where the kernels are unavailable or a part is not of a type packed as `target`."""
+    if not parts or any(PACKED_FROM.get(qtype, (0, ""))[1] != target for qtype, _ in parts):
+        return None
+    ext = kernel_module()
+    if ext is None:
+        return None
+    return ext.pack_blocks([raw for _, raw in parts], [PACKED_FROM[qtype][0] for qtype, _ in parts],
+                           target == "Q4_1", k)
+
+
 def pack_raw(qtype: Any, raw: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """Repack raw blocks [n, row_bytes] into the row-group layout used by the kernels (same byte count, plus zero
-    padding of N up to a multiple of 16): uint8 [ceil(n/16), k/32, 16 * block_bytes].
+    padding of N up to a multiple of 16): uint8 [ceil(n/16), k/32, 16 * block_bytes]: by the compiled packer where
+    the kernels are available, else by `pack_raw_torch`."""
+    qtype = normalize_qtype(qtype)
+    raw = as_raw_tensor(raw, qtype, n, k)
+    packed = pack_stored(qtype, [(qtype, raw)], k)
+    return pack_raw_torch(qtype, raw, n, k) if packed is None else packed
+
+
+def pack_raw_torch(qtype: Any, raw: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """`pack_raw` in torch operations (without the kernels).
 
     Per row group (16 output rows = 2 halves of 8) and block of 32 inputs: the fp16 scales of the 16 rows (then the
     16 mins for Q4_1), then for each 8 inputs (Q4_1; 4 for Q8_0) one 32-byte vector per half whose 4-byte lane r
@@ -323,7 +351,19 @@ class GGUFQuantWeight:
 
     def dequantize(self) -> torch.Tensor:
         """Float32 [n, k], bit-identical to `gguf.quants.dequantize` of the raw blocks."""
-        return dequantize_raw(self.qtype, self.raw(), self.n, self.k)
+        return self.dequantize_rows(0, self.n)
+
+    def dequantize_rows(self, start: int, count: int) -> torch.Tensor:
+        """Float32 [count, k]: rows start .. start + count of `dequantize()` (start a multiple of 16), read from the
+        blocks by the kernels (d * q is exact in float32, so d * q + m rounds once with or without an FMA)."""
+        if start % ROW_GROUP or not 0 <= start <= start + count <= self.n:
+            raise ValueError(f"rows {start} .. {start + count} are not a run of rows of {self.n} from a row group")
+        ext = kernel_module()
+        if ext is None:
+            return dequantize_raw(self.qtype, self.raw()[start : start + count], count, self.k)
+        out = torch.empty(count, self.k, dtype=torch.float32)
+        ext.dequant_rows(self.packed, self.qtype == "Q4_1", self.n, self.k, start, out)
+        return out
 
     def columns(self, cols: torch.Tensor) -> torch.Tensor:
         """Float32 [n, len(cols)]: the dequantized weight's columns `cols` (int64), read from the blocks."""

@@ -7,6 +7,7 @@
 
 #include "gguf_dequant_rows.h"
 #include "gguf_kernels.h"
+#include "gguf_pack.h"
 
 namespace {
 
@@ -213,6 +214,35 @@ torch::Tensor gather_rows(const torch::Tensor& packed, bool q4, int64_t N, int64
   return out;
 }
 
+// Stored GGUF matrices (uint8 [rows, K / 32 * stored block bytes] each, GGML type ids `types`: Q4_0 / Q4_1 for
+// q4, Q8_0 otherwise) stacked along N, as one packed weight [N, K] (gguf_pack.h).
+torch::Tensor pack_blocks(const std::vector<torch::Tensor>& parts, const std::vector<int64_t>& types, bool q4,
+                          int64_t K) {
+  TORCH_CHECK(!parts.empty() && parts.size() == types.size(), "one type per part, at least one part");
+  TORCH_CHECK(K > 0 && K % kQK == 0, "K must be a positive multiple of 32");
+  std::vector<pack::Part> stored;
+  int64_t N = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const torch::Tensor& t = parts[i];
+    const int type = static_cast<int>(types[i]);
+    TORCH_CHECK(q4 ? (type == pack::kQ4_0 || type == pack::kQ4_1) : type == pack::kQ8_0,
+                "part ", i, " has GGML type ", type, ", which is not packed as ", q4 ? "Q4_1" : "Q8_0");
+    const int64_t row_bytes = K / kQK * pack::stored_block_bytes(type);
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kUInt8 && t.dim() == 2 && t.size(1) == row_bytes &&
+                    t.stride(1) == 1,
+                "part ", i, " must be a uint8 CPU matrix [rows, ", row_bytes, "] with contiguous rows");
+    TORCH_CHECK(t.size(0) > 0, "part ", i, " has no rows");
+    stored.push_back({t.data_ptr<uint8_t>(), t.stride(0), type, t.size(0)});
+    N += t.size(0);
+  }
+  auto out = torch::empty({row_groups(N), K / kQK, kRows * (q4 ? 20 : 34)}, parts[0].options());
+  uint8_t* op = out.data_ptr<uint8_t>();
+  const pack::Part* sp = stored.data();
+  const int64_t np = static_cast<int64_t>(stored.size());
+  at::parallel_for(0, row_groups(N), 16, [&](int64_t a, int64_t b) { pack::groups(sp, np, q4, K, a, b, op); });
+  return out;
+}
+
 bool has_openmp() {
 #ifdef _OPENMP
   return true;
@@ -257,5 +287,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather_rows", &gather_rows, "rows ids of packed Q4_1 / Q8_0 weights [N, K] as float32 [len(ids), K]",
         py::arg("packed"), py::arg("q4"), py::arg("N"), py::arg("K"), py::arg("ids"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("pack_blocks", &pack_blocks,
+        "stored GGUF matrices (Q4_0 / Q4_1 packed as Q4_1, Q8_0 as Q8_0; GGML type ids) stacked along N, as packed "
+        "row groups uint8 [ceil(N / 16), K / 32, 16 * block bytes]",
+        py::arg("parts"), py::arg("types"), py::arg("q4"), py::arg("K"), py::call_guard<py::gil_scoped_release>());
   m.def("has_openmp", &has_openmp, "whether the kernels were compiled with OpenMP (multi-threaded)");
 }

@@ -1,0 +1,115 @@
+"""The compiled packer (csrc/gguf_pack.h): GGUF Q4_0 / Q4_1 / Q8_0 blocks as stored, stacked along N, written straight
+into the kernels' row groups, bit for bit what the torch re-layout makes of the same rows (Q4_0 after its exact
+conversion to Q4_1)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sglang.srt.layers.quantization import gguf_blocks as gb
+from sglang.srt.model_loader.gguf_reader import q4_0_as_q4_1
+
+pytestmark = pytest.mark.skipif(not gb.kernels_available(),
+                                reason=f"GGUF kernels unavailable: {gb.kernels_unavailable_reason()}")
+
+STORED_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+def stored(qtype: str, n: int, k: int, seed: int) -> np.ndarray:
+    """Random bytes as stored blocks [n, k / 32 * block bytes] (every byte pattern is a valid block to re-lay)."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, (n, k // 32 * STORED_BYTES[qtype]), dtype=np.uint8)
+
+
+def torch_packed(target: str, parts: list[tuple[str, np.ndarray]], k: int) -> torch.Tensor:
+    with np.errstate(over="ignore", invalid="ignore"):  # random scales: -8 d overflows fp16, NaN scales stay NaN
+        raws = [q4_0_as_q4_1(raw) if qtype == "Q4_0" else raw for qtype, raw in parts]
+    stacked = torch.from_numpy(np.concatenate(raws))
+    return gb.pack_raw_torch(target, stacked, stacked.shape[0], k)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_0"])
+@pytest.mark.parametrize("n,k", [(1, 32), (16, 64), (17, 96), (40, 128), (203, 576)])
+def test_one_matrix_packs_as_the_torch_relayout(qtype, n, k):
+    raw = stored(qtype, n, k, seed=n * 31 + k)
+    target = gb.PACKED_FROM[qtype][1]
+    packed = gb.pack_stored(target, [(qtype, torch.from_numpy(raw))], k)
+    assert packed is not None
+    assert torch.equal(packed, torch_packed(target, [(qtype, raw)], k))
+    if qtype != "Q4_0":  # pack_raw itself takes the compiled path
+        assert torch.equal(gb.pack_raw(qtype, raw, n, k), packed)
+        assert torch.equal(gb.GGUFQuantWeight(qtype, raw, n, k).raw(), torch.from_numpy(raw))
+
+
+def test_stacked_parts_of_mixed_q4_types_pack_as_their_concatenation():
+    k = 160
+    parts = [("Q4_0", stored("Q4_0", 21, k, 1)), ("Q4_1", stored("Q4_1", 5, k, 2)), ("Q4_0", stored("Q4_0", 16, k, 3))]
+    packed = gb.pack_stored("Q4_1", [(q, torch.from_numpy(r)) for q, r in parts], k)
+    assert packed is not None
+    assert torch.equal(packed, torch_packed("Q4_1", parts, k))
+    q8 = [("Q8_0", stored("Q8_0", 7, k, 4)), ("Q8_0", stored("Q8_0", 9, k, 5))]
+    packed = gb.pack_stored("Q8_0", [(q, torch.from_numpy(r)) for q, r in q8], k)
+    assert packed is not None
+    assert torch.equal(packed, torch_packed("Q8_0", q8, k))
+
+
+def test_every_fp16_scale_of_q4_0_gets_the_numpy_offset():
+    """m = fp16(-8 d) for all 65,536 fp16 bit patterns of d: normal, subnormal (rounded), overflowing to infinity,
+    infinities and NaNs, as numpy's float16 arithmetic makes them."""
+    k = 32
+    d = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    raw = np.zeros((d.size, 18), dtype=np.uint8)
+    raw[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
+    raw[:, 2:] = np.random.default_rng(0).integers(0, 256, (d.size, 16), dtype=np.uint8)
+    expected = torch_packed("Q4_1", [("Q4_0", raw)], k)
+    packed = gb.pack_stored("Q4_1", [("Q4_0", torch.from_numpy(raw))], k)
+    assert packed is not None
+    assert torch.equal(packed, expected)
+
+
+def test_strided_rows_are_read_in_place():
+    """A view of rows with a stride (e.g. every other row of a file's matrix) packs as its copy."""
+    k = 64
+    raw = torch.from_numpy(stored("Q8_0", 34, k, 7))
+    view = raw[::2]
+    packed = gb.pack_stored("Q8_0", [("Q8_0", view)], k)
+    assert packed is not None
+    assert torch.equal(packed, gb.pack_raw_torch("Q8_0", view.contiguous(), view.shape[0], k))
+
+
+def test_types_not_packed_as_the_target_are_left_to_the_converters():
+    k = 64
+    q4 = torch.from_numpy(stored("Q4_1", 4, k, 0))
+    assert gb.pack_stored("Q8_0", [("Q4_1", q4)], k) is None
+    assert gb.pack_stored("Q4_1", [("Q5_0", q4)], k) is None
+    assert gb.pack_stored("Q4_1", [], k) is None
+
+
+def test_bad_parts_are_refused():
+    ext = gb.kernel_module()
+    q4 = torch.from_numpy(stored("Q4_1", 4, 64, 0))
+    with pytest.raises(RuntimeError, match="uint8 CPU matrix"):
+        ext.pack_blocks([q4[:, :30]], [3], True, 64)  # rows shorter than K / 32 blocks
+    with pytest.raises(RuntimeError, match="not packed as Q8_0"):
+        ext.pack_blocks([q4], [3], False, 64)
+    with pytest.raises(RuntimeError, match="one type per part"):
+        ext.pack_blocks([q4], [3, 3], True, 64)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ext.pack_blocks([q4], [3], True, 48)
+
+
+def test_rows_read_back_from_the_packed_blocks():
+    """dequantize_rows reads a run of rows from the row groups; the values are the reference dequantizer's."""
+    k = 96
+    raw = stored("Q4_1", 45, k, 9)
+    raw.reshape(45, -1, 20)[..., :4] = np.frombuffer(np.float16([0.01, -0.08]).tobytes(), dtype=np.uint8)
+    w = gb.GGUFQuantWeight("Q4_1", raw, 45, k)
+    whole = gb.dequantize_raw("Q4_1", torch.from_numpy(raw), 45, k)
+    assert torch.equal(w.dequantize(), whole)
+    assert torch.equal(w.dequantize_rows(16, 29), whole[16:])
+    assert torch.equal(w.dequantize_rows(32, 0), whole[:0])
+    for start, count in ((8, 4), (16, 30), (-16, 4)):
+        with pytest.raises(ValueError, match="run of rows"):
+            w.dequantize_rows(start, count)
