@@ -182,10 +182,10 @@ def main() -> None:
                            stdout=subprocess.DEVNULL)
             result = json.loads(tmp.read_text().splitlines()[-1])
             tmp.unlink()
-            row = {"engine": args.engine, "label": args.label, "model": args.model, "workload": name,
+            row = {**info, **result,  # the client's own "model" (the tokenizer it counted with) gives way to ours
+                   "engine": args.engine, "label": args.label, "model": args.model, "workload": name,
                    "ready_s": round(ready_s, 1), "load_avg_before": load_before, "rss_peak": sampler.peak,
-                   "rss_now": sampler.last,
-                   **info, "date": time.strftime("%Y-%m-%d %H:%M"), **result}
+                   "rss_now": sampler.last, "date": time.strftime("%Y-%m-%d %H:%M")}
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
             print(f"{args.engine} {args.label} {name}: output {result.get('output_throughput', 0):.1f} tok/s, "
