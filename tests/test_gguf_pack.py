@@ -1,15 +1,17 @@
 """The compiled packer (csrc/gguf_pack.h): GGUF Q4_0 / Q4_1 / Q8_0 blocks as stored, stacked along N, written straight
 into the kernels' row groups, bit for bit what the torch re-layout makes of the same rows (Q4_0 after its exact
-conversion to Q4_1)."""
+conversion to Q4_1); and the file's pages dropped from the process once packed."""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
 import torch
 
 from sglang.srt.layers.quantization import gguf_blocks as gb
-from sglang.srt.model_loader.gguf_reader import q4_0_as_q4_1
+from sglang.srt.model_loader.gguf_reader import mapped_page_dropper, q4_0_as_q4_1, read_gguf_block_tensors
 
 pytestmark = pytest.mark.skipif(not gb.kernels_available(),
                                 reason=f"GGUF kernels unavailable: {gb.kernels_unavailable_reason()}")
@@ -113,3 +115,46 @@ def test_rows_read_back_from_the_packed_blocks():
     for start, count in ((8, 4), (16, 30), (-16, 4)):
         with pytest.raises(ValueError, match="run of rows"):
             w.dequantize_rows(start, count)
+
+
+def _mapped_rss_kb(path: str) -> int:
+    """Resident kB of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if "-" in line.split(" ", 1)[0] and line.count(" ") >= 5:  # a mapping's header line
+                inside = line.rstrip().endswith(path)
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs /proc/self/smaps")
+def test_packed_tensors_leave_the_mapped_file_and_copies_stay(tmp_path):
+    """mapped_page_dropper drops the file's pages of a tensor from the process (they read the same again, from the
+    file), and does nothing to memory outside the mapping (a copy keeps its bytes)."""
+    import gguf
+
+    path = str(tmp_path / "blocks.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        raw = rng.integers(0, 256, (512, 4096 // 32 * 34), dtype=np.uint8)  # 2.2 MB of Q8_0 blocks each
+        writer.add_tensor(f"t{i}", raw, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    tensors = read_gguf_block_tensors(path)
+    drop = mapped_page_dropper(tensors)
+    first, second = tensors["t0"][1], tensors["t1"][1]
+    expected = first.copy()
+    assert int(first.sum()) + int(second.sum()) > 0  # both read: their pages are mapped in
+    before = _mapped_rss_kb(os.path.realpath(path))
+    assert before >= 2 * first.nbytes // 1024 - 8
+    drop(first.ctypes.data, first.nbytes)
+    assert _mapped_rss_kb(os.path.realpath(path)) <= before - first.nbytes // 1024 + 8
+    assert np.array_equal(first, expected)  # read again from the file
+    drop(expected.ctypes.data, expected.nbytes)  # not in the mapping: left alone
+    assert np.array_equal(expected, np.asarray(read_gguf_block_tensors(path)["t0"][1]))

@@ -45,7 +45,12 @@ from sglang.srt.layers.quantization.gguf_blocks import (
 from sglang.srt.model_loader.gguf_block_convert import convert_blocks, file_values, served_type
 from sglang.srt.model_loader.gguf_convert import conversion_record
 from sglang.srt.model_loader.gguf_experts import attach_file_experts, block_origins
-from sglang.srt.model_loader.gguf_reader import GGML_BLOCK_TYPES, gguf_tensor_table, read_gguf_block_tensors
+from sglang.srt.model_loader.gguf_reader import (
+    GGML_BLOCK_TYPES,
+    gguf_tensor_table,
+    mapped_page_dropper,
+    read_gguf_block_tensors,
+)
 from sglang.srt.model_loader.q8_blocks import LargeFromBlocks, blocks_method
 
 logger = logging.getLogger(__name__)
@@ -210,7 +215,8 @@ def attach_gguf_quant_weights(model: Any, gguf_path: str, config: Any, max_rows:
         expert_bytes = attach_file_experts(model, block, _matches, _served, max_rows, expert_large or large,
                                            int8_activations)
     interleaved = conversion_record(gguf_path).get("qk_rows", "interleaved") == "interleaved"
-    return expert_bytes + _attach_linears(model, block, config, max_rows, large, interleaved)
+    return expert_bytes + _attach_linears(model, block, config, max_rows, large, interleaved,
+                                          mapped_page_dropper(tensors))
 
 
 def _decoder_linears(model: Any) -> Optional[list[nn.Module]]:
@@ -260,7 +266,7 @@ def linears_read_from_file(model: nn.Module, gguf_path: str) -> Optional[Callabl
 
 
 def _attach_linears(model: Any, block: Callable[[str], Optional[RawBlocks]], config: Any, max_rows: int,
-                    large: Optional[LargeFromBlocks], interleaved: bool) -> int:
+                    large: Optional[LargeFromBlocks], interleaved: bool, drop: Callable[[int, int], None]) -> int:
     """The file's blocks for every linear layer (attention, dense MLPs, shared experts) and the LM head, where every
     one of them matches; returns their bytes (0: none attached, with the reason logged). `interleaved`: the file's
     Q / K rows are in llama.cpp's order for its rotary embedding (the conversion's record), tried first. Weights
@@ -315,7 +321,7 @@ def _attach_linears(model: Any, block: Callable[[str], Optional[RawBlocks]], con
         if head_parts is not None:
             plan.append((head, head_parts))
     return _attach(model, plan, max_rows, large, model.model.embed_tokens.weight.dtype,
-                   lambda: _as_parts(block("token_embd.weight")))
+                   lambda: _as_parts(block("token_embd.weight")), drop)
 
 
 def _mlp_linears(mlp: nn.Module) -> Optional[list[tuple[Any, str]]]:
@@ -331,7 +337,7 @@ def _mlp_linears(mlp: nn.Module) -> Optional[list[tuple[Any, str]]]:
 
 
 def _attach(model: Any, plan: list[tuple[nn.Module, Parts]], max_rows: int, large: Optional[LargeFromBlocks],
-            dtype: torch.dtype, token_embd: Callable[[], Optional[Parts]]) -> int:
+            dtype: torch.dtype, token_embd: Callable[[], Optional[Parts]], drop: Callable[[int, int], None]) -> int:
     """Give each module of `plan` (the LM head last, if there) the blocks of its matched parts; returns their
     bytes. Converted blocks are named by what was read (`model.gguf_block_origins`, the weights report); where the
     float weights stay for large batches they are set to the converted blocks' values, and an LM head that is the
@@ -344,6 +350,8 @@ def _attach(model: Any, plan: list[tuple[nn.Module, Parts]], max_rows: int, larg
         while plan:  # each layer's parts go as soon as its blocks exist
             module, parts = plan.pop(0)
             served.append((module, *_served(parts), "+".join(sorted({p[0] for p in parts}))))
+            for part in parts:  # its blocks are copied: the file's pages of them leave this process
+                drop(part[1].data_ptr(), part[1].numel())
     except ValueError as err:
         logger.info("GGUF blocks could not be converted (%s); using float weights only", err)
         return 0

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -133,3 +135,26 @@ def read_gguf_block_tensors(
         row = k // per_block * block_bytes
         out[name] = (qname, data[offset : offset + n * row].reshape(n, row), n, k)
     return out
+
+
+def mapped_page_dropper(tensors: Mapping[str, tuple[str, np.ndarray, int, int]]) -> Callable[[int, int], None]:
+    """For the arrays `read_gguf_block_tensors` returned (views of one private mapping of the file): a function
+    drop(address, nbytes) that drops the whole pages of that range from this process where the range lies in the
+    mapping, once its blocks are copied out (madvise MADV_DONTNEED: the pages stay in the page cache and are read
+    from the file again if touched; nothing writes to them), so the mapped file does not add to the load's resident
+    peak. Ranges elsewhere (copies of rows) are left alone; without madvise it does nothing."""
+    spans = [(a.ctypes.data, a.ctypes.data + a.nbytes) for _, a, _, _ in tensors.values()]
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    if not spans or advice is None:
+        return lambda address, nbytes: None
+    low, high = min(start for start, _ in spans), max(end for _, end in spans)
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    page = mmap.PAGESIZE
+
+    def drop(address: int, nbytes: int) -> None:
+        if low <= address and address + nbytes <= high:
+            start, stop = -(-address // page) * page, (address + nbytes) // page * page
+            if stop > start:
+                madvise(ctypes.c_void_p(start), ctypes.c_size_t(stop - start), advice)
+
+    return drop
