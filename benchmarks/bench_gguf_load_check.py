@@ -34,7 +34,7 @@ def main() -> None:
         for name, values in sizes.items():
             start = time.perf_counter()
             for m, target in zip(mats, targets):
-                assert gguf_quant._dequantizes_to(m, target, values(m[3]))
+                assert gguf_quant._dequantizes_to([m], target, values(m[3]))
             times[name].append(time.perf_counter() - start)
     print(f"{path}: {len(mats)} matrices, default slice {gguf_quant.CHECK_SLICE_VALUES} values")
     for name, ts in times.items():

@@ -121,16 +121,16 @@ def test_attach_matching_picks_the_candidate_equal_to_the_loaded_weight(qtype, m
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(1))
     permuted = gq._rows(blocks, perm)
 
-    picked = gq._matching([lambda: permuted, lambda: blocks], dense)
-    assert picked is not None and torch.equal(picked.dequantize(), dense)
-    assert gq._matching([lambda: None, lambda: permuted], dense[perm]) is not None
+    picked = gq._matching_parts([lambda: permuted, lambda: blocks], dense)
+    assert picked is not None and torch.equal(gq._served(picked)[0].dequantize(), dense)
+    assert gq._matching_parts([lambda: None, lambda: permuted], dense[perm]) is not None
     last_row_off = dense.clone()
     last_row_off[-1, -1] = torch.nextafter(last_row_off[-1, -1], torch.tensor(1e9))
-    assert gq._matching([lambda: blocks], last_row_off) is None
-    assert gq._matching([lambda: blocks], dense[:, :32]) is None  # another shape
-    assert gq._concat([blocks, None]) is None
-    both = gq._concat([blocks, permuted])
-    assert both is not None and torch.equal(gb.dequantize_raw(*both), torch.cat([dense, dense[perm]]))
+    assert gq._matching_parts([lambda: blocks], last_row_off) is None
+    assert gq._matching_parts([lambda: blocks], dense[:, :32]) is None  # another shape
+    assert gq._stack([blocks, None]) is None
+    both = gq._stack([blocks, permuted])
+    assert both is not None and torch.equal(gq._served(both)[0].dequantize(), torch.cat([dense, dense[perm]]))
 
 
 def test_pickle_round_trip():

@@ -82,14 +82,6 @@ def _stack(parts: Sequence[Optional[RawBlocks]]) -> Optional[Parts]:
     return full if all(p[3] == full[0][3] for p in full) else None
 
 
-def _concat(parts: Sequence[Optional[RawBlocks]]) -> Optional[RawBlocks]:
-    """Blocks of one type stacked along N; None when a part is missing or the parts do not fit."""
-    full = _stack(parts)
-    if full is None or any(p[0] != full[0][0] for p in full):
-        return None
-    return full[0][0], torch.cat([p[1] for p in full]), sum(p[2] for p in full), full[0][3]
-
-
 # Weights compared per slice when checking a candidate: a few MB of float32, so the dequantized copy stays in cache,
 # in slices large enough that the per-op overheads of the dequantization stay small. SmolLM2-135M's check took
 # 0.94-1.06 s in slices of 128 rows and 0.45-0.47 s in slices of this many values on 2 AVX2 cores
@@ -167,13 +159,6 @@ def _served(parts: Parts) -> tuple[GGUFQuantWeight, bool]:
         return GGUFQuantWeight.from_packed(target, packed, n, k), as_stored
     raws = [p[1] if as_stored else convert_blocks(p[0], p[1], p[2], p[3], target) for p in parts]
     return GGUFQuantWeight(target, torch.cat(raws), n, k), as_stored
-
-
-def _matching(candidates: Sequence[Callable[[], Optional[RawBlocks | Parts]]], target: torch.Tensor) -> Optional[
-        GGUFQuantWeight]:
-    """The first candidate whose stored values equal `target` exactly, as blocks the kernels read."""
-    parts = _matching_parts(candidates, target)
-    return None if parts is None else _served(parts)[0]
 
 
 def attach_gguf_quant_weights(model: Any, gguf_path: str, config: Any, max_rows: int = DEFAULT_MAX_ROWS,
