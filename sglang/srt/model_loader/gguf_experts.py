@@ -140,17 +140,21 @@ def serve_layer_experts(fused: FusedMoE, blocks: tuple[list[Served], list[Served
 
 
 def attach_file_experts(model: Any, block: Block, matches: Matches, serve: Serve, max_rows: int,
-                        large: LargeFromBlocks, int8_activations: bool) -> int:
+                        large: LargeFromBlocks, int8_activations: bool,
+                        drop: Callable[[int, int], None] = lambda address, nbytes: None) -> int:
     """Serve every `FusedMoE` layer of `model` from its experts' blocks in the file (`block`: a file tensor by name,
     as raw blocks) where those of every layer match; returns their bytes (0: none served, the reason logged).
     Experts that were never loaded (experts_read_from_file) have no float values to fall back on: a file whose
-    experts then cannot be served is a startup error naming the layer."""
+    experts then cannot be served is a startup error naming the layer. Once a layer's experts are read (`serve`
+    copies them), `drop(address, nbytes)` gets each of its stacked tensors (gguf_reader.mapped_page_dropper: the
+    file's pages leave the process, so the mapped file does not add to the load's peak)."""
     layers = _expert_layers(model)
     unloaded = any(fused.gate_up_proj.is_meta for _, fused in layers)
     plan: list[tuple[FusedMoE, tuple[list[Served], list[Served]]]] = []
     for i, fused in layers:
+        stacked = [block(name) for name in expert_tensor_names(i)]
         try:
-            found = layer_expert_blocks(fused, [block(name) for name in expert_tensor_names(i)], matches, serve)
+            found = layer_expert_blocks(fused, stacked, matches, serve)
             why = "are not blocks holding the loaded experts' values" if found is None else ""
         except ValueError as err:
             found, why = None, f"could not be converted ({err})"
@@ -160,6 +164,8 @@ def attach_file_experts(model: Any, block: Block, matches: Matches, serve: Serve
             logger.info("GGUF expert blocks of layer %d %s; the experts keep their float weights", i, why)
             return 0
         plan.append((fused, found))
+        for _, raw, _, _ in (s for s in stacked if s is not None):
+            drop(raw.data_ptr(), raw.numel())
     origins = block_origins(model)
     routes: set[str] = set()
     for _, found in plan:

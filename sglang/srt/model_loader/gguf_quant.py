@@ -194,14 +194,14 @@ def attach_gguf_quant_weights(model: Any, gguf_path: str, config: Any, max_rows:
         qtype, raw, n, k = entry
         return qtype, torch.from_numpy(raw), n, k  # a view of the file's (private) mapping: read as it is served
 
+    drop = mapped_page_dropper(tensors)
     expert_bytes = 0
     if experts:
         assert large is not None
         expert_bytes = attach_file_experts(model, block, _matches, _served, max_rows, expert_large or large,
-                                           int8_activations)
+                                           int8_activations, drop)
     interleaved = conversion_record(gguf_path).get("qk_rows", "interleaved") == "interleaved"
-    return expert_bytes + _attach_linears(model, block, config, max_rows, large, interleaved,
-                                          mapped_page_dropper(tensors))
+    return expert_bytes + _attach_linears(model, block, config, max_rows, large, interleaved, drop)
 
 
 def _decoder_linears(model: Any) -> Optional[list[nn.Module]]:
