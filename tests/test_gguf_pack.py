@@ -102,15 +102,24 @@ def test_bad_parts_are_refused():
         ext.pack_blocks([q4], [3], True, 48)
 
 
-def test_rows_read_back_from_the_packed_blocks():
-    """dequantize_rows reads a run of rows from the row groups; the values are the reference dequantizer's."""
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "torch"])
+def test_rows_read_back_from_the_packed_blocks(monkeypatch, kernels, qtype):
+    """dequantize_rows reads a run of rows from the row groups, with the kernels or without (unpacking only the
+    groups that hold them); the values are the reference dequantizer's."""
+    if not kernels:
+        monkeypatch.setattr(gb, "kernel_module", lambda: None)
     k = 96
-    raw = stored("Q4_1", 45, k, 9)
-    raw.reshape(45, -1, 20)[..., :4] = np.frombuffer(np.float16([0.01, -0.08]).tobytes(), dtype=np.uint8)
-    w = gb.GGUFQuantWeight("Q4_1", raw, 45, k)
-    whole = gb.dequantize_raw("Q4_1", torch.from_numpy(raw), 45, k)
+    raw = stored(qtype, 45, k, 9)
+    scales = [0.01, -0.08] if qtype == "Q4_1" else [0.01]  # finite fp16 d (and m)
+    raw.reshape(45, -1, STORED_BYTES[qtype])[..., : 2 * len(scales)] = np.frombuffer(
+        np.float16(scales).tobytes(), dtype=np.uint8)
+    w = gb.GGUFQuantWeight(qtype, raw, 45, k)
+    whole = gb.dequantize_raw(qtype, torch.from_numpy(raw), 45, k)
     assert torch.equal(w.dequantize(), whole)
     assert torch.equal(w.dequantize_rows(16, 29), whole[16:])
+    assert torch.equal(w.dequantize_rows(16, 5), whole[16:21])
+    assert torch.equal(w.dequantize_rows(0, 45), whole)
     assert torch.equal(w.dequantize_rows(32, 0), whole[:0])
     for start, count in ((8, 4), (16, 30), (-16, 4)):
         with pytest.raises(ValueError, match="run of rows"):

@@ -100,13 +100,14 @@ def _dequantizes_to(parts: Parts, target: torch.Tensor, slice_values: Optional[i
     offset = 0
     for qtype, raw, n, k in parts:
         rows_per_slice = max(1, (slice_values or CHECK_SLICE_VALUES) // k)
-        for start in range(0, n, rows_per_slice):
-            rows = raw[start : start + rows_per_slice]
-            values = file_values(qtype, rows, rows.shape[0], k).to(target.dtype)
-            if not torch.equal(values, target[offset + start : offset + start + rows.shape[0]]):
-                return False
+        if not _slices_equal(partial(_file_rows, qtype, raw, k), n, rows_per_slice, target[offset : offset + n]):
+            return False
         offset += n
     return True
+
+
+def _file_rows(qtype: str, raw: torch.Tensor, k: int, start: int, count: int) -> torch.Tensor:
+    return file_values(qtype, raw[start : start + count], count, k)
 
 
 def _holds(weight: GGUFQuantWeight, target: torch.Tensor) -> bool:
@@ -115,9 +116,16 @@ def _holds(weight: GGUFQuantWeight, target: torch.Tensor) -> bool:
     if target.shape != weight.shape or target.dtype not in (torch.float32, torch.bfloat16):
         return False
     step = max(ROW_GROUP, CHECK_SLICE_VALUES // weight.k // ROW_GROUP * ROW_GROUP)
-    for start in range(0, weight.n, step):
-        rows = weight.dequantize_rows(start, min(step, weight.n - start)).to(target.dtype)
-        if not torch.equal(rows, target[start : start + rows.shape[0]]):
+    return _slices_equal(weight.dequantize_rows, weight.n, step, target)
+
+
+def _slices_equal(read: Callable[[int, int], torch.Tensor], n: int, rows_per_slice: int,
+                  target: torch.Tensor) -> bool:
+    """Whether read(start, count), float32 values of rows start .. start + count of n, equal `target`'s rows in its
+    dtype, compared `rows_per_slice` rows at a time (stopping at the first slice that differs)."""
+    for start in range(0, n, rows_per_slice):
+        count = min(rows_per_slice, n - start)
+        if not torch.equal(read(start, count).to(target.dtype), target[start : start + count]):
             return False
     return True
 

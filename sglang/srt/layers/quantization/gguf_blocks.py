@@ -359,8 +359,11 @@ class GGUFQuantWeight:
         if start % ROW_GROUP or not 0 <= start <= start + count <= self.n:
             raise ValueError(f"rows {start} .. {start + count} are not a run of rows of {self.n} from a row group")
         ext = kernel_module()
-        if ext is None:
-            return dequantize_raw(self.qtype, self.raw()[start : start + count], count, self.k)
+        if ext is None:  # only the row groups that hold those rows are unpacked
+            first, end = start // ROW_GROUP, -(-(start + count) // ROW_GROUP)
+            groups = self.packed.view(-(-self.n // ROW_GROUP), -1)[first:end]
+            raw = unpack_to_raw(self.qtype, groups, (end - first) * ROW_GROUP, self.k)[:count]
+            return dequantize_raw(self.qtype, raw, count, self.k)
         out = torch.empty(count, self.k, dtype=torch.float32)
         ext.dequant_rows(self.packed, self.qtype == "Q4_1", self.n, self.k, start, out)
         return out
