@@ -1,5 +1,5 @@
 """Time of the load-time check that a GGUF file's blocks dequantize to the loaded weights
-(sglang/srt/model_loader/gguf_quant.py), by the size of the slices it compares.
+(sglang/srt/model_loader/gguf_values.py), by the size of the slices it compares.
 
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_gguf_load_check.py [--gguf FILE] [--rounds 4]
 
@@ -14,7 +14,7 @@ import statistics
 import time
 
 from sglang.srt.layers.quantization.gguf_blocks import as_raw_tensor, dequantize_raw, normalize_qtype
-from sglang.srt.model_loader import gguf_quant
+from sglang.srt.model_loader import gguf_values
 from sglang.srt.model_loader.gguf_reader import read_gguf_quant_tensors
 from sglang.srt.model_loader.resolve import gguf_source_for
 
@@ -34,9 +34,9 @@ def main() -> None:
         for name, values in sizes.items():
             start = time.perf_counter()
             for m, target in zip(mats, targets):
-                assert gguf_quant._dequantizes_to([m], target, values(m[3]))
+                assert gguf_values.dequantizes_to([m], target, values(m[3]))
             times[name].append(time.perf_counter() - start)
-    print(f"{path}: {len(mats)} matrices, default slice {gguf_quant.CHECK_SLICE_VALUES} values")
+    print(f"{path}: {len(mats)} matrices, default slice {gguf_values.CHECK_SLICE_VALUES} values")
     for name, ts in times.items():
         print(f"{name:12s} median {statistics.median(ts):.3f} s  ({', '.join(f'{t:.2f}' for t in ts)})")
 

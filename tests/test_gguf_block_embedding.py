@@ -15,7 +15,7 @@ gguf = pytest.importorskip("gguf")
 from sglang.srt.layers import cpu_ops  # noqa: E402
 from sglang.srt.layers.quantization.block_embedding import BlockEmbedding  # noqa: E402
 from sglang.srt.layers.quantization.gguf_blocks import kernels_available  # noqa: E402
-from sglang.srt.model_executor import fused_cpu_decode  # noqa: E402
+from sglang.srt.model_executor import fused_cpu_decode, model_runner  # noqa: E402
 from sglang.srt.model_executor.model_runner import attach_fast_paths, load_for_plan  # noqa: E402
 from sglang.srt.model_executor.weight_update import weights_by_name  # noqa: E402
 from sglang.srt.model_loader import gguf_quant  # noqa: E402
@@ -59,13 +59,24 @@ def _tiny_file(tmp_path, name: str, embed_qtype: str, tied: bool):
     return resolve_model_path(str(path)), str(path)
 
 
-def _load(model_dir: str, gguf_path: str, plan):
+def _load(model_dir: str, gguf_path: str, plan, never_loaded: tuple[str, ...] = ()):
+    """The model loaded and given its fast paths; `never_loaded`: the names of its parameters that must be meta
+    tensors once loaded (released before the checkpoint is read: model_loader/gguf_tables.py), and only those of
+    them besides the decoder's linear weights."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir)
     model = load_for_plan(model_dir, torch.float32, torch.device("cpu"), gguf_path, 8, plan)
+    meta = {name for name, p in model.named_parameters() if p.is_meta and not name.startswith("model.layers.")}
+    assert meta == set(never_loaded)
     assert attach_fast_paths(model, gguf_path, config, 8, plan) > 0
     return model, config
+
+
+def _keeping_the_float_table(monkeypatch) -> None:
+    """Later loads read the float table and keep it (neither released at load nor served from blocks)."""
+    monkeypatch.setattr(model_runner, "tables_read_from_file", lambda *args: None)
+    monkeypatch.setattr(gguf_quant, "_embeddings_from_blocks", lambda *args: 0)
 
 
 def _same_outputs(ours, kept, config) -> None:
@@ -86,7 +97,7 @@ def _same_outputs(ours, kept, config) -> None:
 def test_tied_table_is_read_from_the_heads_blocks(monkeypatch, tmp_path, cache_dir, embed_qtype):
     model_dir, path = _tiny_file(tmp_path, f"tied-{embed_qtype}", embed_qtype, tied=True)
     plan = plan_for("float32")
-    ours, config = _load(model_dir, path, plan)
+    ours, config = _load(model_dir, path, plan, never_loaded=("model.embed_tokens.weight",))
     table = ours.model.embed_tokens
     assert isinstance(table, BlockEmbedding) and ours.lm_head is table
     head_blocks = ours.logits_processor.head_method.quant_weight
@@ -99,7 +110,7 @@ def test_tied_table_is_read_from_the_heads_blocks(monkeypatch, tmp_path, cache_d
                for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
     assert sum(by_format.values()) == sum(w.nbytes for w in linears) + head_blocks.nbytes
     # the float table as loaded equals the blocks' values, and reading it back by name gives them
-    monkeypatch.setattr(gguf_quant, "_embeddings_from_blocks", lambda *args: 0)
+    _keeping_the_float_table(monkeypatch)
     kept, _ = _load(model_dir, path, plan)
     assert type(kept.model.embed_tokens) is nn.Embedding
     assert torch.equal(kept.model.embed_tokens.weight, head_blocks.dequantize())
@@ -123,16 +134,25 @@ def test_tied_table_stays_where_it_serves_the_heads_large_batches(tmp_path, cach
 def test_untied_table_is_read_from_the_files_blocks(monkeypatch, tmp_path, cache_dir):
     model_dir, path = _tiny_file(tmp_path, "untied-q4_0", "Q4_0", tied=False)
     plan = plan_for("float32")
-    ours, config = _load(model_dir, path, plan)
+    ours, config = _load(model_dir, path, plan, never_loaded=("model.embed_tokens.weight", "lm_head.weight"))
     table = ours.model.embed_tokens
     assert isinstance(table, BlockEmbedding) and ours.lm_head is not table
     assert table.quant_weight.qtype == "Q4_1"  # Q4_0 as the Q4_1 blocks of the same values
     by_format = weight_bytes_by_format(ours)
     assert by_format["Q4_1 blocks from GGUF Q4_0"] == table.quant_weight.nbytes
     assert by_format.pop("float32") == (2 * config.num_hidden_layers + 1) * config.hidden_size * 4
-    monkeypatch.setattr(gguf_quant, "_embeddings_from_blocks", lambda *args: 0)
+    _keeping_the_float_table(monkeypatch)
     kept, _ = _load(model_dir, path, plan)
     assert torch.equal(kept.model.embed_tokens.weight, table.quant_weight.dequantize())
     assert weights_by_name(ours, "model.embed_tokens.weight", 5) == weights_by_name(kept, "model.embed_tokens.weight",
                                                                                        5)
     _same_outputs(ours, kept, config)
+
+
+@pytest.mark.parametrize("embed_qtype", ["Q5_1", "F16"])
+def test_a_table_the_files_blocks_hold_only_converted_is_loaded_as_floats(tmp_path, cache_dir, embed_qtype):
+    """token_embd in a type whose served blocks would round its values (Q5_1 as Q8_0) or in no block type: the table
+    is read as floats (and, untied, kept as them); the LM head, Q8_0 in the file, is still never loaded."""
+    model_dir, path = _tiny_file(tmp_path, f"untied-{embed_qtype}", embed_qtype, tied=False)
+    ours, _ = _load(model_dir, path, plan_for("float32"), never_loaded=("lm_head.weight",))
+    assert type(ours.model.embed_tokens) is nn.Embedding and not ours.model.embed_tokens.weight.is_meta

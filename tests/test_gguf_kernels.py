@@ -112,9 +112,10 @@ def test_attach_matching_picks_the_candidate_equal_to_the_loaded_weight(qtype, m
     """The load-time check compares slices of rows: the first candidate equal bit for bit wins (packed once), and a
     difference anywhere, including the last slice, rejects a candidate."""
     from sglang.srt.model_loader import gguf_quant as gq
+    from sglang.srt.model_loader import gguf_values
 
     n, k = 300, 64
-    monkeypatch.setattr(gq, "CHECK_SLICE_VALUES", 128 * k)  # three slices of 128 rows, the last one partial
+    monkeypatch.setattr(gguf_values, "CHECK_SLICE_VALUES", 128 * k)  # three slices of 128 rows, the last one partial
     raw = torch.from_numpy(random_raw(qtype, n, k, seed=4))
     blocks = (qtype, raw, n, k)
     dense = gb.dequantize_raw(qtype, raw, n, k)

@@ -140,6 +140,14 @@ def hold_as(owner: nn.Module, name: str, dtype: torch.dtype, device: Optional[to
     setattr(owner, name, nn.Parameter(empty, requires_grad=False))
 
 
+def held_parameter(model: nn.Module) -> torch.Tensor:
+    """The first parameter of `model` with storage, whose device and dtype are the model's: parameters released by
+    hold_as(..., "meta") (their values served from blocks) come first in a model read from blocks, e.g. the input
+    embeddings."""
+    params = list(model.parameters())
+    return next((p for p in params if not p.is_meta), params[0])
+
+
 # ---- tensor parallelism ---------------------------------------------------------------------------------------
 # With --tp-size N each scheduler rank holds 1/N of every projection: column-parallel layers (q/k/v, gate/up)
 # keep a slice of the output rows of each shard and need no communication; row-parallel layers (o_proj,

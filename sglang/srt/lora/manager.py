@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from sglang.srt.layers.linear import ColumnParallelLinear, Linear, MergedLinear, RowParallelLinear
+from sglang.srt.layers.linear import ColumnParallelLinear, Linear, MergedLinear, RowParallelLinear, held_parameter
 from sglang.srt.lora.adapter import (
     SUPPORTED_MODULES,
     LoraAdapter,
@@ -72,7 +72,7 @@ class LoraManager:
         self.target_modules = (normalize_target_modules(target_modules, "--lora-target-modules")
                                if target_modules else SUPPORTED_MODULES)
         self.dtype = dtype
-        self.device = next(model.parameters()).device
+        self.device = held_parameter(model).device
         self.state = LoraBatchState()
         layers = getattr(getattr(model, "model", None), "layers", None)
         if not isinstance(layers, nn.ModuleList) or not layers:

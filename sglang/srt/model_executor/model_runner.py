@@ -20,6 +20,7 @@ from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.layers import cpu_ops
 from sglang.srt.layers.arithmetic import ArithmeticPlan
 from sglang.srt.layers.attention.torch_sdpa_backend import TorchSDPABackend
+from sglang.srt.layers.linear import held_parameter
 from sglang.srt.layers.pooler import Pooler
 from sglang.srt.layers.quantization.gguf_linear import set_gguf_activations
 from sglang.srt.layers.sampler import SampleOutput, Sampler, compute_logprobs
@@ -32,6 +33,7 @@ from sglang.srt.model_loader.dtype import checkpoint_dtype
 from sglang.srt.model_loader.gemm_methods import attach_large_batch_gemm, blocks_large_method
 from sglang.srt.model_loader.gguf_experts import experts_read_from_file
 from sglang.srt.model_loader.gguf_quant import attach_gguf_quant_weights, linears_read_from_file
+from sglang.srt.model_loader.gguf_tables import tables_read_from_file
 from sglang.srt.model_loader.int_blocks import checkpoint_block_reason
 from sglang.srt.model_loader.loader import load_model
 from sglang.srt.model_loader.moe_blocks import (
@@ -102,6 +104,8 @@ def load_for_plan(model_dir: str, dtype: torch.dtype, device: torch.device, gguf
                 if read:
                     logger.info("GGUF %s read from the file's blocks alone (never loaded as floats)",
                                 " and ".join(read))
+                if releases[0] is not None:  # the vocabulary-sized tables too, where the file's blocks serve them
+                    releases.append(tables_read_from_file(meta_model, gguf_path))
                 return both(*releases)
     return load_model(model_dir, dtype, device, config=config, prepare=prepare)
 
@@ -124,7 +128,7 @@ def attach_fast_paths(model: Any, gguf_path: Optional[str], hf_config: Any, gguf
     """Give a freshly loaded model its derived weight copies (GGUF blocks for small batches, the large-batch GEMM
     copies) and, on CPU, moves its weights into huge pages (sglang/huge_pages.py); returns the copies' bytes. Every
     loaded model goes through here, at startup and after a weight update."""
-    param = next(model.parameters())
+    param = held_parameter(model)
     only_blocks = blocks_only(gguf_kernel_max_rows, arithmetic, param.device)
     large = (blocks_large_method(arithmetic.large_batch_gemm, arithmetic.block_gemm)
              if only_blocks and arithmetic is not None else None)

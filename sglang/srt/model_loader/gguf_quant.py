@@ -35,14 +35,13 @@ from sglang.srt.layers.linear import Linear, hold_as
 from sglang.srt.layers.moe.fused_moe import FusedMoE
 from sglang.srt.layers.quantization.block_embedding import serve_embeddings_from
 from sglang.srt.layers.quantization.gguf_blocks import (
-    ROW_GROUP,
     GGUFQuantWeight,
     kernels_available,
     kernels_unavailable_reason,
     pack_stored,
     rotary_rows_gguf_to_hf,
 )
-from sglang.srt.model_loader.gguf_block_convert import convert_blocks, file_values, served_type
+from sglang.srt.model_loader.gguf_block_convert import convert_blocks, served_type
 from sglang.srt.model_loader.gguf_convert import conversion_record
 from sglang.srt.model_loader.gguf_experts import attach_file_experts, block_origins
 from sglang.srt.model_loader.gguf_reader import (
@@ -51,6 +50,7 @@ from sglang.srt.model_loader.gguf_reader import (
     mapped_page_dropper,
     read_gguf_block_tensors,
 )
+from sglang.srt.model_loader.gguf_values import dequantizes_to, holds
 from sglang.srt.model_loader.q8_blocks import LargeFromBlocks, blocks_method
 
 logger = logging.getLogger(__name__)
@@ -82,54 +82,6 @@ def _stack(parts: Sequence[Optional[RawBlocks]]) -> Optional[Parts]:
     return full if all(p[3] == full[0][3] for p in full) else None
 
 
-# Weights compared per slice when checking a candidate: a few MB of float32, so the dequantized copy stays in cache,
-# in slices large enough that the per-op overheads of the dequantization stay small. SmolLM2-135M's check took
-# 0.94-1.06 s in slices of 128 rows and 0.45-0.47 s in slices of this many values on 2 AVX2 cores
-# (benchmarks/bench_gguf_load_check.py).
-CHECK_SLICE_VALUES = 1 << 20
-
-
-def _dequantizes_to(parts: Parts, target: torch.Tensor, slice_values: Optional[int] = None) -> bool:
-    """Whether the stacked matrices' stored values equal `target` bit for bit (a bf16 target: the bf16 rounding of
-    those values, which still tells a wrong row order or tensor apart). Compared a slice of rows (of about
-    `slice_values` values, default CHECK_SLICE_VALUES) at a time, so the float copy stays in cache and a wrong
-    candidate is rejected at its first slice instead of after the whole weight."""
-    if (target.dim() != 2 or target.dtype not in (torch.float32, torch.bfloat16)
-            or target.shape[0] != sum(p[2] for p in parts) or any(p[3] != target.shape[1] for p in parts)):
-        return False
-    offset = 0
-    for qtype, raw, n, k in parts:
-        rows_per_slice = max(1, (slice_values or CHECK_SLICE_VALUES) // k)
-        if not _slices_equal(partial(_file_rows, qtype, raw, k), n, rows_per_slice, target[offset : offset + n]):
-            return False
-        offset += n
-    return True
-
-
-def _file_rows(qtype: str, raw: torch.Tensor, k: int, start: int, count: int) -> torch.Tensor:
-    return file_values(qtype, raw[start : start + count], count, k)
-
-
-def _holds(weight: GGUFQuantWeight, target: torch.Tensor) -> bool:
-    """Whether blocks converted at load still hold `target`'s values exactly (compared as `_dequantizes_to` does, a
-    slice of rows at a time, read from the packed blocks)."""
-    if target.shape != weight.shape or target.dtype not in (torch.float32, torch.bfloat16):
-        return False
-    step = max(ROW_GROUP, CHECK_SLICE_VALUES // weight.k // ROW_GROUP * ROW_GROUP)
-    return _slices_equal(weight.dequantize_rows, weight.n, step, target)
-
-
-def _slices_equal(read: Callable[[int, int], torch.Tensor], n: int, rows_per_slice: int,
-                  target: torch.Tensor) -> bool:
-    """Whether read(start, count), float32 values of rows start .. start + count of n, equal `target`'s rows in its
-    dtype, compared `rows_per_slice` rows at a time (stopping at the first slice that differs)."""
-    for start in range(0, n, rows_per_slice):
-        count = min(rows_per_slice, n - start)
-        if not torch.equal(read(start, count).to(target.dtype), target[start : start + count]):
-            return False
-    return True
-
-
 def _as_parts(found: Optional[RawBlocks | Parts]) -> Optional[Parts]:
     return [found] if isinstance(found, tuple) else found
 
@@ -147,7 +99,7 @@ def _matching_parts(candidates: Sequence[Callable[[], Optional[RawBlocks | Parts
 
 def _matches(parts: Parts, target: torch.Tensor) -> bool:
     """The parts hold `target`'s values exactly, or, for a weight never loaded (a meta tensor), its shape."""
-    return _fits(parts, target) if target.is_meta else _dequantizes_to(parts, target)
+    return _fits(parts, target) if target.is_meta else dequantizes_to(parts, target)
 
 
 def _fits(parts: Parts, target: torch.Tensor) -> bool:
@@ -313,6 +265,8 @@ def _attach_linears(model: Any, block: Callable[[str], Optional[RawBlocks]], con
                                      head.weight)
         if head_parts is not None:
             plan.append((head, head_parts))
+        elif head.weight.is_meta:
+            raise ValueError("the GGUF file's output / token_embd blocks do not fit the model's LM head")
     return _attach(model, plan, max_rows, large, model.model.embed_tokens.weight.dtype,
                    lambda: _as_parts(block("token_embd.weight")), drop)
 
@@ -339,6 +293,7 @@ def _attach(model: Any, plan: list[tuple[nn.Module, Parts]], max_rows: int, larg
     head = getattr(model, "lm_head", None)
     tied = head is not None and head.weight is model.model.embed_tokens.weight
     served: list[tuple[nn.Module, GGUFQuantWeight, bool, str]] = []
+    never_loaded = any(module.weight.is_meta for module, _ in plan)
     try:  # every layer's blocks first: a tensor that cannot be converted leaves the model as it is
         while plan:  # each layer's parts go as soon as its blocks exist
             module, parts = plan.pop(0)
@@ -346,6 +301,8 @@ def _attach(model: Any, plan: list[tuple[nn.Module, Parts]], max_rows: int, larg
             for part in parts:  # its blocks are copied: the file's pages of them leave this process
                 drop(part[1].data_ptr(), part[1].numel())
     except ValueError as err:
+        if never_loaded:  # no float weights to fall back on
+            raise ValueError(f"GGUF blocks of weights never loaded as floats could not be converted: {err}") from err
         logger.info("GGUF blocks could not be converted (%s); using float weights only", err)
         return 0
     origins = block_origins(model)
@@ -353,7 +310,7 @@ def _attach(model: Any, plan: list[tuple[nn.Module, Parts]], max_rows: int, larg
     attached = 0
     head_blocks: Optional[GGUFQuantWeight] = None
     for module, weight, as_stored, read in served:
-        if module is head and tied and not as_stored and not _holds(weight, module.weight):
+        if module is head and tied and not as_stored and not holds(weight, module.weight):
             logger.info("GGUF %s LM head tied to the embeddings keeps its float weights", read)
             continue
         if not as_stored:
@@ -374,8 +331,12 @@ def _attach(model: Any, plan: list[tuple[nn.Module, Parts]], max_rows: int, larg
     converted = f" (converted at load: {', '.join(sorted(routes))})" if routes else ""
     logger.info("Attached %.1f MB of GGUF blocks for %s%s", attached / 2**20, what, converted)
     # a tied table whose float copy serves the head's large batches stays
-    return attached + _embeddings_from_blocks(model, head_blocks if tied and large is not None else None,
-                                              token_embd if not tied else None)
+    attached += _embeddings_from_blocks(model, head_blocks if tied and large is not None else None,
+                                        token_embd if not tied else None)
+    if model.model.embed_tokens.weight.is_meta and type(model.model.embed_tokens) is nn.Embedding:
+        raise ValueError("the input embeddings were never loaded as floats and the GGUF file's blocks do not serve "
+                         "them")
+    return attached
 
 
 def _embeddings_from_blocks(model: Any, head_blocks: Optional[GGUFQuantWeight],
@@ -395,14 +356,15 @@ def _embeddings_from_blocks(model: Any, head_blocks: Optional[GGUFQuantWeight],
         if parts is None:
             return 0
         head_blocks, as_stored = _served(parts)
-        if not as_stored and not _holds(head_blocks, table.weight):
+        if not as_stored and not holds(head_blocks, table.weight):
             logger.info("The input embeddings stay float32: the file's %s blocks of them convert to other values",
                         parts[0][0])
             return 0
         added = head_blocks.nbytes
         if not as_stored:
             block_origins(model)[id(head_blocks.packed)] = f"GGUF {parts[0][0]}"
+    never_loaded = table.weight.is_meta
     serve_embeddings_from(model, head_blocks)
-    logger.info("The input embeddings are read from %s blocks (%.1f MB of float32 released)", head_blocks.qtype,
-                head_blocks.n * head_blocks.k * 4 / 2**20)
+    logger.info("The input embeddings are read from %s blocks (%.1f MB of float32 %s)", head_blocks.qtype,
+                head_blocks.n * head_blocks.k * 4 / 2**20, "never loaded" if never_loaded else "released")
     return added
