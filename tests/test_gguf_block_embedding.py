@@ -156,3 +156,48 @@ def test_a_table_the_files_blocks_hold_only_converted_is_loaded_as_floats(tmp_pa
     model_dir, path = _tiny_file(tmp_path, f"untied-{embed_qtype}", embed_qtype, tied=False)
     ours, _ = _load(model_dir, path, plan_for("float32"), never_loaded=("lm_head.weight",))
     assert type(ours.model.embed_tokens) is nn.Embedding and not ours.model.embed_tokens.weight.is_meta
+
+
+def test_a_tied_k_quant_table_serves_the_head_from_converted_blocks(monkeypatch, tmp_path, cache_dir):
+    """A table tied to the LM head and stored as Q6_K (as llama.cpp's K-quant files store it; its quantizer, skipped
+    where it is not built): its Q8_0 blocks converted at load round it, so the input embeddings keep the float table
+    (the file's values), while under the blocks plan the head computes with those blocks at every batch size, in the
+    fused decode step too, instead of a float32 matmul over the whole table."""
+    from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
+    from sglang.srt.model_loader.resolve import resolve_model_path
+    from tests.test_fused_decode import assert_same_logits, decode_run
+    from tests.test_gguf_kquants import GGML, quantize
+    from tests.test_model_loader import _tiny_llama_tensors, _write_tiny_gguf
+
+    if GGML is None:
+        pytest.skip("llama.cpp's libggml is not built")
+    plain = gguf.quants.quantize
+
+    def either(array, qtype):
+        if qtype != gguf.GGMLQuantizationType.Q6_K:
+            return plain(array, qtype)
+        return quantize(np.ascontiguousarray(array.reshape(-1, array.shape[-1])), "Q6_K")
+
+    monkeypatch.setattr(gguf.quants, "quantize", either)
+    dims = {**TINY_BLOCKS, "hidden": 256, "inter": 256}  # a K-quant super-block is 256 values
+    tensors = {n: (np.ones_like(v) if v.ndim == 1 else v * 0.05) for n, v in _tiny_llama_tensors(5, dims).items()}
+    del tensors["lm_head.weight"]
+    path = tmp_path / "tied-q6_k.gguf"
+    _write_tiny_gguf(path, tensors, dims, linear_qtype="Q8_0", embed_qtype="Q6_K")
+    ours, config = _load(resolve_model_path(str(path)), str(path), plan_for("float32"))
+    table = ours.model.embed_tokens
+    assert type(table) is nn.Embedding and ours.lm_head is table  # the float table, for the lookups
+    method = ours.logits_processor.head_method
+    assert isinstance(method, GGUFLinearMethod) and method.quant_weight.qtype == "Q8_0"
+    served = method.quant_weight.dequantize()
+    blocks = table.weight.reshape(config.vocab_size, -1, 32)
+    bound = (blocks.abs().amax(-1, keepdim=True) / 254 * (1 + 2**-10) * (1 + 2**-20)).expand_as(blocks)
+    difference = (served - table.weight).abs().reshape(blocks.shape)
+    assert bool((difference <= bound).all()) and difference.max() > 0  # rounded within the conversion's bound
+    assert weight_bytes_by_format(ours)["Q8_0 blocks from GGUF Q6_K"] == method.quant_weight.nbytes
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=generator).tolist() for n in (23, 4)]
+    fused, cache = decode_run(ours, config, True, prompts, steps=4, max_rows=8)
+    assert cache.decode_strategy.with_head  # the step ends with the head's blocks
+    layered, _ = decode_run(ours, config, False, prompts, steps=4, max_rows=8)
+    assert_same_logits(fused, layered)

@@ -310,9 +310,15 @@ def _attach(model: Any, plan: list[tuple[nn.Module, Parts]], max_rows: int, larg
     attached = 0
     head_blocks: Optional[GGUFQuantWeight] = None
     for module, weight, as_stored, read in served:
-        if module is head and tied and not as_stored and not holds(weight, module.weight):
+        # a tied head whose converted blocks round the table (a K-quant table as Q8_0): it computes with them where
+        # they serve every batch, and the embeddings keep the table's own values
+        rounded_table = module is head and tied and not as_stored and not holds(weight, module.weight)
+        if rounded_table and large is None:
             logger.info("GGUF %s LM head tied to the embeddings keeps its float weights", read)
             continue
+        if rounded_table:
+            logger.info("GGUF %s LM head tied to the embeddings: its matmuls read %s blocks converted at load, the "
+                        "input embeddings keep the table's float values", read, weight.qtype)
         if not as_stored:
             origins[id(weight.packed)] = f"GGUF {read}"
             routes.add(f"{read} as {weight.qtype}")
@@ -320,7 +326,7 @@ def _attach(model: Any, plan: list[tuple[nn.Module, Parts]], max_rows: int, larg
                 with torch.no_grad():  # the float weight serves large batches: the blocks' values then
                     module.weight.copy_(weight.dequantize())  # type: ignore[operator]
         if module is head:
-            head_blocks = weight
+            head_blocks = None if rounded_table else weight
             release = dtype if not tied else None
             model.logits_processor.set_head_method(blocks_method(head, weight, max_rows, large, release,
                                                                  from_file=True))
