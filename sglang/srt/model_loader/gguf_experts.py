@@ -26,15 +26,13 @@ from torch import nn
 
 from sglang.srt.layers.moe.expert_blocks import ExpertBlocks
 from sglang.srt.layers.moe.fused_moe import FusedMoE
-from sglang.srt.layers.quantization.gguf_blocks import QK, GGUFQuantWeight, kernels_available
+from sglang.srt.layers.quantization.gguf_blocks import QK, GGUFQuantWeight, RawBlocks, kernels_available
 from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
 from sglang.srt.model_loader.gguf_reader import GGML_BLOCK_TYPES, gguf_tensor_table
 from sglang.srt.model_loader.q8_blocks import LargeFromBlocks
 
 logger = logging.getLogger(__name__)
 
-# (stored type, raw uint8 [rows, row_bytes], rows, K): as model_loader/gguf_quant.RawBlocks
-RawBlocks = tuple[str, torch.Tensor, int, int]
 # Served blocks of one expert, the stored types they were read from ("Q4_K", "Q4_K+Q6_K"), and whether they are the
 # file's blocks as stored.
 Served = tuple[GGUFQuantWeight, str, bool]

@@ -36,6 +36,7 @@ from sglang.srt.layers.moe.fused_moe import FusedMoE
 from sglang.srt.layers.quantization.block_embedding import serve_embeddings_from
 from sglang.srt.layers.quantization.gguf_blocks import (
     GGUFQuantWeight,
+    RawBlocks,
     kernels_available,
     kernels_unavailable_reason,
     pack_stored,
@@ -50,7 +51,7 @@ from sglang.srt.model_loader.gguf_reader import (
     mapped_page_dropper,
     read_gguf_block_tensors,
 )
-from sglang.srt.model_loader.gguf_values import dequantizes_to, holds
+from sglang.srt.model_loader.gguf_values import Parts, dequantizes_to, holds
 from sglang.srt.model_loader.q8_blocks import LargeFromBlocks, blocks_method
 
 logger = logging.getLogger(__name__)
@@ -60,10 +61,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_ROWS = 64
 
 
-# A GGUF matrix as read from the file, before packing: (stored type, raw uint8 [n, row_bytes], n, k).
-RawBlocks = tuple[str, torch.Tensor, int, int]
-# What a candidate for one layer's weight yields: one matrix, or several stacked along N (fused QKV, gate/up).
-Parts = list[RawBlocks]
 # Ways to read one weight from the file, tried in turn (the first whose values equal the loaded weight wins).
 Candidates = list[Callable[[], Optional[RawBlocks | Parts]]]
 

@@ -11,11 +11,11 @@ from typing import Optional
 
 import torch
 
-from sglang.srt.layers.quantization.gguf_blocks import ROW_GROUP, GGUFQuantWeight
+from sglang.srt.layers.quantization.gguf_blocks import ROW_GROUP, GGUFQuantWeight, RawBlocks
 from sglang.srt.model_loader.gguf_block_convert import file_values
 
-# A GGUF matrix as read from the file, before packing: (stored type, raw uint8 [n, row_bytes], n, k), stacked along N.
-Parts = list[tuple[str, torch.Tensor, int, int]]
+# What a candidate for one weight yields: one matrix, or several stacked along N (fused QKV, gate/up).
+Parts = list[RawBlocks]
 
 # Weights compared per slice when checking a candidate: a few MB of float32, so the dequantized copy stays in cache,
 # in slices large enough that the per-op overheads of the dequantization stay small. SmolLM2-135M's check took

@@ -26,12 +26,10 @@ from typing import Optional, Union
 
 import torch
 
-from sglang.srt.layers.quantization.gguf_blocks import QK
+from sglang.srt.layers.quantization.gguf_blocks import QK, RawBlocks
 from sglang.srt.model_loader.dequantize import AffineWeight
 from sglang.srt.model_loader.quant_config import AWQScheme, CTScheme, FP8Scheme, GPTQScheme, OnlineScheme, Scheme
 
-# A matrix of raw GGUF blocks before packing: (qtype, uint8 [n, row_bytes], n, k) (model_loader/gguf_quant.py).
-RawBlocks = tuple[str, torch.Tensor, int, int]
 # The blocks of a checkpoint's quantized modules made as their weights are first read
 # (model_loader/quantized_weights.iterate_dequantized), in file order: module -> its raw blocks, or why it has none.
 MadeBlocks = dict[str, Union[RawBlocks, str]]

@@ -34,10 +34,9 @@ from torch import nn
 from sglang.srt.layers.linear import Linear, hold_as
 from sglang.srt.layers.moe.expert_blocks import ExpertBlocks
 from sglang.srt.layers.moe.fused_moe import FusedMoE
-from sglang.srt.layers.quantization.gguf_blocks import QK, GGUFQuantWeight
+from sglang.srt.layers.quantization.gguf_blocks import QK, GGUFQuantWeight, RawBlocks
 from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
 from sglang.srt.model_loader.checkpoint_blocks import checkpoint_blocks, expert_blocks, log_outcome, reload_released
-from sglang.srt.model_loader.int_blocks import RawBlocks
 from sglang.srt.model_loader.q8_blocks import (
     LargeFromBlocks,
     blocks_method,

@@ -172,6 +172,9 @@ def dequantize_raw(qtype: Any, raw: torch.Tensor, n: int, k: int) -> torch.Tenso
 # is served as.
 PACKED_FROM = {"Q4_0": (2, "Q4_1"), "Q4_1": (3, "Q4_1"), "Q8_0": (8, "Q8_0")}
 
+# A matrix of GGUF blocks as stored, before packing: (stored type, raw uint8 [n, row bytes], n, k).
+RawBlocks = tuple[str, torch.Tensor, int, int]
+
 
 def pack_stored(target: str, parts: Sequence[tuple[str, torch.Tensor]], k: int) -> torch.Tensor | None:
     """The stored matrices `parts` ((type, uint8 [rows, row bytes as stored]), e.g. views of a GGUF file) stacked
