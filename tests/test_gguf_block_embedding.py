@@ -159,26 +159,17 @@ def test_a_table_the_files_blocks_hold_only_converted_is_loaded_as_floats(tmp_pa
 
 
 def test_a_tied_k_quant_table_serves_the_head_from_converted_blocks(monkeypatch, tmp_path, cache_dir):
-    """A table tied to the LM head and stored as Q6_K (as llama.cpp's K-quant files store it; its quantizer, skipped
-    where it is not built): its Q8_0 blocks converted at load round it, so the input embeddings keep the float table
-    (the file's values), while under the blocks plan the head computes with those blocks at every batch size, in the
-    fused decode step too, instead of a float32 matmul over the whole table."""
+    """A table tied to the LM head and stored as Q6_K (as llama.cpp's K-quant files store it): its Q8_0 blocks
+    converted at load round it, so the input embeddings keep the float table (the file's values), while under the
+    blocks plan the head computes with those blocks at every batch size, in the fused decode step too, instead of
+    a float32 matmul over the whole table."""
     from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
     from sglang.srt.model_loader.resolve import resolve_model_path
+    from tests.kquant_writer import writing_k_quants
     from tests.test_fused_decode import assert_same_logits, decode_run
-    from tests.test_gguf_kquants import GGML, quantize
     from tests.test_model_loader import _tiny_llama_tensors, _write_tiny_gguf
 
-    if GGML is None:
-        pytest.skip("llama.cpp's libggml is not built")
-    plain = gguf.quants.quantize
-
-    def either(array, qtype):
-        if qtype != gguf.GGMLQuantizationType.Q6_K:
-            return plain(array, qtype)
-        return quantize(np.ascontiguousarray(array.reshape(-1, array.shape[-1])), "Q6_K")
-
-    monkeypatch.setattr(gguf.quants, "quantize", either)
+    writing_k_quants(monkeypatch)
     dims = {**TINY_BLOCKS, "hidden": 256, "inter": 256}  # a K-quant super-block is 256 values
     tensors = {n: (np.ones_like(v) if v.ndim == 1 else v * 0.05) for n, v in _tiny_llama_tensors(5, dims).items()}
     del tensors["lm_head.weight"]

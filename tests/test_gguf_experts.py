@@ -4,8 +4,8 @@ Tiny random Qwen2-MoE / Qwen3-MoE checkpoints are written as llama.cpp's convert
 with the experts and the shared expert in other block types than Q8_0. Under the blocks plan every expert's gate/up
 and down projection must then run blocks read from the file: Q4_0 as the Q4_1 blocks of the same values, Q5_0 as
 Q8_0 blocks of the same values, and a gate/up pair stacking Q4_0 with Q5_1 as Q8_0 blocks converted at load within
-the bound model_loader/gguf_block_convert.py states; and a K-quant "M" file's Q4_K / Q6_K experts (llama.cpp's
-quantizer; skipped where it is not built) as Q4_1 / Q8_0 blocks converted within those bounds. Prefill logits and
+the bound model_loader/gguf_block_convert.py states; and a K-quant "M" file's Q4_K / Q6_K experts (blocks in ggml's
+layouts, tests/kquant_writer.py) as Q4_1 / Q8_0 blocks converted within those bounds. Prefill logits and
 greedy tokens through the paged KV cache equal transformers' on the values served.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import pytest
 import torch
 
@@ -42,7 +41,7 @@ CASES = {
                    "ffn_up_shexp": T.Q4_1, "ffn_down_shexp": T.Q5_1}, {"gate_up_proj": "Q4_1", "down_proj": "Q8_0"}),
     "qwen3_moe": ({"ffn_gate_exps": T.Q4_0, "ffn_up_exps": T.Q5_1, "ffn_down_exps": T.Q4_1},
                   {"gate_up_proj": "Q8_0", "down_proj": "Q4_1"}),
-    # a K-quant "M" file's experts: Q4_K gate / up, Q6_K down (llama.cpp's quantizer)
+    # a K-quant "M" file's experts: Q4_K gate / up, Q6_K down
     "qwen3_moe-k": ({"ffn_gate_exps": T.Q4_K, "ffn_up_exps": T.Q4_K, "ffn_down_exps": T.Q6_K},
                     {"gate_up_proj": "Q4_1", "down_proj": "Q8_0"}),
 }
@@ -53,12 +52,10 @@ ROUTES = {"qwen2_moe": "Q4_0 as Q4_1, Q5_0 as Q8_0", "qwen3_moe": "Q4_0+Q5_1 as 
 
 
 def with_k_quants(monkeypatch) -> None:
-    """`gguf.quants.quantize` writing K-quants with llama.cpp's quantizer (skips where it is not built), and the
-    tiny checkpoints as wide as a K-quant super-block (256 values) where the experts read."""
-    from tests.test_gguf_kquants import GGML, GGML_LIB, GGUF_QUANTIZERS, quantize
+    """`gguf.quants.quantize` writing K-quants (tests/kquant_writer.py), and the tiny checkpoints as wide as a
+    K-quant super-block (256 values) where the experts read."""
+    from tests.kquant_writer import writing_k_quants
 
-    if GGML is None:
-        pytest.skip(f"llama.cpp's libggml is not built ({GGML_LIB})")
     narrow = test_gguf_families.tiny_config
 
     def wide(family: str):
@@ -67,16 +64,7 @@ def with_k_quants(monkeypatch) -> None:
         return config
 
     monkeypatch.setattr(test_gguf_families, "tiny_config", wide)
-
-    plain = gguf.quants.quantize
-
-    def either(array, qtype):
-        if qtype.name in GGUF_QUANTIZERS or qtype == T.F32:
-            return plain(array, qtype)
-        raw = quantize(np.ascontiguousarray(array.reshape(-1, array.shape[-1])), qtype.name)
-        return raw.reshape(*array.shape[:-1], raw.shape[-1])
-
-    monkeypatch.setattr(gguf.quants, "quantize", either)
+    writing_k_quants(monkeypatch)
 
 
 def load_served(tmp_path, family: str, role_types: dict, plan):

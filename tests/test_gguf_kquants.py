@@ -1,13 +1,13 @@
 """GGUF files in the types people download (K-quant "M" mixes, Q6_K, Q5_0, Q5_1, Q2_K, Q3_K) served from Q4_1 /
 Q8_0 blocks converted at load from the file's own values (model_loader/gguf_block_convert.py).
 
-Files are written from a tiny random Llama, each tensor quantized by llama.cpp's own quantizer
-(`ggml_quantize_chunk` of the libggml built from llama-cpp-python's vendored sources: `SGLANG_TEST_GGML_LIB`, else
-the sdist's build dir; the tests needing it skip where it is not built) or by the `gguf` package's (Q4_0, Q4_1,
-Q5_0, Q5_1, Q8_0). The served blocks are checked against `gguf.quants.dequantize` (the reference) within the
-bounds the converter states, the model must hold those blocks and no float copy of its linear weights, and greedy
-tokens through `Engine` must equal transformers' on the reference weights up to a near tie.
-"""
+Files are written from a tiny random Llama, each tensor quantized by the `gguf` package's quantizer (Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0) or by tests/kquant_writer.py (the K-quants, in ggml's block layouts). Where llama.cpp's libggml
+is built (`SGLANG_TEST_GGML_LIB`, else the llama-cpp-python sdist's build dir), the conversion is also checked on
+blocks written by its own quantizer (`ggml_quantize_chunk`). The served blocks are checked against
+`gguf.quants.dequantize` (the reference) within the bounds the converter states, the model must hold those blocks
+and no float copy of its linear weights, and greedy tokens through `Engine` must equal transformers' on the
+reference weights up to a near tie."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from sglang.srt.layers.quantization.gguf_blocks import BLOCK_BYTES, QK, dequanti
 from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod  # noqa: E402
 from sglang.srt.model_loader.gguf_block_convert import SERVED_AS, convert_blocks  # noqa: E402
 from sglang.srt.model_loader.weight_report import describe_weights, weight_bytes_by_format  # noqa: E402
+from tests.kquant_writer import PACKERS, quantize_k  # noqa: E402
 from tests.test_cpu_arithmetic import BF16_VNNI_FLAGS  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="the compiled GGUF kernels are unavailable")
@@ -52,11 +53,14 @@ needs_ggml = pytest.mark.skipif(GGML is None, reason=f"llama.cpp's libggml is no
 
 
 def quantize(values: np.ndarray, qtype: str) -> np.ndarray:
-    """Raw blocks [n, row_bytes] of float32 `values` [n, k], as llama.cpp writes them."""
+    """Raw blocks [n, row_bytes] of float32 `values` [n, k]: gguf's quantizer, else tests/kquant_writer.py."""
     if qtype in GGUF_QUANTIZERS:
         return gguf.quants.quantize(values, T[qtype])
-    if GGML is None:
-        pytest.skip(f"llama.cpp's libggml is not built ({GGML_LIB})")
+    return quantize_k(values, qtype)
+
+
+def ggml_quantize(values: np.ndarray, qtype: str) -> np.ndarray:
+    """Raw blocks [n, row_bytes] of float32 `values` [n, k], as llama.cpp's quantizer writes them."""
     per_block, block_bytes = gguf.GGML_QUANT_SIZES[T[qtype]]
     n, k = values.shape
     src = np.ascontiguousarray(values, dtype=np.float32)
@@ -106,10 +110,7 @@ def random_weights(n: int, k: int, seed: int) -> np.ndarray:
     return w
 
 
-@pytest.mark.parametrize("stored", list(SERVED_AS))
-def test_converted_blocks_equal_the_reference_within_the_bound(stored):
-    n, k = 24, 512
-    raw = quantize(random_weights(n, k, seed=len(stored)), stored)
+def assert_converted_within_bound(stored: str, raw: np.ndarray, n: int, k: int) -> None:
     expected = reference(raw, stored)
     targets = {SERVED_AS[stored], "Q8_0"}  # a Q4_1-served type may be stacked with a Q8_0 part in one layer
     for target in targets:
@@ -121,7 +122,41 @@ def test_converted_blocks_equal_the_reference_within_the_bound(stored):
         assert (ours == torch.from_numpy(expected)).float().mean() > 0.5
 
 
+@pytest.mark.parametrize("stored", list(SERVED_AS))
+def test_converted_blocks_equal_the_reference_within_the_bound(stored):
+    n, k = 24, 512
+    assert_converted_within_bound(stored, quantize(random_weights(n, k, seed=len(stored)), stored), n, k)
+
+
 @needs_ggml
+@pytest.mark.parametrize("stored", list(PACKERS))
+def test_llama_cpp_blocks_converted_within_the_bound(stored):
+    n, k = 24, 512
+    assert_converted_within_bound(stored, ggml_quantize(random_weights(n, k, seed=len(stored)), stored), n, k)
+
+
+# Relative RMS error of each K-quant on Gaussian weights (llama.cpp's quantizer: 0.30, 0.14, 0.072, 0.036, 0.018).
+WRITER_ERROR = {"Q2_K": 0.33, "Q3_K": 0.15, "Q4_K": 0.08, "Q5_K": 0.04, "Q6_K": 0.02}
+
+
+@pytest.mark.parametrize("qtype", list(PACKERS))
+def test_written_k_quant_blocks_hold_the_weights(qtype):
+    """The K-quant blocks the tests write, read back by gguf's reference dequantizer, are the weights within the
+    type's usual error (and within 10% of llama.cpp's quantizer where it is built); an all-zero row stays zero."""
+    w = random_weights(24, 512, seed=3)
+    raw = quantize(w, qtype)
+    assert raw.shape == (24, 512 // 256 * gguf.GGML_QUANT_SIZES[T[qtype]][1])
+    back = reference(raw, qtype)
+    assert not back[1].any()
+
+    def error(values: np.ndarray) -> float:
+        return float(np.sqrt(((values - w) ** 2).mean() / (w**2).mean()))
+
+    assert error(back) < WRITER_ERROR[qtype], error(back)
+    if GGML is not None:
+        assert error(back) < 1.1 * error(reference(ggml_quantize(w, qtype), qtype))
+
+
 def test_q4_k_as_q4_1_within_the_stated_fp16_rounding():
     """Per 32-weight sub-block |w' - w| <= 2^-11 * (15*|d*sc| + |dmin*m|) (+ float32 rounding), with d, sc, dmin, m
     read by gguf's own Q4_K parser."""
@@ -255,7 +290,6 @@ def test_file_served_from_blocks_of_its_own_values(monkeypatch, tmp_path, cache_
     assert all(f"{fmt} " in line for fmt in by_format), line
 
 
-@needs_ggml
 def test_dense_large_batch_weights_are_the_converted_blocks_values(monkeypatch, tmp_path, cache_dir):
     """Where float weights stay for large batches (--large-batch-weights dense), a converted layer's float weight is
     set to its blocks' values, so that every batch size computes with the same weights; blocks kept as stored
