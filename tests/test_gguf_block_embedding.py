@@ -1,7 +1,8 @@
 """The input embeddings of a GGUF model read from blocks (layers/quantization/block_embedding.py): where the file's
 blocks serve every batch, a table tied to the LM head is read from the head's blocks and an untied one from the
-file's own `token_embd` blocks, with no float32 copy held, and every lookup (the layer-by-layer path and the fused
-decode step's) returns the float table's row bit for bit."""
+file's own `token_embd` blocks (a K-quant table, tied or not, from the file's rows as stored), with no float32 copy
+held, and every lookup (the layer-by-layer path and the fused decode step's) returns the float table's row bit for
+bit."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from torch import nn
 gguf = pytest.importorskip("gguf")
 
 from sglang.srt.layers import cpu_ops  # noqa: E402
-from sglang.srt.layers.quantization.block_embedding import BlockEmbedding  # noqa: E402
+from sglang.srt.layers.quantization import block_embedding  # noqa: E402
+from sglang.srt.layers.quantization.block_embedding import KQUANT_TYPES, BlockEmbedding, KQuantTable  # noqa: E402
 from sglang.srt.layers.quantization.gguf_blocks import kernels_available  # noqa: E402
 from sglang.srt.model_executor import fused_cpu_decode, model_runner  # noqa: E402
 from sglang.srt.model_executor.model_runner import attach_fast_paths, load_for_plan  # noqa: E402
@@ -158,37 +160,81 @@ def test_a_table_the_files_blocks_hold_only_converted_is_loaded_as_floats(tmp_pa
     assert type(ours.model.embed_tokens) is nn.Embedding and not ours.model.embed_tokens.weight.is_meta
 
 
-def test_a_tied_k_quant_table_serves_the_head_from_converted_blocks(monkeypatch, tmp_path, cache_dir):
-    """A table tied to the LM head and stored as Q6_K (as llama.cpp's K-quant files store it): its Q8_0 blocks
-    converted at load round it, so the input embeddings keep the float table (the file's values), while under the
-    blocks plan the head computes with those blocks at every batch size, in the fused decode step too, instead of
-    a float32 matmul over the whole table."""
-    from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
+def _tiny_k_file(tmp_path, embed_qtype: str, tied: bool):
+    """A tiny Llama 256 wide (a K-quant super-block), its linears (and an untied head) Q8_0 and its table
+    `embed_qtype`, as tests/kquant_writer.py writes K-quants."""
     from sglang.srt.model_loader.resolve import resolve_model_path
     from tests.kquant_writer import writing_k_quants
-    from tests.test_fused_decode import assert_same_logits, decode_run
     from tests.test_model_loader import _tiny_llama_tensors, _write_tiny_gguf
 
-    writing_k_quants(monkeypatch)
-    dims = {**TINY_BLOCKS, "hidden": 256, "inter": 256}  # a K-quant super-block is 256 values
+    dims = {**TINY_BLOCKS, "hidden": 256, "inter": 256}
     tensors = {n: (np.ones_like(v) if v.ndim == 1 else v * 0.05) for n, v in _tiny_llama_tensors(5, dims).items()}
-    del tensors["lm_head.weight"]
-    path = tmp_path / "tied-q6_k.gguf"
-    _write_tiny_gguf(path, tensors, dims, linear_qtype="Q8_0", embed_qtype="Q6_K")
-    ours, config = _load(resolve_model_path(str(path)), str(path), plan_for("float32"))
+    if tied:
+        del tensors["lm_head.weight"]
+    path = tmp_path / f"{'tied' if tied else 'untied'}-{embed_qtype}.gguf"
+    with pytest.MonkeyPatch.context() as mp:
+        writing_k_quants(mp)
+        _write_tiny_gguf(path, tensors, dims, linear_qtype="Q8_0", embed_qtype=embed_qtype)
+    return resolve_model_path(str(path)), str(path)
+
+
+@pytest.mark.parametrize("qtype", list(KQUANT_TYPES))
+def test_k_quant_rows_are_the_reference_rows(qtype, monkeypatch):
+    """A K-quant table's looked-up rows equal gguf's reference dequantization bit for bit, compiled or not."""
+    from tests.kquant_writer import quantize_k
+
+    rng = np.random.default_rng(4)
+    values = (rng.standard_normal((37, 512)) * 0.03).astype(np.float32)
+    values[2] = 0
+    raw = quantize_k(values, qtype)
+    reference = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype]))
+    table = KQuantTable(qtype, torch.from_numpy(raw), 37, 512)
+    assert table.nbytes == raw.nbytes and table.shape == (37, 512)
+    ids = torch.tensor([36, 0, 2, 5, 5])
+    assert torch.equal(table.rows(ids), reference[ids]) and torch.equal(table.dequantize(), reference)
+    embed = BlockEmbedding(table)
+    assert torch.equal(embed(ids.view(1, 5)), reference[ids].view(1, 5, 512)) and embed(ids[:0]).shape == (0, 512)
+    with pytest.raises(RuntimeError, match=r"row 37 is outside \[0, 37\)"):
+        table.rows(torch.tensor([37]))
+    monkeypatch.setattr(block_embedding, "kernel_module", lambda: None)  # without the compiled kernels
+    assert torch.equal(table.rows(ids), reference[ids])
+
+
+@pytest.mark.parametrize("embed_qtype,tied", [("Q6_K", True), ("Q4_K", False)])
+def test_a_k_quant_table_is_read_from_the_files_rows(monkeypatch, tmp_path, cache_dir, embed_qtype, tied):
+    """A K-quant table (tied and Q6_K, or untied and Q4_K, as llama.cpp's K-quant files store them) is never loaded
+    as floats: the lookups dequantize the file's own rows (which Q4_1 / Q8_0 blocks would round), in the fused decode
+    step too, while a tied head computes with Q8_0 blocks converted from the table (within the conversion's bound)
+    at every batch size, instead of a float32 matmul over it. Outputs equal those of the model holding the float
+    table, bit for bit."""
+    from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
+    from tests.test_fused_decode import decode_run
+
+    model_dir, path = _tiny_k_file(tmp_path, embed_qtype, tied)
+    plan = plan_for("float32")
+    never_loaded = ("model.embed_tokens.weight",) if tied else ("model.embed_tokens.weight", "lm_head.weight")
+    ours, config = _load(model_dir, path, plan, never_loaded=never_loaded)
     table = ours.model.embed_tokens
-    assert type(table) is nn.Embedding and ours.lm_head is table  # the float table, for the lookups
+    assert isinstance(table, BlockEmbedding) and isinstance(table.quant_weight, KQuantTable)
+    assert table.quant_weight.qtype == embed_qtype and (ours.lm_head is table) == tied
     method = ours.logits_processor.head_method
     assert isinstance(method, GGUFLinearMethod) and method.quant_weight.qtype == "Q8_0"
-    served = method.quant_weight.dequantize()
-    blocks = table.weight.reshape(config.vocab_size, -1, 32)
-    bound = (blocks.abs().amax(-1, keepdim=True) / 254 * (1 + 2**-10) * (1 + 2**-20)).expand_as(blocks)
-    difference = (served - table.weight).abs().reshape(blocks.shape)
-    assert bool((difference <= bound).all()) and difference.max() > 0  # rounded within the conversion's bound
-    assert weight_bytes_by_format(ours)["Q8_0 blocks from GGUF Q6_K"] == method.quant_weight.nbytes
-    generator = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, config.vocab_size, (n,), generator=generator).tolist() for n in (23, 4)]
-    fused, cache = decode_run(ours, config, True, prompts, steps=4, max_rows=8)
+    by_format = weight_bytes_by_format(ours)
+    assert by_format[f"{embed_qtype} blocks"] == table.quant_weight.nbytes
+    assert by_format.pop("float32") == (2 * config.num_hidden_layers + 1) * config.hidden_size * 4  # the norms
+    _keeping_the_float_table(monkeypatch)
+    kept, _ = _load(model_dir, path, plan)
+    assert type(kept.model.embed_tokens) is nn.Embedding
+    assert torch.equal(kept.model.embed_tokens.weight, table.quant_weight.dequantize())
+    assert weights_by_name(ours, "model.embed_tokens.weight", 4) == weights_by_name(kept, "model.embed_tokens.weight",
+                                                                                       4)
+    if tied:
+        assert by_format["Q8_0 blocks from GGUF Q6_K"] == method.quant_weight.nbytes
+        float_table = kept.model.embed_tokens.weight
+        blocks = float_table.reshape(config.vocab_size, -1, 32)
+        bound = (blocks.abs().amax(-1, keepdim=True) / 254 * (1 + 2**-10) * (1 + 2**-20)).expand_as(blocks)
+        difference = (method.quant_weight.dequantize() - float_table).abs().reshape(blocks.shape)
+        assert bool((difference <= bound).all()) and difference.max() > 0  # rounded within the conversion's bound
+    _same_outputs(ours, kept, config)
+    _, cache = decode_run(ours, config, True, [[1, 2, 3]], steps=1, max_rows=8)
     assert cache.decode_strategy.with_head  # the step ends with the head's blocks
-    layered, _ = decode_run(ours, config, False, prompts, steps=4, max_rows=8)
-    assert_same_logits(fused, layered)

@@ -37,7 +37,7 @@ from sglang.srt.distributed.parallel_state import get_tp_group
 from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.layers.cpu_extension import CpuExtension
 from sglang.srt.layers.cpu_ops import CSRC
-from sglang.srt.layers.quantization.block_embedding import BlockEmbedding
+from sglang.srt.layers.quantization.block_embedding import KQUANT_TYPES, BlockEmbedding, KQuantTable
 from sglang.srt.layers.quantization.gguf_blocks import KERNEL_HEADERS
 from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
@@ -260,8 +260,10 @@ def build_fused_decode(model: Any, k_buffers: list[torch.Tensor], v_buffers: lis
     from_tokens = _plain_token_inputs(backbone)
     if from_tokens:
         table = backbone.embed_tokens
-        if isinstance(table, BlockEmbedding):  # the table held as blocks: the step gathers the same rows
-            blocks = table.quant_weight
+        blocks = table.quant_weight if isinstance(table, BlockEmbedding) else None
+        if isinstance(blocks, KQuantTable):  # a file's K-quant rows: the step dequantizes the same rows
+            stack.set_token_kquant_rows(blocks.packed, KQUANT_TYPES[blocks.qtype], rotary.cos_cache, rotary.sin_cache)
+        elif blocks is not None:  # the table held as blocks: the step gathers the same rows
             stack.set_token_blocks(blocks.packed, blocks.n, blocks.qtype, rotary.cos_cache, rotary.sin_cache)
         else:
             stack.set_token_tables(table.weight.detach(), rotary.cos_cache, rotary.sin_cache)

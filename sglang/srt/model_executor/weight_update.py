@@ -115,8 +115,9 @@ def _served_values(model: nn.Module, module_name: str, param: torch.Tensor) -> t
     method = getattr(module, "linear_method", None)
     if method is None and module is getattr(model, "lm_head", None):
         method = getattr(getattr(model, "logits_processor", None), "head_method", None)
-    # an input embedding table read from blocks holds them itself (layers/quantization/block_embedding.py)
-    quant_weight = getattr(method, "quant_weight", None) or getattr(module, "quant_weight", None)
+    # an input embedding table read from blocks holds them itself (layers/quantization/block_embedding.py), also
+    # where a tied LM head computes with other blocks (converted from a K-quant table)
+    quant_weight = getattr(module, "quant_weight", None) or getattr(method, "quant_weight", None)
     if quant_weight is None:
         raise KeyError(f"Parameter {module_name} holds no values in the served model.")
     return quant_weight.dequantize()

@@ -33,7 +33,7 @@ from torch import nn
 
 from sglang.srt.layers.linear import Linear, hold_as
 from sglang.srt.layers.moe.fused_moe import FusedMoE
-from sglang.srt.layers.quantization.block_embedding import serve_embeddings_from
+from sglang.srt.layers.quantization.block_embedding import KQUANT_TYPES, KQuantTable, serve_embeddings_from
 from sglang.srt.layers.quantization.gguf_blocks import (
     GGUFQuantWeight,
     RawBlocks,
@@ -306,14 +306,18 @@ def _attach(model: Any, plan: list[tuple[nn.Module, Parts]], max_rows: int, larg
     routes: set[str] = set()
     attached = 0
     head_blocks: Optional[GGUFQuantWeight] = None
+    file_table = not tied  # whether the embeddings may be read from the file's own token_embd
     for module, weight, as_stored, read in served:
-        # a tied head whose converted blocks round the table (a K-quant table as Q8_0): it computes with them where
-        # they serve every batch, and the embeddings keep the table's own values
-        rounded_table = module is head and tied and not as_stored and not holds(weight, module.weight)
+        # a tied head whose converted blocks round the table (a K-quant table as Q8_0, whether or not it was loaded
+        # as floats): it computes with them where they serve every batch, and the embeddings keep the table's own
+        # values (the file's K-quant rows, or the float table)
+        rounded_table = module is head and tied and not as_stored and (
+            read in KQUANT_TYPES or not holds(weight, module.weight))
         if rounded_table and large is None:
             logger.info("GGUF %s LM head tied to the embeddings keeps its float weights", read)
             continue
         if rounded_table:
+            file_table = True
             logger.info("GGUF %s LM head tied to the embeddings: its matmuls read %s blocks converted at load, the "
                         "input embeddings keep the table's float values", read, weight.qtype)
         if not as_stored:
@@ -335,7 +339,7 @@ def _attach(model: Any, plan: list[tuple[nn.Module, Parts]], max_rows: int, larg
     logger.info("Attached %.1f MB of GGUF blocks for %s%s", attached / 2**20, what, converted)
     # a tied table whose float copy serves the head's large batches stays
     attached += _embeddings_from_blocks(model, head_blocks if tied and large is not None else None,
-                                        token_embd if not tied else None)
+                                        token_embd if file_table else None, drop)
     if model.model.embed_tokens.weight.is_meta and type(model.model.embed_tokens) is nn.Embedding:
         raise ValueError("the input embeddings were never loaded as floats and the GGUF file's blocks do not serve "
                          "them")
@@ -343,11 +347,13 @@ def _attach(model: Any, plan: list[tuple[nn.Module, Parts]], max_rows: int, larg
 
 
 def _embeddings_from_blocks(model: Any, head_blocks: Optional[GGUFQuantWeight],
-                            token_embd: Optional[Callable[[], Optional[Parts]]]) -> int:
+                            token_embd: Optional[Callable[[], Optional[Parts]]], drop: Callable[[int, int], None]
+                            ) -> int:
     """Read the float32 input embeddings from blocks of the same values (layers/quantization/block_embedding.py):
     `head_blocks`, those of the LM head tied to them, or else the file's own `token_embd` blocks where they hold the
-    table's values (Q4_0 / Q4_1 / Q8_0: other types are converted to coarser blocks). Returns the bytes of blocks
-    added (none for the head's)."""
+    table's values: Q4_0 / Q4_1 / Q8_0 as packed blocks, a K-quant table as the file stores it (its rows
+    dequantized per lookup); other types are converted to coarser blocks. Returns the bytes of blocks added (none
+    for the head's)."""
     table = model.model.embed_tokens
     if type(table) is not nn.Embedding or table.weight.dtype != torch.float32 or (
             head_blocks is None and token_embd is None):
@@ -358,6 +364,14 @@ def _embeddings_from_blocks(model: Any, head_blocks: Optional[GGUFQuantWeight],
         parts = _matching_parts([token_embd], table.weight)
         if parts is None:
             return 0
+        qtype, raw, n, k = parts[0]
+        if len(parts) == 1 and qtype in KQUANT_TYPES and k % 256 == 0:
+            kquant = KQuantTable(qtype, raw.clone(), n, k)  # copied: the file's pages of it leave this process
+            drop(raw.data_ptr(), raw.numel())
+            serve_embeddings_from(model, kquant)
+            logger.info("The input embeddings are read from the file's %s rows (%.1f MB of float32 %s)", qtype,
+                        n * k * 4 / 2**20, "released" if not table.weight.is_meta else "never loaded")
+            return kquant.nbytes
         head_blocks, as_stored = _served(parts)
         if not as_stored and not holds(head_blocks, table.weight):
             logger.info("The input embeddings stay float32: the file's %s blocks of them convert to other values",

@@ -5,9 +5,10 @@ Where the file's blocks serve every batch, the decoder's linear weights are rele
 the input embeddings (then served from blocks of the same values, layers/quantization/block_embedding.py) and an
 untied LM head (then served from its blocks): 0.4 GB at SmolLM2-1.7B's shape, 1.6 GB at a 7B Llama's, all of it
 in the load's resident peak. They are released with the linears where the file can serve them:
-- the input embeddings, where `token_embd` is Q4_0 / Q4_1 / Q8_0 (blocks that hold the file's values exactly; other
-  types would be converted to coarser blocks) of the table's shape, the table a plain float32 `nn.Embedding`; a table
-  tied to the LM head only where the file has no `output` tensor (the head reads `output` first);
+- the input embeddings, where `token_embd` is Q4_0 / Q4_1 / Q8_0 (blocks that hold the file's values exactly) or a
+  K-quant (kept as the file stores it, its rows dequantized per lookup) of the table's shape, the table a plain
+  float32 `nn.Embedding`; a table tied to the LM head only where the file has no `output` tensor (the head reads
+  `output` first; a K-quant table's head then computes with Q8_0 blocks converted from it);
 - an untied LM head, where `output` is a block type the kernels serve (as stored or converted, as the linears).
 `attach_gguf_quant_weights` then gives them the file's blocks; one it cannot serve is a startup error.
 """
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from sglang.srt.layers.linear import hold_as
+from sglang.srt.layers.quantization.block_embedding import KQUANT_TYPES
 from sglang.srt.layers.quantization.gguf_blocks import PACKED_FROM
 from sglang.srt.model_loader.gguf_reader import GGML_BLOCK_TYPES, gguf_tensor_table
 
@@ -46,7 +48,8 @@ def tables_read_from_file(model: nn.Module, gguf_path: str) -> Optional[Callable
         dims, qtype = listed.get(name, (None, None))
         return dims == shape and qtype in types
 
-    embeddings = served("token_embd.weight", PACKED_FROM) and not (tied and "output.weight" in listed)
+    embeddings = (served("token_embd.weight", {*PACKED_FROM, *KQUANT_TYPES})
+                  and not (tied and "output.weight" in listed))
     untied_head = (not tied and head is not None and hasattr(model, "logits_processor")
                    and tuple(getattr(head, "weight", torch.empty(0)).shape) == tuple(embed.weight.shape)
                    and served("output.weight", {qtype for qtype, _, _ in GGML_BLOCK_TYPES.values()}))

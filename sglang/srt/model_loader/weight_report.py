@@ -14,7 +14,7 @@ from torch import nn
 
 from sglang.srt.layers.linear import LinearMethod, linear_methods
 from sglang.srt.layers.moe.fused_moe import expert_linear_methods
-from sglang.srt.layers.quantization.block_embedding import BlockEmbedding
+from sglang.srt.layers.quantization.block_embedding import BlockEmbedding, KQuantTable
 from sglang.srt.layers.quantization.gguf_blocks import GGUFQuantWeight
 from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
 from sglang.srt.model_loader.dtype import dtype_name
@@ -38,7 +38,8 @@ def _method_copies(method: LinearMethod, from_checkpoint: dict[int, str], method
     return out
 
 
-def _blocks_entry(qw: GGUFQuantWeight, checkpoint_read: str, from_gguf: dict[int, str]) -> tuple[Any, str, int]:
+def _blocks_entry(qw: GGUFQuantWeight | KQuantTable, checkpoint_read: str,
+                  from_gguf: dict[int, str]) -> tuple[Any, str, int]:
     """(identity, format, bytes) of blocks: made from the `checkpoint_read` checkpoint's integers (where not ""), or
     converted from what a GGUF file stored (`from_gguf`), or as the file stored them."""
     origin = f" from the {checkpoint_read} checkpoint" if checkpoint_read else ""

@@ -54,6 +54,7 @@
 
 #include "../quantization/csrc/gguf_dequant_rows.h"
 #include "../quantization/csrc/gguf_kernels.h"
+#include "../quantization/csrc/gguf_kquant_rows.h"
 #include "attention_split.h"
 #include "cpu_kernels.h"
 #include "decode_attention.h"
@@ -253,6 +254,7 @@ class DecodeStack {
     set_rope_tables(cos_half, sin_half);
     embed_ = embed;
     embed_blocks_ = QuantLinear();
+    embed_kquant_ = torch::Tensor();
   }
 
   // As set_token_tables, with the embedding table [vocab, hidden] held as GGUF Q4_1 / Q8_0 blocks (the LM head's of a
@@ -263,9 +265,29 @@ class DecodeStack {
     QuantLinear blocks = make_linear(packed, vocab, hidden_, qtype, c10::nullopt, "embed");
     set_rope_tables(cos_half, sin_half);
     embed_blocks_ = blocks;
-    embed_ = torch::Tensor();
+    embed_ = embed_kquant_ = torch::Tensor();
   }
-  bool has_token_tables() const { return embed_.defined() || embed_blocks_.packed.defined(); }
+
+  // As set_token_tables, with the embedding table [vocab, hidden] as a GGUF file stores it in a K-quant type (raw:
+  // uint8 [vocab, hidden / 256 * super-block bytes], GGML type Q2_K-Q6_K): each row is read as gguf_kquant_rows.h's
+  // dequant_row, the reference dequantization's row bit for bit.
+  void set_token_kquant_rows(const torch::Tensor& raw, int64_t type, const torch::Tensor& cos_half,
+                             const torch::Tensor& sin_half) {
+    const int64_t bytes = gguf_kernels::kquant::super_block_bytes(static_cast<int>(type));
+    TORCH_CHECK(bytes > 0, "GGML type ", type, " is not a K-quant (Q2_K-Q6_K)");
+    TORCH_CHECK(hidden_ % gguf_kernels::kquant::kSuper == 0, "a K-quant table needs hidden % 256 == 0");
+    TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == torch::kUInt8 && raw.is_contiguous() &&
+                    raw.dim() == 2 && raw.size(0) > 0 && raw.size(1) == hidden_ / gguf_kernels::kquant::kSuper * bytes,
+                "raw must be a contiguous uint8 CPU table [vocab, hidden / 256 * super-block bytes]");
+    set_rope_tables(cos_half, sin_half);
+    embed_kquant_ = raw;
+    embed_kquant_type_ = static_cast<int>(type);
+    embed_ = torch::Tensor();
+    embed_blocks_ = QuantLinear();
+  }
+  bool has_token_tables() const {
+    return embed_.defined() || embed_blocks_.packed.defined() || embed_kquant_.defined();
+  }
 
   // The LM head [vocab, hidden] as GGUF Q4_1 / Q8_0 blocks; it computes like the layers' linears (int8 activations
   // when they have them).
@@ -386,16 +408,17 @@ class DecodeStack {
     }
     const int64_t B = input_ids.size(0), half = rotary_dim_ / 2;
     TORCH_CHECK(positions.size(0) == B, "input_ids and positions differ in length");
-    const bool blocks = embed_blocks_.packed.defined();
-    const int64_t vocab = blocks ? embed_blocks_.n : embed_.size(0), table_len = cos_half_.size(0);
+    const bool blocks = embed_blocks_.packed.defined(), kquant = embed_kquant_.defined();
+    const int64_t vocab = blocks ? embed_blocks_.n : kquant ? embed_kquant_.size(0) : embed_.size(0);
+    const int64_t table_len = cos_half_.size(0);
     const int64_t* ids = input_ids.data_ptr<int64_t>();
     const int64_t* pos = positions.data_ptr<int64_t>();
     const auto options = cos_half_.options();
     auto x = torch::empty({B, hidden_}, options);
     auto cos = torch::empty({B, rotary_dim_}, options);
     auto sin = torch::empty({B, rotary_dim_}, options);
-    const bool bf16_table = !blocks && embed_.scalar_type() == torch::kBFloat16;
-    const float* embed = blocks || bf16_table ? nullptr : embed_.data_ptr<float>();
+    const bool bf16_table = !blocks && !kquant && embed_.scalar_type() == torch::kBFloat16;
+    const float* embed = blocks || kquant || bf16_table ? nullptr : embed_.data_ptr<float>();
     const uint16_t* embed_bf16 = bf16_table ? reinterpret_cast<const uint16_t*>(embed_.data_ptr()) : nullptr;
     const uint8_t* embed_packed = blocks ? embed_blocks_.packed.data_ptr<uint8_t>() : nullptr;
     const float* ch = cos_half_.data_ptr<float>();
@@ -408,6 +431,9 @@ class DecodeStack {
       TORCH_CHECK(pos[b] >= 0 && pos[b] < table_len, "position out of range of the RoPE table");
       if (blocks) {
         gguf_kernels::rows::gather_row(embed_blocks_.q4, embed_packed, hidden_, ids[b], xp + b * hidden_);
+      } else if (kquant) {
+        gguf_kernels::kquant::dequant_row(embed_kquant_type_, embed_kquant_.data_ptr<uint8_t>() + ids[b] *
+                                          embed_kquant_.size(1), hidden_, xp + b * hidden_);
       } else if (bf16_table) {
         const uint16_t* row = embed_bf16 + ids[b] * hidden_;
         float* out = xp + b * hidden_;
@@ -896,6 +922,8 @@ class DecodeStack {
   std::vector<Layer> layers_;
   torch::Tensor embed_, cos_half_, sin_half_;  // forward_tokens' tables (undefined until set_token_tables)
   QuantLinear embed_blocks_;                   // or the embedding table as blocks (set_token_blocks)
+  torch::Tensor embed_kquant_;                 // or as a file's K-quant rows (set_token_kquant_rows) ...
+  int embed_kquant_type_ = 0;                  // ... of this GGML type
   QuantLinear head_;                           // the LM head (packed undefined until set_head)
   // LoRA: the adapters by slot (null: free), and each site kind's input width and shard output bounds.
   std::vector<std::shared_ptr<const lora_deltas::Adapter>> lora_;
@@ -942,6 +970,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_token_tables", &DecodeStack::set_token_tables, py::arg("embed"), py::arg("cos_half"),
            py::arg("sin_half"))
       .def("set_token_blocks", &DecodeStack::set_token_blocks, py::arg("packed"), py::arg("vocab"), py::arg("qtype"),
+           py::arg("cos_half"), py::arg("sin_half"))
+      .def("set_token_kquant_rows", &DecodeStack::set_token_kquant_rows, py::arg("raw"), py::arg("type"),
            py::arg("cos_half"), py::arg("sin_half"))
       .def("has_token_tables", &DecodeStack::has_token_tables)
       .def("set_head", &DecodeStack::set_head, py::arg("packed"), py::arg("vocab"), py::arg("qtype"))

@@ -7,6 +7,7 @@
 
 #include "gguf_dequant_rows.h"
 #include "gguf_kernels.h"
+#include "gguf_kquant_rows.h"
 #include "gguf_pack.h"
 
 namespace {
@@ -214,6 +215,31 @@ torch::Tensor gather_rows(const torch::Tensor& packed, bool q4, int64_t N, int64
   return out;
 }
 
+// Rows `ids` (int64, each in [0, N)) of a stored K-quant matrix (raw: uint8 [N, K / 256 * super-block bytes] as the
+// file stores it, GGML type `type`: Q2_K-Q6_K) as float32 [ids.size(0), K]: embedding lookups in the file's table.
+torch::Tensor gather_kquant_rows(const torch::Tensor& raw, int64_t type, int64_t K, const torch::Tensor& ids) {
+  const int64_t bytes = kquant::super_block_bytes(static_cast<int>(type));
+  TORCH_CHECK(bytes > 0, "GGML type ", type, " is not a K-quant (Q2_K-Q6_K)");
+  TORCH_CHECK(K > 0 && K % kquant::kSuper == 0, "K must be a positive multiple of 256");
+  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 && raw.is_contiguous() &&
+                  raw.size(1) == K / kquant::kSuper * bytes,
+              "raw must be a contiguous uint8 CPU matrix [N, ", K / kquant::kSuper * bytes, "]");
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.dim() == 1 && ids.is_contiguous(),
+              "row must be a contiguous int64 vector");
+  const int64_t N = raw.size(0), count = ids.size(0), row_bytes = raw.size(1);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t j = 0; j < count; ++j) {
+    TORCH_CHECK(ip[j] >= 0 && ip[j] < N, "row ", ip[j], " is outside [0, ", N, ")");
+  }
+  auto out = torch::empty({count, K}, raw.options().dtype(torch::kFloat32));
+  const uint8_t* wp = raw.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, count, 16, [&](int64_t a, int64_t b) {
+    for (int64_t j = a; j < b; ++j) kquant::dequant_row(static_cast<int>(type), wp + ip[j] * row_bytes, K, op + j * K);
+  });
+  return out;
+}
+
 // Stored GGUF matrices (uint8 [rows, K / 32 * stored block bytes] each, GGML type ids `types`: Q4_0 / Q4_1 for
 // q4, Q8_0 otherwise) stacked along N, as one packed weight [N, K] (gguf_pack.h).
 torch::Tensor pack_blocks(const std::vector<torch::Tensor>& parts, const std::vector<int64_t>& types, bool q4,
@@ -287,6 +313,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather_rows", &gather_rows, "rows ids of packed Q4_1 / Q8_0 weights [N, K] as float32 [len(ids), K]",
         py::arg("packed"), py::arg("q4"), py::arg("N"), py::arg("K"), py::arg("ids"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("gather_kquant_rows", &gather_kquant_rows,
+        "rows ids of a stored K-quant matrix (uint8 [N, row bytes], GGML type Q2_K-Q6_K) as float32 [len(ids), K]",
+        py::arg("raw"), py::arg("type"), py::arg("K"), py::arg("ids"), py::call_guard<py::gil_scoped_release>());
   m.def("pack_blocks", &pack_blocks,
         "stored GGUF matrices (Q4_0 / Q4_1 packed as Q4_1, Q8_0 as Q8_0; GGML type ids) stacked along N, as packed "
         "row groups uint8 [ceil(N / 16), K / 32, 16 * block bytes]",
