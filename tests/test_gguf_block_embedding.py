@@ -15,8 +15,8 @@ gguf = pytest.importorskip("gguf")
 
 from sglang.srt.layers import cpu_ops  # noqa: E402
 from sglang.srt.layers.quantization import block_embedding  # noqa: E402
-from sglang.srt.layers.quantization.block_embedding import KQUANT_TYPES, BlockEmbedding, KQuantTable  # noqa: E402
-from sglang.srt.layers.quantization.gguf_blocks import kernels_available  # noqa: E402
+from sglang.srt.layers.quantization.block_embedding import BlockEmbedding, KQuantTable  # noqa: E402
+from sglang.srt.layers.quantization.gguf_blocks import KQUANT_TYPES, kernels_available  # noqa: E402
 from sglang.srt.model_executor import fused_cpu_decode, model_runner  # noqa: E402
 from sglang.srt.model_executor.model_runner import attach_fast_paths, load_for_plan  # noqa: E402
 from sglang.srt.model_executor.weight_update import weights_by_name  # noqa: E402

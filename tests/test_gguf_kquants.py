@@ -135,6 +135,45 @@ def test_llama_cpp_blocks_converted_within_the_bound(stored):
     assert_converted_within_bound(stored, ggml_quantize(random_weights(n, k, seed=len(stored)), stored), n, k)
 
 
+@pytest.mark.parametrize("stored", list(PACKERS))
+def test_compiled_k_quant_conversion_is_the_rules_bit_for_bit(stored, monkeypatch):
+    """The compiled conversion of K-quant rows (and their values) equals the numpy rules of
+    model_loader/gguf_block_convert.py bit for bit, on written blocks and on llama.cpp's where it is built; a scale
+    beyond fp16's range (every super-block's d the largest fp16) fails the same way in both."""
+    from sglang.srt.model_loader import gguf_block_convert
+
+    n, k = 24, 512
+    raws = [quantize(random_weights(n, k, seed=11), stored)]
+    if GGML is not None:
+        raws.append(ggml_quantize(random_weights(n, k, seed=12), stored))
+    huge = raws[0].copy()  # every super-block's d (and dmin) the largest fp16: products beyond its range
+    block_bytes = gguf.GGML_QUANT_SIZES[T[stored]][1]
+    at = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}[stored]
+    for offset in at:
+        for j in range(k // 256):
+            huge[:, j * block_bytes + offset : j * block_bytes + offset + 2] = np.frombuffer(
+                np.float16(65504).tobytes(), dtype=np.uint8)
+    targets = sorted({SERVED_AS[stored], "Q8_0"})
+
+    def convert_all() -> list:
+        out: list = []
+        for raw in raws:
+            out.append(gguf_block_convert.file_values(stored, raw, n, k))
+            out += [convert_blocks(stored, raw, n, k, target) for target in targets]
+        for target in targets:  # Q2_K's largest values (d * 15 * 3) fit Q8_0's scales
+            try:
+                out.append(convert_blocks(stored, huge, n, k, target))
+            except ValueError as err:
+                assert stored != "Q2_K" and "exceed" in str(err)
+                out.append(str(err))
+        return out
+
+    compiled = convert_all()
+    monkeypatch.setattr(gguf_block_convert, "kernel_module", lambda: None)
+    for ours, rules in zip(compiled, convert_all(), strict=True):
+        assert ours == rules if isinstance(ours, str) else torch.equal(ours, rules)
+
+
 # Relative RMS error of each K-quant on Gaussian weights (llama.cpp's quantizer: 0.30, 0.14, 0.072, 0.036, 0.018).
 WRITER_ERROR = {"Q2_K": 0.33, "Q3_K": 0.15, "Q4_K": 0.08, "Q5_K": 0.04, "Q6_K": 0.02}
 

@@ -37,8 +37,8 @@ from sglang.srt.distributed.parallel_state import get_tp_group
 from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.layers.cpu_extension import CpuExtension
 from sglang.srt.layers.cpu_ops import CSRC
-from sglang.srt.layers.quantization.block_embedding import KQUANT_TYPES, BlockEmbedding, KQuantTable
-from sglang.srt.layers.quantization.gguf_blocks import KERNEL_HEADERS
+from sglang.srt.layers.quantization.block_embedding import BlockEmbedding, KQuantTable
+from sglang.srt.layers.quantization.gguf_blocks import KERNEL_HEADERS, KQUANT_TYPES
 from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
 from sglang.srt.lora.layers import LoraBatchState

@@ -33,8 +33,9 @@ from torch import nn
 
 from sglang.srt.layers.linear import Linear, hold_as
 from sglang.srt.layers.moe.fused_moe import FusedMoE
-from sglang.srt.layers.quantization.block_embedding import KQUANT_TYPES, KQuantTable, serve_embeddings_from
+from sglang.srt.layers.quantization.block_embedding import KQuantTable, serve_embeddings_from
 from sglang.srt.layers.quantization.gguf_blocks import (
+    KQUANT_TYPES,
     GGUFQuantWeight,
     RawBlocks,
     kernels_available,
@@ -115,6 +116,9 @@ def _served(parts: Parts) -> tuple[GGUFQuantWeight, bool]:
     if packed is not None:
         return GGUFQuantWeight.from_packed(target, packed, n, k), as_stored
     raws = [p[1] if as_stored else convert_blocks(p[0], p[1], p[2], p[3], target) for p in parts]
+    packed = pack_stored(target, [(target, raw) for raw in raws], k)  # converted parts packed without stacking them
+    if packed is not None:
+        return GGUFQuantWeight.from_packed(target, packed, n, k), as_stored
     return GGUFQuantWeight(target, torch.cat(raws), n, k), as_stored
 
 

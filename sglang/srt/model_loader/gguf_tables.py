@@ -23,8 +23,7 @@ import torch
 from torch import nn
 
 from sglang.srt.layers.linear import hold_as
-from sglang.srt.layers.quantization.block_embedding import KQUANT_TYPES
-from sglang.srt.layers.quantization.gguf_blocks import PACKED_FROM
+from sglang.srt.layers.quantization.gguf_blocks import KQUANT_TYPES, PACKED_FROM
 from sglang.srt.model_loader.gguf_reader import GGML_BLOCK_TYPES, gguf_tensor_table
 
 logger = logging.getLogger(__name__)

@@ -21,10 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sglang.srt.layers.quantization.gguf_blocks import GGUFQuantWeight, kernel_module
-
-# The K-quant types a table may be stored in, by GGML type id.
-KQUANT_TYPES = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+from sglang.srt.layers.quantization.gguf_blocks import KQUANT_TYPES, GGUFQuantWeight, kernel_module
 
 
 class KQuantTable:

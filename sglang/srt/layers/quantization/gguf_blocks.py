@@ -48,6 +48,8 @@ ROW_GROUP = 16  # output rows interleaved in the packed layout ...
 HALF = 8  # ... as two halves of 8 (one 32-bit SIMD lane per row)
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
 SUPPORTED_QTYPES = tuple(BLOCK_BYTES)
+# The K-quant types the compiled kernels read as stored (csrc/gguf_kquant_rows.h), by GGML type id.
+KQUANT_TYPES = {"Q2_K": 10, "Q3_K": 11, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 
 DISABLE_ENV = "SGLANG_DISABLE_GGUF_KERNELS"
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "gguf_linear.cpp"
@@ -62,7 +64,8 @@ KERNEL_HEADERS = [_SOURCE.parent / name
 
 
 _EXTENSION = CpuExtension("sglang_gguf_linear", _SOURCE, "GGUF quantized CPU kernels", DISABLE_ENV,
-                          headers=[*KERNEL_HEADERS, _SOURCE.parent / "gguf_pack.h"])
+                          headers=[*KERNEL_HEADERS, _SOURCE.parent / "gguf_pack.h",
+                                   _SOURCE.parent / "gguf_kquant_convert.h"])
 
 
 def kernels_available() -> bool:

@@ -42,17 +42,19 @@ inline void scale_min_k4(const uint8_t* q, int64_t s, int* sc, int* m) {
   }
 }
 
-// Weight i of a super-block: within each half of 128 weights, 32 consecutive weights share a 2-bit plane (Q2_K /
-// Q3_K qs, Q6_K qh) or a nibble (Q6_K ql), byte l of the half's bytes holding weight l of each.
+// Weight 128h + 32j + l of a super-block (h: its half, j: its 32-weight group, l: 0-31): byte 32h + l of the 2-bit
+// planes (Q2_K / Q3_K qs, Q6_K qh) holds it in bits 2j; sub-blocks of 16 weights are consecutive. Each loop runs
+// over the 16 weights of one sub-block, with its scale fixed, so that it vectorizes.
 inline void q2_k(const uint8_t* b, float* out) {
   const uint8_t* scales = b;
   const uint8_t* qs = b + 16;
   const float d = fp16_to_fp32(b + 80), dmin = fp16_to_fp32(b + 82);
-  for (int64_t i = 0; i < kSuper; ++i) {
-    const int64_t h = i / 128, j = i % 128 / 32, l = i % 32, s = i / 16;
-    const int q = (qs[32 * h + l] >> (2 * j)) & 3;
+  for (int64_t s = 0; s < 16; ++s) {
+    const int64_t h = s / 8, j = s % 8 / 2, first = 16 * (s % 2);
     const float dl = d * static_cast<float>(scales[s] & 0xF), ml = dmin * static_cast<float>(scales[s] >> 4);
-    out[i] = dl * static_cast<float>(q) - ml;
+    const uint8_t* q = qs + 32 * h + first;
+    float* o = out + 16 * s;
+    for (int64_t l = 0; l < 16; ++l) o[l] = dl * static_cast<float>((q[l] >> (2 * j)) & 3) - ml;
   }
 }
 
@@ -61,43 +63,67 @@ inline void q3_k(const uint8_t* b, float* out) {
   const uint8_t* qs = b + 32;
   const uint8_t* scales = b + 96;
   const float d = fp16_to_fp32(b + 108);
-  for (int64_t i = 0; i < kSuper; ++i) {
-    const int64_t h = i / 128, j = i % 128 / 32, l = i % 32, s = i / 16;
+  for (int64_t s = 0; s < 16; ++s) {
+    const int64_t h = s / 8, j = s % 8 / 2, first = 16 * (s % 2);
     const int low = (scales[s % 8] >> (4 * (s / 8))) & 0xF, high = (scales[8 + s % 4] >> (2 * (s / 4))) & 3;
-    const int q = ((qs[32 * h + l] >> (2 * j)) & 3) - (((hmask[l] >> (4 * h + j)) & 1) ? 0 : 4);
-    out[i] = (d * static_cast<float>((low | (high << 4)) - 32)) * static_cast<float>(q);
-  }
-}
-
-// Q4_K (five_bits false) and Q5_K: in each chunk of 64 weights, byte l of the chunk's 32 qs bytes holds weight l
-// (low nibble) and weight 32 + l (high); Q5_K's fifth bit of weight 32c + 32half + l is bit 2c + half of qh[l].
-inline void q45_k(const uint8_t* b, bool five_bits, float* out) {
-  const float d = fp16_to_fp32(b), dmin = fp16_to_fp32(b + 2);
-  const uint8_t* scales = b + 4;
-  const uint8_t* qh = b + 16;
-  const uint8_t* qs = five_bits ? b + 48 : b + 16;
-  for (int64_t s = 0; s < 8; ++s) {
-    int sc, m;
-    scale_min_k4(scales, s, &sc, &m);
-    const float dl = d * static_cast<float>(sc), ml = dmin * static_cast<float>(m);
-    const int64_t c = s / 2, half = s % 2;
-    for (int64_t l = 0; l < 32; ++l) {
-      int q = (qs[32 * c + l] >> (4 * half)) & 0xF;
-      if (five_bits) q |= ((qh[l] >> s) & 1) << 4;
-      out[32 * s + l] = dl * static_cast<float>(q) - ml;
+    const float dl = d * static_cast<float>((low | (high << 4)) - 32);
+    const uint8_t* q = qs + 32 * h + first;
+    const uint8_t* hm = hmask + first;
+    float* o = out + 16 * s;
+    for (int64_t l = 0; l < 16; ++l) {
+      const int v = ((q[l] >> (2 * j)) & 3) - (((hm[l] >> (4 * h + j)) & 1) ? 0 : 4);
+      o[l] = dl * static_cast<float>(v);
     }
   }
 }
 
+// Q4_K (FiveBits false) and Q5_K: in each chunk c of 64 weights, byte l of the chunk's 32 qs bytes holds weight l of
+// sub-block 2c (low nibble) and of sub-block 2c + 1 (high); Q5_K's fifth bit of sub-block s's weight l is bit s of
+// qh[l].
+template <bool FiveBits>
+inline void q45_k(const uint8_t* b, float* out) {
+  const float d = fp16_to_fp32(b), dmin = fp16_to_fp32(b + 2);
+  const uint8_t* scales = b + 4;
+  const uint8_t* qh = b + 16;
+  const uint8_t* qs = FiveBits ? b + 48 : b + 16;
+  for (int64_t c = 0; c < 4; ++c) {
+    int sc0, m0, sc1, m1;
+    scale_min_k4(scales, 2 * c, &sc0, &m0);
+    scale_min_k4(scales, 2 * c + 1, &sc1, &m1);
+    const float dl0 = d * static_cast<float>(sc0), ml0 = dmin * static_cast<float>(m0);
+    const float dl1 = d * static_cast<float>(sc1), ml1 = dmin * static_cast<float>(m1);
+    const uint8_t* q = qs + 32 * c;
+    float* o = out + 64 * c;
+    for (int64_t l = 0; l < 32; ++l) {
+      int v0 = q[l] & 0xF, v1 = q[l] >> 4;
+      if (FiveBits) {
+        v0 |= ((qh[l] >> (2 * c)) & 1) << 4;
+        v1 |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+      }
+      o[l] = dl0 * static_cast<float>(v0) - ml0;
+      o[32 + l] = dl1 * static_cast<float>(v1) - ml1;
+    }
+  }
+}
+
+// Q6_K: weight 128h + 32t + l has its low 4 bits in nibble t / 2 of ql[64h + 32(t % 2) + l] and its high 2 bits in
+// bits 2t of qh[32h + l].
 inline void q6_k(const uint8_t* b, float* out) {
   const uint8_t* ql = b;
   const uint8_t* qh = b + 128;
   const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
   const float d = fp16_to_fp32(b + 208);
-  for (int64_t i = 0; i < kSuper; ++i) {
-    const int64_t h = i / 128, t = i % 128 / 32, l = i % 32, s = i / 16;
-    const int low = (ql[64 * h + 32 * (t % 2) + l] >> (4 * (t / 2))) & 0xF, high = (qh[32 * h + l] >> (2 * t)) & 3;
-    out[i] = (d * static_cast<float>(scales[s])) * static_cast<float>((low | (high << 4)) - 32);
+  for (int64_t s = 0; s < 16; ++s) {
+    const int64_t h = s / 8, t = s % 8 / 2, first = 16 * (s % 2);
+    const float dl = d * static_cast<float>(scales[s]);
+    const uint8_t* lo = ql + 64 * h + 32 * (t % 2) + first;
+    const uint8_t* hi = qh + 32 * h + first;
+    const int lo_shift = 4 * static_cast<int>(t / 2), hi_shift = 2 * static_cast<int>(t);
+    float* o = out + 16 * s;
+    for (int64_t l = 0; l < 16; ++l) {
+      const int v = (((lo[l] >> lo_shift) & 0xF) | (((hi[l] >> hi_shift) & 3) << 4)) - 32;
+      o[l] = dl * static_cast<float>(v);
+    }
   }
 }
 
@@ -110,8 +136,8 @@ inline void dequant_row(int type, const uint8_t* row, int64_t K, float* out) {
     switch (type) {
       case kQ2_K: q2_k(b, o); break;
       case kQ3_K: q3_k(b, o); break;
-      case kQ4_K: q45_k(b, false, o); break;
-      case kQ5_K: q45_k(b, true, o); break;
+      case kQ4_K: q45_k<false>(b, o); break;
+      case kQ5_K: q45_k<true>(b, o); break;
       default: q6_k(b, o); break;
     }
   }

@@ -7,6 +7,7 @@
 
 #include "gguf_dequant_rows.h"
 #include "gguf_kernels.h"
+#include "gguf_kquant_convert.h"
 #include "gguf_kquant_rows.h"
 #include "gguf_pack.h"
 
@@ -240,6 +241,36 @@ torch::Tensor gather_kquant_rows(const torch::Tensor& raw, int64_t type, int64_t
   return out;
 }
 
+// A stored K-quant matrix (raw: uint8 [N, K / 256 * super-block bytes], GGML type `type`) as stored Q4_1 blocks
+// (q4; Q4_K only) or Q8_0 blocks, uint8 [N, K / 32 * block bytes], by gguf_kquant_convert.h's rules.
+torch::Tensor convert_kquant_rows(const torch::Tensor& raw, int64_t type, int64_t K, bool q4) {
+  const int64_t bytes = kquant::super_block_bytes(static_cast<int>(type));
+  TORCH_CHECK(bytes > 0, "GGML type ", type, " is not a K-quant (Q2_K-Q6_K)");
+  TORCH_CHECK(!q4 || type == kquant::kQ4_K, "only Q4_K converts to Q4_1 blocks");
+  TORCH_CHECK(K > 0 && K % kquant::kSuper == 0, "K must be a positive multiple of 256");
+  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 &&
+                  raw.size(1) == K / kquant::kSuper * bytes && raw.stride(1) == 1,
+              "raw must be a uint8 CPU matrix [N, ", K / kquant::kSuper * bytes, "] with contiguous rows");
+  const int64_t N = raw.size(0), in_stride = raw.stride(0);
+  const int64_t out_bytes = K / kQK * (q4 ? kquant::kQ41Bytes : kquant::kQ80Bytes);
+  auto out = torch::empty({N, out_bytes}, raw.options());
+  const uint8_t* rp = raw.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, N, 16, [&](int64_t a, int64_t b) {
+    std::vector<float> values(static_cast<size_t>(K));
+    for (int64_t r = a; r < b && ok.load(std::memory_order_relaxed); ++r) {
+      const bool done = q4 ? kquant::q4_k_row_as_q4_1(rp + r * in_stride, K, op + r * out_bytes)
+                           : kquant::row_as_q8_0(static_cast<int>(type), rp + r * in_stride, K, values.data(),
+                                                 op + r * out_bytes);
+      if (!done) ok.store(false);
+    }
+  });
+  TORCH_CHECK(ok.load(), q4 ? "a Q4_K scale product exceeds fp16's range"
+                            : "a block's values exceed the range of a Q8_0 scale");
+  return out;
+}
+
 // Stored GGUF matrices (uint8 [rows, K / 32 * stored block bytes] each, GGML type ids `types`: Q4_0 / Q4_1 for
 // q4, Q8_0 otherwise) stacked along N, as one packed weight [N, K] (gguf_pack.h).
 torch::Tensor pack_blocks(const std::vector<torch::Tensor>& parts, const std::vector<int64_t>& types, bool q4,
@@ -316,6 +347,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather_kquant_rows", &gather_kquant_rows,
         "rows ids of a stored K-quant matrix (uint8 [N, row bytes], GGML type Q2_K-Q6_K) as float32 [len(ids), K]",
         py::arg("raw"), py::arg("type"), py::arg("K"), py::arg("ids"), py::call_guard<py::gil_scoped_release>());
+  m.def("convert_kquant_rows", &convert_kquant_rows,
+        "a stored K-quant matrix (uint8 [N, row bytes], GGML type Q2_K-Q6_K) as stored Q4_1 (q4, Q4_K only) or Q8_0 "
+        "blocks uint8 [N, K / 32 * block bytes]",
+        py::arg("raw"), py::arg("type"), py::arg("K"), py::arg("q4"), py::call_guard<py::gil_scoped_release>());
   m.def("pack_blocks", &pack_blocks,
         "stored GGUF matrices (Q4_0 / Q4_1 packed as Q4_1, Q8_0 as Q8_0; GGML type ids) stacked along N, as packed "
         "row groups uint8 [ceil(N / 16), K / 32, 16 * block bytes]",
