@@ -77,7 +77,7 @@ def _load(model_dir: str, gguf_path: str, plan, never_loaded: tuple[str, ...] = 
 
 def _keeping_the_float_table(monkeypatch) -> None:
     """Later loads read the float table and keep it (neither released at load nor served from blocks)."""
-    monkeypatch.setattr(model_runner, "tables_read_from_file", lambda *args: None)
+    monkeypatch.setattr(model_runner, "tables_read_from_file", lambda *args: (None, []))
     monkeypatch.setattr(gguf_quant, "_embeddings_from_blocks", lambda *args: 0)
 
 

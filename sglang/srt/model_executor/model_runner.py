@@ -101,11 +101,13 @@ def load_for_plan(model_dir: str, dtype: torch.dtype, device: torch.device, gguf
                 releases = [linears_read_from_file(meta_model, gguf_path),
                             experts_read_from_file(meta_model, gguf_path) if experts else None]
                 read = [name for name, one in zip(("linear layers", "experts"), releases) if one is not None]
+                if releases[0] is not None:  # the vocabulary-sized tables too, where the file's blocks serve them
+                    tables, names = tables_read_from_file(meta_model, gguf_path)
+                    releases.append(tables)
+                    read += names
                 if read:
                     logger.info("GGUF %s read from the file's blocks alone (never loaded as floats)",
-                                " and ".join(read))
-                if releases[0] is not None:  # the vocabulary-sized tables too, where the file's blocks serve them
-                    releases.append(tables_read_from_file(meta_model, gguf_path))
+                                " and ".join([", ".join(read[:-1]), read[-1]] if len(read) > 1 else read))
                 return both(*releases)
     return load_model(model_dir, dtype, device, config=config, prepare=prepare)
 

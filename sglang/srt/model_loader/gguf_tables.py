@@ -15,7 +15,6 @@ in the load's resident peak. They are released with the linears where the file c
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -26,17 +25,17 @@ from sglang.srt.layers.linear import hold_as
 from sglang.srt.layers.quantization.gguf_blocks import KQUANT_TYPES, PACKED_FROM
 from sglang.srt.model_loader.gguf_reader import GGML_BLOCK_TYPES, gguf_tensor_table
 
-logger = logging.getLogger(__name__)
 
-
-def tables_read_from_file(model: nn.Module, gguf_path: str) -> Optional[Callable[[nn.Module], None]]:
+def tables_read_from_file(model: nn.Module, gguf_path: str
+                          ) -> tuple[Optional[Callable[[nn.Module], None]], list[str]]:
     """For a model built on the meta device whose decoder linears are read from the file's blocks alone: a function
     to run once the model has storage, before the checkpoint is read, that releases its embedding table and untied
-    LM head where the file's blocks serve them (above); None where neither is."""
+    LM head where the file's blocks serve them (above), and the names of what it releases (for the startup log);
+    (None, []) where neither is."""
     backbone: Any = getattr(model, "model", None)
     embed = getattr(backbone, "embed_tokens", None)
     if type(embed) is not nn.Embedding or embed.weight.dtype != torch.float32:
-        return None
+        return None, []
     head = getattr(model, "lm_head", None)
     tied = head is embed
     _, table = gguf_tensor_table(gguf_path)
@@ -55,12 +54,11 @@ def tables_read_from_file(model: nn.Module, gguf_path: str) -> Optional[Callable
     what = ["the embedding table" + (" (tied to the LM head)" if tied else "")] if embeddings else []
     what += ["the LM head"] if untied_head else []
     if not what:
-        return None
-    logger.info("GGUF %s read from the file's blocks alone (never loaded as floats)", " and ".join(what))
+        return None, []
 
     def release(allocated: Any) -> None:
         owners = ([allocated.model.embed_tokens] if embeddings else []) + ([allocated.lm_head] if untied_head else [])
         for owner in owners:
             hold_as(owner, "weight", owner.weight.dtype, "meta")
 
-    return release
+    return release, what
