@@ -174,6 +174,24 @@ def test_compiled_k_quant_conversion_is_the_rules_bit_for_bit(stored, monkeypatc
         assert ours == rules if isinstance(ours, str) else torch.equal(ours, rules)
 
 
+@pytest.mark.parametrize("types", [("Q4_0", "Q4_K"), ("Q8_0", "Q6_K", "Q5_0"), ("Q6_K",)])
+def test_converted_parts_packed_a_slice_at_a_time_equal_the_whole(types, monkeypatch):
+    """Parts stacked along N (row counts not multiples of 16) converted and packed a slice of row groups at a time
+    equal the whole stack converted, then packed."""
+    from sglang.srt.layers.quantization.gguf_blocks import pack_stored
+    from sglang.srt.model_loader import gguf_block_convert
+
+    k = 512
+    rows = [40, 23, 57][: len(types)]
+    parts = [(qtype, torch.from_numpy(quantize(random_weights(r, k, seed=i), qtype)), r, k)
+             for i, (qtype, r) in enumerate(zip(types, rows))]
+    target = gguf_block_convert.served_type(types)
+    whole = pack_stored(target, [(target, convert_blocks(t, raw, r, k, target)) for t, raw, r, _ in parts], k)
+    monkeypatch.setattr(gguf_block_convert, "PACK_SLICE_VALUES", 32 * k)  # slices of 32 rows
+    sliced = gguf_block_convert.converted_packed(parts, target, k)
+    assert sliced is not None and whole is not None and torch.equal(sliced, whole)
+
+
 # Relative RMS error of each K-quant on Gaussian weights (llama.cpp's quantizer: 0.30, 0.14, 0.072, 0.036, 0.018).
 WRITER_ERROR = {"Q2_K": 0.33, "Q3_K": 0.15, "Q4_K": 0.08, "Q5_K": 0.04, "Q6_K": 0.02}
 

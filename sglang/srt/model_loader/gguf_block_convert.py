@@ -25,8 +25,8 @@ rules, bit for bit, on both cores: 0.9 s instead of 13.6 s for SmolLM2-1.7B's Q4
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ from sglang.srt.layers.quantization.gguf_blocks import (
     KQUANT_TYPES,
     PACKED_FROM,
     QK,
+    ROW_GROUP,
     GGUFQuantWeight,
     dequantize_raw,
     kernel_module,
@@ -185,3 +186,34 @@ def convert_blocks(qtype: str, raw: Any, n: int, k: int, target: str) -> torch.T
         values = file_values(qtype, rows, rows.shape[0], k)
         out.append(q8_0_from_values(values, _block_scales(qtype, rows, rows.shape[0], k)))
     return torch.cat(out).contiguous()
+
+
+# Rows converted and packed at a time by `converted_packed` (about this many values): a slice's converted blocks are
+# a few MB beside the packed weight, not a whole converted copy of it (an LM head's: 0.2 GB at a 7B shape).
+PACK_SLICE_VALUES = 1 << 22
+
+
+def converted_packed(parts: Sequence[tuple[str, Any, int, int]], target: str, k: int) -> Optional[torch.Tensor]:
+    """Stored matrices `parts` ((type, raw [rows, row bytes], rows, k)) stacked along N, converted to `target` blocks
+    and packed into its row groups a slice of rows at a time (bit for bit what packing the whole converted stack
+    gives); None where the compiled packer is unavailable."""
+    n = sum(p[2] for p in parts)
+    step = max(ROW_GROUP, PACK_SLICE_VALUES // k // ROW_GROUP * ROW_GROUP)
+    out: Optional[torch.Tensor] = None
+    for start in range(0, n, step):
+        stop, first, pieces = min(n, start + step), 0, []
+        for qtype, raw, rows, _ in parts:
+            lo, hi = max(start, first), min(stop, first + rows)
+            if lo < hi:
+                piece = raw[lo - first : hi - first]
+                stored = PACKED_FROM.get(qtype, (0, ""))[1] == target  # packed as it is
+                pieces.append((qtype, piece) if stored else (target, convert_blocks(qtype, piece, hi - lo, k, target)))
+            first += rows
+        packed = pack_stored(target, [(t, r if isinstance(r, torch.Tensor) else torch.from_numpy(np.asarray(r)))
+                                      for t, r in pieces], k)
+        if packed is None:
+            return None
+        if out is None:
+            out = torch.empty((-(-n // ROW_GROUP), *packed.shape[1:]), dtype=torch.uint8)
+        out[start // ROW_GROUP : start // ROW_GROUP + packed.shape[0]].copy_(packed)
+    return out

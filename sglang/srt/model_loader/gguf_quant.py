@@ -31,6 +31,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from sglang.huge_pages import TRIM_BYTES, release_free_heap
 from sglang.srt.layers.linear import Linear, hold_as
 from sglang.srt.layers.moe.fused_moe import FusedMoE
 from sglang.srt.layers.quantization.block_embedding import KQuantTable, serve_embeddings_from
@@ -43,7 +44,7 @@ from sglang.srt.layers.quantization.gguf_blocks import (
     pack_stored,
     rotary_rows_gguf_to_hf,
 )
-from sglang.srt.model_loader.gguf_block_convert import convert_blocks, served_type
+from sglang.srt.model_loader.gguf_block_convert import convert_blocks, converted_packed, served_type
 from sglang.srt.model_loader.gguf_convert import conversion_record
 from sglang.srt.model_loader.gguf_experts import attach_file_experts, block_origins
 from sglang.srt.model_loader.gguf_reader import (
@@ -115,10 +116,10 @@ def _served(parts: Parts) -> tuple[GGUFQuantWeight, bool]:
     packed = pack_stored(target, [(p[0], p[1]) for p in parts], k)  # Q4_0 / Q4_1 / Q8_0: straight into row groups
     if packed is not None:
         return GGUFQuantWeight.from_packed(target, packed, n, k), as_stored
-    raws = [p[1] if as_stored else convert_blocks(p[0], p[1], p[2], p[3], target) for p in parts]
-    packed = pack_stored(target, [(target, raw) for raw in raws], k)  # converted parts packed without stacking them
+    packed = converted_packed(parts, target, k)  # a slice of rows at a time: no whole converted copy
     if packed is not None:
         return GGUFQuantWeight.from_packed(target, packed, n, k), as_stored
+    raws = [p[1] if as_stored else convert_blocks(p[0], p[1], p[2], p[3], target) for p in parts]
     return GGUFQuantWeight(target, torch.cat(raws), n, k), as_stored
 
 
@@ -295,12 +296,17 @@ def _attach(model: Any, plan: list[tuple[nn.Module, Parts]], max_rows: int, larg
     tied = head is not None and head.weight is model.model.embed_tokens.weight
     served: list[tuple[nn.Module, GGUFQuantWeight, bool, str]] = []
     never_loaded = any(module.weight.is_meta for module, _ in plan)
+    unreleased = 0  # bytes of blocks converted since the heap last gave its free pages back
     try:  # every layer's blocks first: a tensor that cannot be converted leaves the model as it is
         while plan:  # each layer's parts go as soon as its blocks exist
             module, parts = plan.pop(0)
             served.append((module, *_served(parts), "+".join(sorted({p[0] for p in parts}))))
             for part in parts:  # its blocks are copied: the file's pages of them leave this process
                 drop(part[1].data_ptr(), part[1].numel())
+            unreleased += 0 if served[-1][2] else served[-1][1].nbytes
+            if unreleased >= TRIM_BYTES:  # the conversions' freed slices would stay resident in the heap
+                release_free_heap()
+                unreleased = 0
     except ValueError as err:
         if never_loaded:  # no float weights to fall back on
             raise ValueError(f"GGUF blocks of weights never loaded as floats could not be converted: {err}") from err
