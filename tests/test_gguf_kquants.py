@@ -347,6 +347,42 @@ def test_file_served_from_blocks_of_its_own_values(monkeypatch, tmp_path, cache_
     assert all(f"{fmt} " in line for fmt in by_format), line
 
 
+def test_the_files_pages_of_every_served_tensor_leave_the_process(monkeypatch, tmp_path, cache_dir):
+    """Every block tensor the linear layers and the head are served from has its range of the mapped file handed to
+    the page dropper once read (Q and K too, whose rows are copied into transformers' order first), so the load does
+    not hold the file's pages beside the served blocks."""
+    from transformers import AutoConfig
+
+    from sglang.srt.model_executor.model_runner import attach_fast_paths, load_for_plan
+    from sglang.srt.model_loader import gguf_quant
+    from sglang.srt.model_loader.resolve import resolve_model_path
+
+    gguf_path = tmp_path / "tiny-pages.gguf"
+    write_mix(monkeypatch, gguf_path, MIXES["Q4_K_M"])
+    real = gguf_quant.mapped_page_dropper
+    ranges: dict[str, tuple[int, int]] = {}
+    dropped: set[tuple[int, int]] = set()
+
+    def recording(tensors):
+        ranges.update({name: (a.ctypes.data, a.nbytes) for name, (_, a, _, _) in tensors.items()})
+        drop = real(tensors)
+
+        def each(address: int, nbytes: int) -> None:
+            dropped.add((address, nbytes))
+            drop(address, nbytes)
+
+        return each
+
+    monkeypatch.setattr(gguf_quant, "mapped_page_dropper", recording)
+    model_dir = resolve_model_path(str(gguf_path))
+    plan = blocks_plan()
+    ours = load_for_plan(model_dir, torch.float32, torch.device("cpu"), str(gguf_path), 8, plan)
+    assert attach_fast_paths(ours, str(gguf_path), AutoConfig.from_pretrained(model_dir), 8, plan) > 0
+    served = {name: span for name, span in ranges.items() if name.split(".")[-2] in ROLES}
+    assert len(served) == 7 * TINY_KQ["layers"] + 1
+    assert {name for name, span in served.items() if span not in dropped} == set()
+
+
 def test_dense_large_batch_weights_are_the_converted_blocks_values(monkeypatch, tmp_path, cache_dir):
     """Where float weights stay for large batches (--large-batch-weights dense), a converted layer's float weight is
     set to its blocks' values, so that every batch size computes with the same weights; blocks kept as stored

@@ -236,8 +236,11 @@ def _attach_linears(model: Any, block: Callable[[str], Optional[RawBlocks]], con
         else:
             def qkv_hf_order(q: RawBlocks = q, k: RawBlocks = k, v: RawBlocks = v) -> Optional[Parts]:
                 # llama.cpp's converter interleaves the rotary halves of Q and K for Llama models.
-                return _stack([_rows(q, rotary_rows_gguf_to_hf(q[2], num_heads)),
-                               _rows(k, rotary_rows_gguf_to_hf(k[2], num_kv_heads)), v])
+                parts = _stack([_rows(q, rotary_rows_gguf_to_hf(q[2], num_heads)),
+                                _rows(k, rotary_rows_gguf_to_hf(k[2], num_kv_heads)), v])
+                for copied in (q, k):  # their rows are copied: the file's pages of them leave this process
+                    drop(copied[1].data_ptr(), copied[1].numel())
+                return parts
 
             as_stored = partial(_stack, [q, k, v])
             qkv_candidates = [qkv_hf_order, as_stored] if interleaved else [as_stored, qkv_hf_order]
