@@ -183,25 +183,12 @@ def test_the_files_expert_pages_leave_the_process_once_read(monkeypatch, tmp_pat
     """Each stacked expert tensor's range of the mapped file is handed to the page dropper once its layer's experts
     are copied into served blocks (the dense layers' ranges are, tests/test_gguf_pack.py), so a MoE file's load does
     not hold the file's pages beside its blocks; the values served are read before that (the test above)."""
-    from sglang.srt.model_loader import gguf_quant
+    from tests.test_gguf_kquants import recording_page_drops
 
-    real = gguf_quant.mapped_page_dropper
-    experts: dict[str, tuple[int, int]] = {}
-    dropped: list[tuple[int, int]] = []
-
-    def recording(tensors):
-        experts.update({name: (a.ctypes.data, a.nbytes) for name, (_, a, _, _) in tensors.items() if "_exps" in name})
-        drop = real(tensors)
-
-        def each(address: int, nbytes: int) -> None:
-            dropped.append((address, nbytes))
-            drop(address, nbytes)
-
-        return each
-
-    monkeypatch.setattr(gguf_quant, "mapped_page_dropper", recording)
+    ranges, dropped = recording_page_drops(monkeypatch)
     role_types, _ = CASES["qwen2_moe"]
     _, ours, _, log = load_served(tmp_path, "qwen2_moe", role_types, blocks_plan())
     assert any("never loaded as floats" in line for line in log), log
+    experts = {name: span for name, span in ranges.items() if "_exps" in name}
     assert len(experts) == 3 * 3  # gate, up and down of 3 layers
-    assert set(experts.values()) <= set(dropped)
+    assert set(experts.values()) <= dropped

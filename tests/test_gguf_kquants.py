@@ -347,18 +347,11 @@ def test_file_served_from_blocks_of_its_own_values(monkeypatch, tmp_path, cache_
     assert all(f"{fmt} " in line for fmt in by_format), line
 
 
-def test_the_files_pages_of_every_served_tensor_leave_the_process(monkeypatch, tmp_path, cache_dir):
-    """Every block tensor the linear layers and the head are served from has its range of the mapped file handed to
-    the page dropper once read (Q and K too, whose rows are copied into transformers' order first), so the load does
-    not hold the file's pages beside the served blocks."""
-    from transformers import AutoConfig
-
-    from sglang.srt.model_executor.model_runner import attach_fast_paths, load_for_plan
+def recording_page_drops(monkeypatch) -> tuple[dict[str, tuple[int, int]], set[tuple[int, int]]]:
+    """(each block tensor's (address, bytes) in the mapped file, by name; the ranges handed to the page dropper),
+    filled as the GGUF blocks are attached (model_loader/gguf_quant.py), the pages still dropped."""
     from sglang.srt.model_loader import gguf_quant
-    from sglang.srt.model_loader.resolve import resolve_model_path
 
-    gguf_path = tmp_path / "tiny-pages.gguf"
-    write_mix(monkeypatch, gguf_path, MIXES["Q4_K_M"])
     real = gguf_quant.mapped_page_dropper
     ranges: dict[str, tuple[int, int]] = {}
     dropped: set[tuple[int, int]] = set()
@@ -374,6 +367,21 @@ def test_the_files_pages_of_every_served_tensor_leave_the_process(monkeypatch, t
         return each
 
     monkeypatch.setattr(gguf_quant, "mapped_page_dropper", recording)
+    return ranges, dropped
+
+
+def test_the_files_pages_of_every_served_tensor_leave_the_process(monkeypatch, tmp_path, cache_dir):
+    """Every block tensor the linear layers and the head are served from has its range of the mapped file handed to
+    the page dropper once read (Q and K too, whose rows are copied into transformers' order first), so the load does
+    not hold the file's pages beside the served blocks."""
+    from transformers import AutoConfig
+
+    from sglang.srt.model_executor.model_runner import attach_fast_paths, load_for_plan
+    from sglang.srt.model_loader.resolve import resolve_model_path
+
+    gguf_path = tmp_path / "tiny-pages.gguf"
+    write_mix(monkeypatch, gguf_path, MIXES["Q4_K_M"])
+    ranges, dropped = recording_page_drops(monkeypatch)
     model_dir = resolve_model_path(str(gguf_path))
     plan = blocks_plan()
     ours = load_for_plan(model_dir, torch.float32, torch.device("cpu"), str(gguf_path), 8, plan)
