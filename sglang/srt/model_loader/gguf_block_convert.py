@@ -209,8 +209,7 @@ def converted_packed(parts: Sequence[tuple[str, Any, int, int]], target: str, k:
                 stored = PACKED_FROM.get(qtype, (0, ""))[1] == target  # packed as it is
                 pieces.append((qtype, piece) if stored else (target, convert_blocks(qtype, piece, hi - lo, k, target)))
             first += rows
-        packed = pack_stored(target, [(t, r if isinstance(r, torch.Tensor) else torch.from_numpy(np.asarray(r)))
-                                      for t, r in pieces], k)
+        packed = pack_stored(target, [(t, _rows(r)) for t, r in pieces], k)
         if packed is None:
             return None
         if out is None:
