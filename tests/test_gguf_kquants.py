@@ -174,6 +174,31 @@ def test_compiled_k_quant_conversion_is_the_rules_bit_for_bit(stored, monkeypatc
         assert ours == rules if isinstance(ours, str) else torch.equal(ours, rules)
 
 
+def test_compiled_k_quant_bindings_reject_a_matrix_that_is_not_one():
+    """The compiled K-quant readers check what they are handed: a non-K-quant type, a width that is not a multiple
+    of 256, rows of the wrong byte count or dtype, an empty matrix, and a row id outside the table."""
+    from sglang.srt.model_loader.gguf_block_convert import file_values, kernel_module
+
+    ext = kernel_module()
+    if ext is None:
+        pytest.skip("the compiled GGUF kernels are not available")
+    raw = torch.from_numpy(quantize(random_weights(4, 256, seed=3), "Q4_K"))
+    ids = torch.arange(4)
+    assert torch.equal(ext.gather_kquant_rows(raw, 12, 256, ids), file_values("Q4_K", raw.numpy(), 4, 256))
+    bad = [((raw, 8, 256), "is not a K-quant"), ((raw, 12, 128), "multiple of 256"),
+           ((raw[:, :100], 12, 256), "uint8 CPU matrix"), ((raw.to(torch.int16), 12, 256), "uint8 CPU matrix"),
+           ((raw[:0], 12, 256), "uint8 CPU matrix")]
+    for args, message in bad:
+        with pytest.raises(RuntimeError, match=message):
+            ext.gather_kquant_rows(*args, ids[:0])
+        with pytest.raises(RuntimeError, match=message):
+            ext.convert_kquant_rows(*args, False)
+    with pytest.raises(RuntimeError, match="outside"):
+        ext.gather_kquant_rows(raw, 12, 256, torch.tensor([4]))
+    with pytest.raises(RuntimeError, match="only Q4_K"):
+        ext.convert_kquant_rows(raw, 14, 256, True)
+
+
 @pytest.mark.parametrize("types", [("Q4_0", "Q4_K"), ("Q8_0", "Q6_K", "Q5_0"), ("Q6_K",)])
 def test_converted_parts_packed_a_slice_at_a_time_equal_the_whole(types, monkeypatch):
     """Parts stacked along N (row counts not multiples of 16) converted and packed a slice of row groups at a time

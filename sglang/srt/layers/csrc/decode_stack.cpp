@@ -54,7 +54,7 @@
 
 #include "../quantization/csrc/gguf_dequant_rows.h"
 #include "../quantization/csrc/gguf_kernels.h"
-#include "../quantization/csrc/gguf_kquant_rows.h"
+#include "../quantization/csrc/gguf_kquant_checks.h"
 #include "attention_split.h"
 #include "cpu_kernels.h"
 #include "decode_attention.h"
@@ -273,12 +273,7 @@ class DecodeStack {
   // dequant_row, the reference dequantization's row bit for bit.
   void set_token_kquant_rows(const torch::Tensor& raw, int64_t type, const torch::Tensor& cos_half,
                              const torch::Tensor& sin_half) {
-    const int64_t bytes = gguf_kernels::kquant::super_block_bytes(static_cast<int>(type));
-    TORCH_CHECK(bytes > 0, "GGML type ", type, " is not a K-quant (Q2_K-Q6_K)");
-    TORCH_CHECK(hidden_ % gguf_kernels::kquant::kSuper == 0, "a K-quant table needs hidden % 256 == 0");
-    TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == torch::kUInt8 && raw.is_contiguous() &&
-                    raw.dim() == 2 && raw.size(0) > 0 && raw.size(1) == hidden_ / gguf_kernels::kquant::kSuper * bytes,
-                "raw must be a contiguous uint8 CPU table [vocab, hidden / 256 * super-block bytes]");
+    gguf_kernels::kquant::checked_matrix(raw, type, hidden_, true, "the K-quant embedding table");
     set_rope_tables(cos_half, sin_half);
     embed_kquant_ = raw;
     embed_kquant_type_ = static_cast<int>(type);

@@ -56,7 +56,8 @@ _SOURCE = Path(__file__).resolve().parent / "csrc" / "gguf_linear.cpp"
 # The headers of the kernels (decode_stack.cpp includes them too): part of each extension's build hash.
 KERNEL_HEADERS = [_SOURCE.parent / name
                   for name in ("gguf_kernels.h", "gguf_avx2_kernels.h", "gguf_int8.h", "gguf_layout.h",
-                                "gguf_dequant_gemm.h", "gguf_dequant_rows.h", "gguf_kquant_rows.h")]
+                                "gguf_dequant_gemm.h", "gguf_dequant_rows.h", "gguf_kquant_rows.h",
+                                "gguf_kquant_checks.h")]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@
 #include "gguf_dequant_rows.h"
 #include "gguf_kernels.h"
 #include "gguf_kquant_convert.h"
-#include "gguf_kquant_rows.h"
+#include "gguf_kquant_checks.h"
 #include "gguf_pack.h"
 
 namespace {
@@ -219,15 +219,10 @@ torch::Tensor gather_rows(const torch::Tensor& packed, bool q4, int64_t N, int64
 // Rows `ids` (int64, each in [0, N)) of a stored K-quant matrix (raw: uint8 [N, K / 256 * super-block bytes] as the
 // file stores it, GGML type `type`: Q2_K-Q6_K) as float32 [ids.size(0), K]: embedding lookups in the file's table.
 torch::Tensor gather_kquant_rows(const torch::Tensor& raw, int64_t type, int64_t K, const torch::Tensor& ids) {
-  const int64_t bytes = kquant::super_block_bytes(static_cast<int>(type));
-  TORCH_CHECK(bytes > 0, "GGML type ", type, " is not a K-quant (Q2_K-Q6_K)");
-  TORCH_CHECK(K > 0 && K % kquant::kSuper == 0, "K must be a positive multiple of 256");
-  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 && raw.is_contiguous() &&
-                  raw.size(1) == K / kquant::kSuper * bytes,
-              "raw must be a contiguous uint8 CPU matrix [N, ", K / kquant::kSuper * bytes, "]");
+  const int64_t row_bytes = kquant::checked_matrix(raw, type, K, true, "raw");
   TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.dim() == 1 && ids.is_contiguous(),
               "row must be a contiguous int64 vector");
-  const int64_t N = raw.size(0), count = ids.size(0), row_bytes = raw.size(1);
+  const int64_t N = raw.size(0), count = ids.size(0);
   const int64_t* ip = ids.data_ptr<int64_t>();
   for (int64_t j = 0; j < count; ++j) {
     TORCH_CHECK(ip[j] >= 0 && ip[j] < N, "row ", ip[j], " is outside [0, ", N, ")");
@@ -244,13 +239,8 @@ torch::Tensor gather_kquant_rows(const torch::Tensor& raw, int64_t type, int64_t
 // A stored K-quant matrix (raw: uint8 [N, K / 256 * super-block bytes], GGML type `type`) as stored Q4_1 blocks
 // (q4; Q4_K only) or Q8_0 blocks, uint8 [N, K / 32 * block bytes], by gguf_kquant_convert.h's rules.
 torch::Tensor convert_kquant_rows(const torch::Tensor& raw, int64_t type, int64_t K, bool q4) {
-  const int64_t bytes = kquant::super_block_bytes(static_cast<int>(type));
-  TORCH_CHECK(bytes > 0, "GGML type ", type, " is not a K-quant (Q2_K-Q6_K)");
   TORCH_CHECK(!q4 || type == kquant::kQ4_K, "only Q4_K converts to Q4_1 blocks");
-  TORCH_CHECK(K > 0 && K % kquant::kSuper == 0, "K must be a positive multiple of 256");
-  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == torch::kUInt8 && raw.dim() == 2 &&
-                  raw.size(1) == K / kquant::kSuper * bytes && raw.stride(1) == 1,
-              "raw must be a uint8 CPU matrix [N, ", K / kquant::kSuper * bytes, "] with contiguous rows");
+  kquant::checked_matrix(raw, type, K, false, "raw");
   const int64_t N = raw.size(0), in_stride = raw.stride(0);
   const int64_t out_bytes = K / kQK * (q4 ? kquant::kQ41Bytes : kquant::kQ80Bytes);
   auto out = torch::empty({N, out_bytes}, raw.options());
