@@ -8,6 +8,8 @@ tests run the bf16 (and int8) paths on whatever CPU runs them: natively where it
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -216,7 +218,8 @@ def test_small_batch_rows_per_cpu_class():
     """The quantized blocks (and the fused decode step) serve up to 64 rows whatever GEMM large batches run (the
     int8 fused step beats the AVX512 bf16 GEMM path up to there too), except on AMX CPUs, whose bf16 GEMM takes
     over above 32, and on CPUs whose widest FMAs are AVX2's, where the float32 blocks beat the float32 GEMM up to
-    2,048 rows; --gguf-kernel-max-rows overrides."""
+    2,048 rows, and where the int8 GEMM takes over above 48 for models of 1B parameters or more; --gguf-kernel-max-rows
+    overrides."""
     from sglang.srt.layers.small_batch_rows import resolve_small_batch_rows
 
     bf16 = choose_arithmetic("cpu", "auto", "auto", BF16_VNNI_FLAGS)
@@ -237,6 +240,21 @@ def test_small_batch_rows_per_cpu_class():
         assert choose_arithmetic(*args).small_batch_max_rows == 64, args
     # int8 activations asked for on AVX2 run the portable loop: no reason to widen their share
     assert choose_arithmetic("cpu", "auto", "auto", AVX2_FLAGS, gguf_activations="int8").small_batch_max_rows == 64
+    # the int8 GEMM on a VNNI CPU takes batches above 48 rows of a model of 1B parameters or more whose Q8_0 blocks
+    # were made at load; a smaller model, a GGUF file's or a quantized checkpoint's blocks keep 64
+    big, small = 4 << 30, 1 << 30
+    for gemm, measured in (("int8", None), ("auto", {"bfloat16": 400, "int8": 600})):
+        plan = choose_arithmetic("cpu", "auto", gemm, BF16_VNNI_FLAGS, measurements=measured, linear_float_bytes=big)
+        assert (plan.large_batch_gemm, plan.small_batch_quantization, plan.small_batch_max_rows) == (
+            "int8", "q8_0", 48), gemm
+    int8 = functools.partial(choose_arithmetic, "cpu", "auto", "int8", BF16_VNNI_FLAGS)
+    assert int8(linear_float_bytes=small).small_batch_max_rows == 64
+    assert int8(linear_float_bytes=None).small_batch_max_rows == 64
+    assert int8(linear_float_bytes=big, gguf_checkpoint=True).small_batch_max_rows == 64
+    assert int8(linear_float_bytes=big, quantized_checkpoint=True).small_batch_max_rows == 64
+    assert int8(linear_float_bytes=big, small_batch_quantization="q4_1").small_batch_max_rows == 64
+    assert int8(linear_float_bytes=big, gguf_activations="float32").small_batch_max_rows == 64
+    assert choose_arithmetic("cpu", "auto", "auto", BF16_VNNI_FLAGS, linear_float_bytes=big).small_batch_max_rows == 64
     assert resolve_small_batch_rows(None, bf16) == 64
     assert resolve_small_batch_rows(8, bf16) == 8 and resolve_small_batch_rows(0, bf16) == 0
     assert resolve_small_batch_rows(None, None) == 64

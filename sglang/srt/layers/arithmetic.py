@@ -261,9 +261,9 @@ def choose_arithmetic(
                                                       gguf_checkpoint)
     plan = dataclasses.replace(plan, gguf_activations=act, gguf_activations_reason=why,
                                small_batch_quantization=small_batch_quantization, large_batch_weights=weights,
-                               large_batch_weights_reason=weights_why,
-                               small_batch_max_rows=small_batch_rows(plan, flags, act), kv_cache_dtype=kv,
-                               kv_cache_dtype_reason=kv_why)
+                               large_batch_weights_reason=weights_why, kv_cache_dtype=kv, kv_cache_dtype_reason=kv_why)
+    rows = small_batch_rows(plan, flags, act, linear_float_bytes, not (quantized_checkpoint or gguf_checkpoint))
+    plan = dataclasses.replace(plan, small_batch_max_rows=rows)
     attention, attention_why = choose_prefill_attention(plan, flags, machine, prefill_attention)
     return dataclasses.replace(plan, prefill_attention=attention, prefill_attention_reason=attention_why)
 

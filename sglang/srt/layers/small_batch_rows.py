@@ -25,14 +25,29 @@ AMX_SMALL_BATCH_ROWS = 32
 # prefill, 1.16x at 1,024 rows and 1.06-1.22x at 2,048 but 0.8-1.0x at 3,072-4,096, and whole prefills of 520-1,950
 # tokens 1.08-1.18x (2026-11-26).
 AVX2_SMALL_BATCH_ROWS = 2048
+# Where the int8 GEMM serves large batches and the small ones read Q8_0 blocks made at load with int8 activations,
+# a model of 1B parameters or more has layers large enough for the GEMM to win sooner: on a Zen 4 CPU (AVX512-BF16 /
+# VNNI, no AMX) at SmolLM2-1.7B's shape a decode step of 64 sequences took 776 ms layer by layer against 916 ms in
+# the fused step (1.18x), while at 48 the fused step stayed faster (654 against 704 ms); the layers' matmuls alone
+# cross at about 40 rows there and at 32 at the 7B shape, but at about 96 at SmolLM2-135M's (benchmarks/RESULTS.md,
+# 2026-11-29). The Q4_1 blocks of a Q4 file read half the bytes and cross later (about 60 rows at 1.7B): 64 stays.
+INT8_LARGE_MODEL_ROWS = 48
+INT8_LARGE_MODEL_FLOAT_BYTES = 4 << 30  # float32 bytes of the linear weights: 1B parameters
 
 
-def small_batch_rows(plan: ArithmeticPlan, flags: frozenset[str] = frozenset(), activations: str = "float32") -> int:
+def small_batch_rows(plan: ArithmeticPlan, flags: frozenset[str] = frozenset(), activations: str = "float32",
+                     linear_float_bytes: Optional[int] = None, blocks_made_at_load: bool = False) -> int:
+    """The plan's small_batch_max_rows. `linear_float_bytes`: the float32 bytes of the model's linear weights (None
+    where unknown); `blocks_made_at_load`: a float checkpoint whose blocks are the plan's small_batch_quantization
+    (not a GGUF file's or a quantized checkpoint's own)."""
     if plan.cpu_class == AMX and plan.large_batch_gemm == "bfloat16":
         return AMX_SMALL_BATCH_ROWS
     if (plan.cpu_class == AVX2 and "avx512f" not in flags and plan.large_batch_gemm == "float32"
             and activations == "float32"):
         return AVX2_SMALL_BATCH_ROWS
+    if (plan.large_batch_gemm == "int8" and activations == "int8" and blocks_made_at_load
+            and plan.small_batch_quantization == "q8_0" and (linear_float_bytes or 0) >= INT8_LARGE_MODEL_FLOAT_BYTES):
+        return INT8_LARGE_MODEL_ROWS
     return SMALL_BATCH_ROWS
 
 
