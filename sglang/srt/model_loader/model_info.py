@@ -9,7 +9,7 @@ import torch
 
 from sglang.srt.layers.arithmetic import ArithmeticPlan
 from sglang.srt.model_loader.config_overrides import apply_overrides
-from sglang.srt.server_args import ServerArgs
+from sglang.srt.server_args import ServerArgs, default_chunked_prefill_size
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ def load_model_info(server_args: ServerArgs) -> ModelInfo:
     """Facts every process needs about the model, computed once in the parent."""
     from transformers import AutoConfig, GenerationConfig
 
-    from sglang.srt.model_loader.gemm_measurement import plan_for_this_machine
+    from sglang.srt.model_loader.gemm_measurement import linear_float_bytes, plan_for_this_machine
     from sglang.srt.model_loader.quant_config import quantization_settings, resolve_quantization
     from sglang.srt.model_loader.resolve import gguf_source_for, resolve_model_path
 
@@ -66,6 +66,8 @@ def load_model_info(server_args: ServerArgs) -> ModelInfo:
                                        embedding=bool(server_args.is_embedding),
                                        quantized_checkpoint=scheme is not None,
                                        gguf_checkpoint=gguf_path is not None)
+    if server_args.chunked_prefill_size is None:  # CPU: by the model's size (GPUs have theirs from ServerArgs)
+        server_args.chunked_prefill_size = default_chunked_prefill_size(linear_float_bytes(hf_config))
     dtype = arithmetic.weight_dtype
     text_config = hf_config.get_text_config()
     eos = _as_list(getattr(hf_config, "eos_token_id", None) or getattr(text_config, "eos_token_id", None))
