@@ -415,13 +415,14 @@ class PortArgs:
 # TTFT by ~7% on an AVX2 CPU (2026-11-26).
 CPU_CHUNKED_PREFILL = 4096
 CPU_LARGE_MODEL_CHUNKED_PREFILL = 2048
-CPU_LARGE_MODEL_FLOAT_BYTES = 4 << 30
 
 
 def default_chunked_prefill_size(linear_float_bytes: Optional[int]) -> int:
     """--chunked-prefill-size on CPU where it is not given, by the float32 bytes of the model's linear weights (None
     where the config does not say)."""
-    if (linear_float_bytes or 0) >= CPU_LARGE_MODEL_FLOAT_BYTES:
+    from sglang.srt.layers.small_batch_rows import LARGE_MODEL_FLOAT_BYTES
+
+    if (linear_float_bytes or 0) >= LARGE_MODEL_FLOAT_BYTES:
         return CPU_LARGE_MODEL_CHUNKED_PREFILL
     return CPU_CHUNKED_PREFILL
 

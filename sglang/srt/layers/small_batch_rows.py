@@ -32,7 +32,9 @@ AVX2_SMALL_BATCH_ROWS = 2048
 # cross at about 40 rows there and at 32 at the 7B shape, but at about 96 at SmolLM2-135M's (benchmarks/RESULTS.md,
 # 2026-11-29). The Q4_1 blocks of a Q4 file read half the bytes and cross later (about 60 rows at 1.7B): 64 stays.
 INT8_LARGE_MODEL_ROWS = 48
-INT8_LARGE_MODEL_FLOAT_BYTES = 4 << 30  # float32 bytes of the linear weights: 1B parameters
+# A model of 1B parameters or more, by the float32 bytes of its linear weights (also where the CPU's prefill batches
+# get smaller: server_args.default_chunked_prefill_size).
+LARGE_MODEL_FLOAT_BYTES = 4 << 30
 
 
 def small_batch_rows(plan: ArithmeticPlan, flags: frozenset[str] = frozenset(), activations: str = "float32",
@@ -46,7 +48,7 @@ def small_batch_rows(plan: ArithmeticPlan, flags: frozenset[str] = frozenset(), 
             and activations == "float32"):
         return AVX2_SMALL_BATCH_ROWS
     if (plan.large_batch_gemm == "int8" and activations == "int8" and blocks_made_at_load
-            and plan.small_batch_quantization == "q8_0" and (linear_float_bytes or 0) >= INT8_LARGE_MODEL_FLOAT_BYTES):
+            and plan.small_batch_quantization == "q8_0" and (linear_float_bytes or 0) >= LARGE_MODEL_FLOAT_BYTES):
         return INT8_LARGE_MODEL_ROWS
     return SMALL_BATCH_ROWS
 
