@@ -8,8 +8,8 @@ import json
 from transformers import LlamaConfig
 
 from sglang.srt.model_loader.gemm_measurement import linear_float_bytes
-from sglang.srt.model_loader.model_info import load_model_info
-from sglang.srt.server_args import ServerArgs, default_chunked_prefill_size
+from sglang.srt.model_loader.model_info import default_chunked_prefill_size, load_model_info
+from sglang.srt.server_args import ServerArgs
 
 # SmolLM2-1.7B's published shape (no weights needed: the default is read from the config)
 LARGE = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=24, num_attention_heads=32,

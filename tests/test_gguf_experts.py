@@ -183,7 +183,7 @@ def test_the_files_expert_pages_leave_the_process_once_read(monkeypatch, tmp_pat
     """Each stacked expert tensor's range of the mapped file is handed to the page dropper once its layer's experts
     are copied into served blocks (the dense layers' ranges are, tests/test_gguf_pack.py), so a MoE file's load does
     not hold the file's pages beside its blocks; the values served are read before that (the test above)."""
-    from tests.test_gguf_kquants import recording_page_drops
+    from tests.page_drops import recording_page_drops
 
     ranges, dropped = recording_page_drops(monkeypatch)
     role_types, _ = CASES["qwen2_moe"]

@@ -28,6 +28,7 @@ from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod  # noqa:
 from sglang.srt.model_loader.gguf_block_convert import SERVED_AS, convert_blocks  # noqa: E402
 from sglang.srt.model_loader.weight_report import describe_weights, weight_bytes_by_format  # noqa: E402
 from tests.kquant_writer import PACKERS, quantize_k  # noqa: E402
+from tests.page_drops import recording_page_drops  # noqa: E402
 from tests.test_cpu_arithmetic import BF16_VNNI_FLAGS  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="the compiled GGUF kernels are unavailable")
@@ -370,29 +371,6 @@ def test_file_served_from_blocks_of_its_own_values(monkeypatch, tmp_path, cache_
     assert by_format == expected_formats(mix, config)
     line = describe_weights(ours)
     assert all(f"{fmt} " in line for fmt in by_format), line
-
-
-def recording_page_drops(monkeypatch) -> tuple[dict[str, tuple[int, int]], set[tuple[int, int]]]:
-    """(each block tensor's (address, bytes) in the mapped file, by name; the ranges handed to the page dropper),
-    filled as the GGUF blocks are attached (model_loader/gguf_quant.py), the pages still dropped."""
-    from sglang.srt.model_loader import gguf_quant
-
-    real = gguf_quant.mapped_page_dropper
-    ranges: dict[str, tuple[int, int]] = {}
-    dropped: set[tuple[int, int]] = set()
-
-    def recording(tensors):
-        ranges.update({name: (a.ctypes.data, a.nbytes) for name, (_, a, _, _) in tensors.items()})
-        drop = real(tensors)
-
-        def each(address: int, nbytes: int) -> None:
-            dropped.add((address, nbytes))
-            drop(address, nbytes)
-
-        return each
-
-    monkeypatch.setattr(gguf_quant, "mapped_page_dropper", recording)
-    return ranges, dropped
 
 
 def test_the_files_pages_of_every_served_tensor_leave_the_process(monkeypatch, tmp_path, cache_dir):

@@ -207,7 +207,7 @@ class ServerArgs:
         if self.random_seed is None:
             self.random_seed = random.randint(0, 1 << 30)
         if self.chunked_prefill_size is None and self.device != "cpu":
-            self.chunked_prefill_size = 8192  # on CPU the model's size decides (default_chunked_prefill_size)
+            self.chunked_prefill_size = 8192  # on CPU the model's size decides (model_info)
         if self.grammar_backend is None:
             self.grammar_backend = "xgrammar"
         if self.expert_distribution_recorder_buffer_size is None and self.expert_distribution_recorder_mode:
@@ -406,23 +406,4 @@ class PortArgs:
             detokenizer_ipc_name=f"ipc://{os.path.join(base, 'detokenizer')}",
             ipc_dir=base,
         )
-
-
-# Prefill batches on CPU: up to 4,096 tokens, or 2,048 for a model of 1B parameters or more (4 GiB of float32 linear
-# weights), whose prefill per token is ~18% slower in batches of 4,096 tokens than in batches of 500-2,000 on a Zen 4
-# CPU (its float32 intermediates far beyond the caches; benchmarks/RESULTS.md, 2026-11-29: 64 concurrent requests
-# 1.06x in two alternated rounds). Smaller models keep 4,096: chunks of 2,048 lengthened SmolLM2-135M's shared-prefix
-# TTFT by ~7% on an AVX2 CPU (2026-11-26).
-CPU_CHUNKED_PREFILL = 4096
-CPU_LARGE_MODEL_CHUNKED_PREFILL = 2048
-
-
-def default_chunked_prefill_size(linear_float_bytes: Optional[int]) -> int:
-    """--chunked-prefill-size on CPU where it is not given, by the float32 bytes of the model's linear weights (None
-    where the config does not say)."""
-    from sglang.srt.layers.small_batch_rows import LARGE_MODEL_FLOAT_BYTES
-
-    if (linear_float_bytes or 0) >= LARGE_MODEL_FLOAT_BYTES:
-        return CPU_LARGE_MODEL_CHUNKED_PREFILL
-    return CPU_CHUNKED_PREFILL
 

@@ -33,7 +33,7 @@ AVX2_SMALL_BATCH_ROWS = 2048
 # 2026-11-29). The Q4_1 blocks of a Q4 file read half the bytes and cross later (about 60 rows at 1.7B): 64 stays.
 INT8_LARGE_MODEL_ROWS = 48
 # A model of 1B parameters or more, by the float32 bytes of its linear weights (also where the CPU's prefill batches
-# get smaller: server_args.default_chunked_prefill_size).
+# get smaller: model_info.default_chunked_prefill_size).
 LARGE_MODEL_FLOAT_BYTES = 4 << 30
 
 

@@ -8,8 +8,25 @@ from typing import Any, Optional
 import torch
 
 from sglang.srt.layers.arithmetic import ArithmeticPlan
+from sglang.srt.layers.small_batch_rows import LARGE_MODEL_FLOAT_BYTES
 from sglang.srt.model_loader.config_overrides import apply_overrides
-from sglang.srt.server_args import ServerArgs, default_chunked_prefill_size
+from sglang.srt.server_args import ServerArgs
+
+# Prefill batches on CPU: up to 4,096 tokens, or 2,048 for a model of 1B parameters or more (4 GiB of float32 linear
+# weights), whose prefill per token is ~18% slower in batches of 4,096 tokens than in batches of 500-2,000 on a Zen 4
+# CPU (its float32 intermediates far beyond the caches; benchmarks/RESULTS.md, 2026-11-29: 64 concurrent requests
+# 1.06x in two alternated rounds). Smaller models keep 4,096: chunks of 2,048 lengthened SmolLM2-135M's shared-prefix
+# TTFT by ~7% on an AVX2 CPU (2026-11-26).
+CPU_CHUNKED_PREFILL = 4096
+CPU_LARGE_MODEL_CHUNKED_PREFILL = 2048
+
+
+def default_chunked_prefill_size(linear_float_bytes: Optional[int]) -> int:
+    """--chunked-prefill-size on CPU where it is not given, by the float32 bytes of the model's linear weights (None
+    where the config does not say)."""
+    if (linear_float_bytes or 0) >= LARGE_MODEL_FLOAT_BYTES:
+        return CPU_LARGE_MODEL_CHUNKED_PREFILL
+    return CPU_CHUNKED_PREFILL
 
 
 @dataclass(frozen=True)
