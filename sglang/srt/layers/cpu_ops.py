@@ -38,7 +38,7 @@ _EXTENSION = CpuExtension("sglang_cpu_ops", CSRC / "cpu_ops.cpp", "CPU decode ke
                           headers=[CSRC / "cpu_kernels.h", CSRC / "kv_types.h", CSRC / "kv_layout.h",
                                    CSRC / "decode_attention.h", CSRC / "decode_attention_avx512.h",
                                    CSRC / "extend_attention.h", CSRC / "extend_attention_bf16.h",
-                                   CSRC / "int8_rows.h"])
+                                   CSRC / "int8_rows.h", CSRC / "buffer_cache.h"])
 
 
 def available() -> bool:
@@ -139,3 +139,14 @@ def _bf16_out(out_dtype: torch.dtype) -> bool:
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"the norm kernels write float32 or bfloat16, not {out_dtype}")
     return out_dtype == torch.bfloat16
+
+
+def configure_buffer_cache(cap_bytes: int, min_bytes: int) -> None:
+    """Install (once per process) the CPU allocator that keeps freed blocks of at least `min_bytes`, up to
+    `cap_bytes` of them, for reuse (layers/cpu_buffers.py); cap 0 keeps none."""
+    _EXTENSION.module().configure_buffer_cache(cap_bytes, min_bytes)
+
+
+def buffer_cache_stats() -> tuple[int, int, int, int, int]:
+    """(bytes kept, blocks kept, allocations served from kept blocks, large allocations made fresh, cap)."""
+    return tuple(_EXTENSION.module().buffer_cache_stats())

@@ -20,6 +20,7 @@ from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.layers import cpu_ops
 from sglang.srt.layers.arithmetic import ArithmeticPlan
 from sglang.srt.layers.attention.torch_sdpa_backend import TorchSDPABackend
+from sglang.srt.layers.cpu_buffers import reuse_large_buffers
 from sglang.srt.layers.linear import held_parameter
 from sglang.srt.layers.pooler import Pooler
 from sglang.srt.layers.quantization.gguf_linear import set_gguf_activations
@@ -185,6 +186,8 @@ class ModelRunner:
         self.weights_by_format: dict[str, int] = {}
         self.weight_bytes = 0
         self.account_weights()
+        if self.device.type == "cpu":  # after the load: weights and their load-time copies never pass through it
+            logger.info("Activation buffers: %s", reuse_large_buffers())
         self.attn_backend = TorchSDPABackend()
         if arithmetic is not None and self.device.type == "cpu" and cpu_ops.available():
             cpu_ops.set_extend_attention_bf16(arithmetic.prefill_attention == "bfloat16")

@@ -14,6 +14,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "buffer_cache.h"
 #include "cpu_kernels.h"
 #include "decode_attention.h"
 #include "extend_attention.h"
@@ -423,4 +424,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("on"));
   m.def("has_extend_attention_bf16", &cpu_kernels::has_extend_attention_bf16,
         "whether extend attention over bf16 K/V can use AVX512-BF16 dot products on this CPU in this build");
+  m.def("configure_buffer_cache", &buffer_cache::configure,
+        "install the CPU allocator that keeps large freed buffers for reuse, with the bytes it keeps at most",
+        py::arg("cap_bytes"), py::arg("min_bytes"));
+  m.def("buffer_cache_stats", &buffer_cache::stats,
+        "(bytes kept, blocks kept, allocations served from kept blocks, large allocations made fresh, cap)");
 }
