@@ -40,9 +40,21 @@ def convert(tmp_path, family: str, monkeypatch, blocks_in_file: bool):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_converted_directory_reads_the_same_tensors(tmp_path, cache_dir, monkeypatch, family):
+    from sglang.srt.model_loader.gguf_reader import GGML_BLOCK_TYPES
     from sglang.srt.model_loader.weights import iterate_weights, weight_files
 
+    real, dequantized = gguf.dequantize, []
+
+    def recording(data, qtype):
+        dequantized.append(int(qtype))
+        return real(data, qtype)
+
+    monkeypatch.setattr(gguf, "dequantize", recording)
     reference, model_dir, gguf_path = convert(tmp_path, family, monkeypatch, True)
+    monkeypatch.setattr(gguf, "dequantize", real)
+    # the conversion learns each left tensor's row order without dequantizing it (transformers' processors run on
+    # a column of row numbers): no block tensor is dequantized, only the float ones (norms) pass through
+    assert dequantized and not [t for t in dequantized if t in GGML_BLOCK_TYPES], dequantized
     deferred = json.loads((Path(model_dir) / "gguf_deferred.json").read_text())
     state = {k: v for k, v in reference.state_dict().items() if not (k == "lm_head.weight" and
                                                                       reference.config.tie_word_embeddings)}
@@ -106,3 +118,22 @@ def test_models_load_from_the_file_with_and_without_the_blocks_plan(tmp_path, ca
             assert deferred <= set(read)
         tokens, _ = families.generate_paged(ours, config, prompts)
         assert tokens == expected, plan
+
+
+def test_the_conversion_parses_the_file_once(tmp_path, cache_dir, monkeypatch):
+    """transformers' GGUF config and tokenizer readers are handed the conversion's own parse of the file (a large
+    vocabulary's parse takes seconds), and gguf's reader and name map are gguf's own again afterwards."""
+    from gguf import gguf_reader
+
+    real_init, parses = gguf_reader.GGUFReader.__init__, []
+
+    def counting(self, path, *args, **kwargs):
+        parses.append(str(path))
+        real_init(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf_reader.GGUFReader, "__init__", counting)
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    _, model_dir, gguf_path = convert(tmp_path, "mistral", monkeypatch, True)
+    assert parses == [str(gguf_path)]
+    assert (Path(model_dir) / "tokenizer.json").is_file() and (Path(model_dir) / "config.json").is_file()
+    assert gguf.GGUFReader is reader_class and gguf.get_tensor_name_map is name_map

@@ -15,6 +15,7 @@ experts, DeepSeek's split `kv_b_proj`) put back in the checkpoint's here.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import hashlib
@@ -23,12 +24,14 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
 from sglang.srt.model_loader.disk_cache import build_cached_dir, cache_root
 from sglang.srt.model_loader.gguf_configs import KEY_BUILT, config_from_keys, correct_config
 from sglang.srt.model_loader.gguf_deferred import Deferrals
+from sglang.srt.model_loader.gguf_tensor_stream import processor_arch, stream_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +50,10 @@ def file_fingerprint(path: str | os.PathLike) -> str:
 
 # Files of at least this many bytes keep their block tensors in the file (model_loader/gguf_deferred.py): a float32
 # copy takes about 4 / (the file's bytes per weight) times the file's size on disk (28 GB for a 7B model's 4 GB Q4
-# file). Smaller files are converted whole, so that their converted directory is a plain transformers checkpoint.
-BLOCKS_STAY_FROM_BYTES = 1 << 30
+# file, 6.4 GB for a 1.7B model's 0.96 GB one), and writing it is most of a first start (a 1.7B Q4_0 file: 51 s
+# converted whole, 16 s with its blocks left in the file; 2-core Zen 4). Smaller files (SmolLM2-135M's, ~100 MB)
+# are converted whole, so that their converted directory is a plain transformers checkpoint.
+BLOCKS_STAY_FROM_BYTES = 256 << 20
 
 
 def blocks_stay_in_file(gguf_path: str | os.PathLike) -> bool:
@@ -90,7 +95,7 @@ def _write_source_and_hf_dir(gguf_path: str, out_dir: Path) -> None:
     architecture = _write_hf_dir(gguf_path, out_dir)
     # transformers' Llama processor put the Q / K rows llama.cpp interleaves for its rotary embedding back in the
     # checkpoint's order: the file's blocks of those rows are read in that order (model_loader/gguf_quant.py)
-    qk_rows = "interleaved" if _processor_arch(architecture or "") == "llama" else "as stored"
+    qk_rows = "interleaved" if processor_arch(architecture or "") == "llama" else "as stored"
     record = {"path": gguf_path, "converter_version": CONVERTER_VERSION, "architecture": architecture,
               "qk_rows": qk_rows}
     (out_dir / SOURCE_RECORD).write_text(json.dumps(record))
@@ -178,156 +183,6 @@ class ShardWriter:
         (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def _stream_tensors(reader: Any, architecture: str, config: Any, skeleton, writer: ShardWriter,
-                    deferrals: Optional[Deferrals] = None) -> None:
-    """Dequantize the file's tensors one at a time, rename them as transformers' GGUF loader does (its per-
-    architecture tensor processors: Q/K row order, MoE experts gathered; GPT-OSS's experts and DeepSeek's split
-    kv_b_proj here: _file_part), and hand each to `writer`."""
-    from collections import Counter
-
-    import numpy as np
-    import torch
-    from gguf import dequantize
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
-
-    processor_arch = _processor_arch(architecture)
-    processor = TENSOR_PROCESSORS.get(processor_arch, TensorProcessor)(config=config.to_dict())
-    # transformers finds the file's tensor names by the config's model type, which for DeepSeek is not the arch
-    mapping = get_gguf_hf_weights_map(skeleton, processor, model_type=architecture if architecture in KEY_BUILT
-                                      else None)
-    shapes = {name: tuple(p.shape) for name, p in skeleton.state_dict().items()}
-    for name in shapes:  # V3's expert correction bias, which the file stores as a bias of its own tensor
-        if name.endswith(".mlp.gate.e_score_correction_bias"):
-            mapping[f"blk.{name.split('.')[2]}.exp_probs_b.bias"] = name
-    # A gathered tensor (MoE experts: ffn_gate_exps and ffn_up_exps fill one gate_up_proj) is written once every
-    # file tensor mapped to it has been read; writing it earlier would store the half read so far.
-    parts = Counter(mapping.values())
-    seen: Counter = Counter()
-    gathered: dict = {}  # where the MoE processors gather expert tensors
-    parsed = {"config": config.to_dict(), "tensors": gathered}
-    # `deferrals`: block tensors stay in the file (model_loader/gguf_deferred.py), the Llama processor's Q / K rows
-    # put back in the checkpoint's order when read, each checked against the converted tensor here
-    heads = ((config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-             if processor_arch == "llama" else ())
-    for tensor in reader.tensors:
-        target = mapping.get(tensor.name.removesuffix(".weight"))
-        experts = (deferrals.expert_parts(tensor.name, target)
-                   if deferrals is not None and processor_arch in _GATHERS_EXPERTS else None)
-        if experts is not None and target is not None:  # the processor's layout: gate rows, then up rows
-            deferrals.defer(target, experts)
-            seen[target] += 1
-            continue
-        weights = dequantize(tensor.data, tensor.tensor_type)
-        placed = _file_part(architecture, tensor.name, weights, shapes, config, gathered)
-        if placed is not None:
-            parts[placed[0]] = placed[1]
-            seen[placed[0]] += 1
-        else:
-            result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=mapping,
-                                       parsed_parameters=parsed)
-            if result.name in mapping:
-                name = mapping[result.name]
-                value = torch.from_numpy(np.copy(result.weights))
-                want = shapes.get(name)
-                if want is not None and tuple(value.shape) != want and value.numel() == int(np.prod(want)):
-                    # transformers adds a leading axis to Qwen2-MoE's shared-expert gate, which llama.cpp's
-                    # converter already writes as [1, hidden]: the parameter's own shape holds the same values
-                    value = value.reshape(want)
-                if deferrals is None or not deferrals.defer_matrix(name, tensor.name, weights, value.numpy(),
-                                                                   heads):
-                    writer.add(name, value)
-            seen[mapping.get(tensor.name.removesuffix(".weight"), mapping.get(tensor.name))] += 1
-        for name in [n for n in gathered if n not in parts or seen[n] >= parts[n]]:
-            writer.add(name, gathered.pop(name))
-    if gathered:
-        raise ValueError(f"GGUF tensors missing a part (experts' gate or up, DeepSeek's k_b or v_b): "
-                         f"{sorted(gathered)}")
-    if deferrals is not None:
-        deferrals.write(writer.out_dir)
-
-
-# the tensor processors that gather the file's stacked experts into `gate_up_proj` / `down_proj`
-_GATHERS_EXPERTS = ("qwen2moe", "qwen3moe")
-
-
-# transformers' tensor processor for the architectures it has none for: the Llama path's Q/K rows (Granite and
-# SmolLM3 are converted as Llama models), gathered experts (DeepSeek)
-_PROCESSOR_OF = {"granite": "llama", "smollm3": "llama", "deepseek2": "qwen2moe"}
-
-
-def _processor_arch(architecture: str) -> str:
-    """The architecture whose transformers tensor processor reads a file of `architecture`."""
-    return _PROCESSOR_OF.get(architecture, architecture)
-
-
-def _file_part(architecture: str, name: str, weights, shapes: dict, config: Any,
-               gathered: dict) -> Optional[tuple[str, int]]:
-    """Put a tensor of the file that transformers' processors do not know, in transformers' layout, into
-    `gathered`; returns (the parameter it went to, how many file tensors make that parameter), None for the
-    others."""
-    block, _, rest = name.partition(".")
-    layer, _, role = rest.partition(".")
-    if block != "blk":
-        return None
-    if architecture == "gpt-oss" and role in _GPT_OSS_PARTS:
-        return _gpt_oss_part(layer, role, weights, shapes, gathered)
-    if architecture == "deepseek2" and role in ("attn_k_b.weight", "attn_v_b.weight"):
-        return _deepseek_kv_b_part(layer, role, weights, config, gathered)
-    return None
-
-
-def _deepseek_kv_b_part(layer: str, role: str, weights, config: Any, gathered: dict) -> tuple[str, int]:
-    """DeepSeek's kv_b_proj [heads * (qk_nope + v), kv_lora_rank], which llama.cpp's converter splits per head for
-    its absorbed attention: attn_k_b [heads, kv_lora_rank, qk_nope] (the key rows transposed) and attn_v_b [heads,
-    v, kv_lora_rank]. (Older files hold kv_b_proj whole as attn_kv_b: transformers' name map reads it.)"""
-    import numpy as np
-    import torch
-
-    nope, v_dim = config.qk_nope_head_dim, config.v_head_dim
-    heads, rank = config.num_attention_heads, config.kv_lora_rank
-    target = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
-    whole = gathered.setdefault(target, torch.zeros(heads * (nope + v_dim), rank)).view(heads, nope + v_dim, rank)
-    value = torch.from_numpy(np.copy(weights))
-    if role == "attn_k_b.weight":
-        whole[:, :nope] = value.transpose(1, 2)
-    else:
-        whole[:, nope:] = value
-    return target, 2
-
-
-# GPT-OSS tensors as llama.cpp's converter writes them (transformers' GGUF processor expects other names):
-# file role -> (transformers parameter under the layer, column of the gate/up interleave or None, transposed).
-# llama.cpp stores gate and up apart as [experts, intermediate, hidden] and down as [experts, hidden, intermediate];
-# transformers holds gate_up_proj [experts, hidden, 2 * intermediate], gate and up interleaved by column, and
-# down_proj [experts, intermediate, hidden].
-_GPT_OSS_PARTS = {
-    "ffn_gate_exps.weight": ("mlp.experts.gate_up_proj", 0, True),
-    "ffn_up_exps.weight": ("mlp.experts.gate_up_proj", 1, True),
-    "ffn_down_exps.weight": ("mlp.experts.down_proj", None, True),
-    "ffn_gate_exps.bias": ("mlp.experts.gate_up_proj_bias", 0, False),
-    "ffn_up_exps.bias": ("mlp.experts.gate_up_proj_bias", 1, False),
-    "ffn_down_exps.bias": ("mlp.experts.down_proj_bias", None, False),
-    "attn_sinks.weight": ("self_attn.sinks", None, False),
-}
-
-
-def _gpt_oss_part(layer: str, role: str, weights, shapes: dict, gathered: dict) -> tuple[str, int]:
-    """A GPT-OSS expert tensor or sink of the file (one of _GPT_OSS_PARTS) into `gathered`, in transformers'
-    layout."""
-    import numpy as np
-    import torch
-
-    target, column, transposed = _GPT_OSS_PARTS[role]
-    target = f"model.layers.{layer}.{target}"
-    value = torch.from_numpy(np.copy(weights))
-    value = value.transpose(-1, -2) if transposed else value
-    if column is None:
-        gathered[target] = value.contiguous()
-        return target, 1
-    gathered.setdefault(target, torch.zeros(shapes[target]))[..., column::2] = value
-    return target, 2
-
-
 def _read_metadata(reader: Any) -> tuple[str, dict[str, Any], dict[str, tuple[int, ...]]]:
     """From a GGUFReader: (architecture, the `<architecture>.*` keys without that prefix, the
     `tokenizer.ggml.*_token_id` keys and the values of the LongRoPE factor tensors (`rope_factors_long` /
@@ -350,8 +205,42 @@ def _read_metadata(reader: Any) -> tuple[str, dict[str, Any], dict[str, tuple[in
 
 def _write_hf_dir(gguf_path: str, out_dir: Path) -> str:
     """Write the converted checkpoint of `gguf_path` to `out_dir`; returns the file's architecture."""
-    import torch
     from gguf import GGUFReader
+
+    src_dir, file_name = os.path.split(gguf_path)
+    reader = GGUFReader(gguf_path)  # one parse of the file for its metadata and its tensors
+    with _parsed_once(gguf_path, reader):
+        return _convert(gguf_path, out_dir, reader, src_dir, file_name)
+
+
+@contextlib.contextmanager
+def _parsed_once(gguf_path: str, reader: Any) -> Iterator[None]:
+    """While converting: transformers' GGUF config and tokenizer readers get `reader` instead of parsing the file
+    again (each parse of a 49k-token vocabulary's strings takes ~3 s), and gguf's tensor name map of an architecture
+    is built once instead of once per module of the skeleton (~15 ms each, 319 modules at SmolLM2-1.7B's shape)."""
+    import gguf
+
+    real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    path = os.path.realpath(gguf_path)
+
+    def reader_of(file: Any, *args: Any, **kwargs: Any) -> Any:
+        if not args and not kwargs and os.path.realpath(file) == path:
+            return reader
+        return real_reader(file, *args, **kwargs)
+
+    replaced = {"GGUFReader": reader_of, "get_tensor_name_map": functools.lru_cache(maxsize=None)(real_name_map)}
+    originals = {"GGUFReader": real_reader, "get_tensor_name_map": real_name_map}
+    for name, value in replaced.items():
+        setattr(gguf, name, value)
+    try:
+        yield
+    finally:
+        for name, value in originals.items():
+            setattr(gguf, name, value)
+
+
+def _convert(gguf_path: str, out_dir: Path, reader: Any, src_dir: str, file_name: str) -> str:
+    import torch
     from transformers import (
         AutoConfig,
         AutoModelForCausalLM,
@@ -360,8 +249,6 @@ def _write_hf_dir(gguf_path: str, out_dir: Path) -> str:
         PreTrainedTokenizerFast,
     )
 
-    src_dir, file_name = os.path.split(gguf_path)
-    reader = GGUFReader(gguf_path)  # one parse of the file for its metadata and its tensors
     architecture, keys, shapes = _read_metadata(reader)
     config = config_from_keys(architecture, keys, shapes)
     if config is None:
@@ -376,7 +263,7 @@ def _write_hf_dir(gguf_path: str, out_dir: Path) -> str:
     try:
         deferrals = (Deferrals({t.name: int(t.tensor_type) for t in reader.tensors})
                      if blocks_stay_in_file(gguf_path) else None)
-        _stream_tensors(reader, architecture, config, skeleton, writer, deferrals)
+        stream_tensors(reader, architecture, config, skeleton, writer, deferrals)
         writer.finish()
     except ValueError as err:
         raise ValueError(f"{err}: {gguf_path}") from err

@@ -73,6 +73,22 @@ class Deferrals:
                 return True
         return False
 
+    def defer_rows(self, target: str, file_name: str, order: np.ndarray, want: Optional[tuple[int, ...]],
+                   columns: int, heads: tuple[int, ...]) -> bool:
+        """Leave `target` in the file where it is the block tensor `file_name` ([rows, columns], checkpoint shape
+        `want`) with its rows in `order` (the file row of each checkpoint row): as stored, or with the Q / K rows of
+        one of `heads` put back in the checkpoint's order; returns whether it was left."""
+        rows = len(order)
+        if not self.block_typed(file_name) or want != (rows, columns):
+            return False
+        for count in (None, *heads):
+            if count is not None and rows % (2 * count):
+                continue
+            if np.array_equal(_rows(np.arange(rows), count), order):
+                self.defer(target, [file_name], count)
+                return True
+        return False
+
     def write(self, out_dir: Path) -> None:
         (out_dir / DEFERRED_RECORD).write_text(json.dumps(self.entries, indent=1))
 
