@@ -1,4 +1,4 @@
-"""A GGUF file's block tensors left in the file by its conversion (model_loader/gguf_deferred.py), as files of 1 GiB
+"""A GGUF file's block tensors left in the file by its conversion (model_loader/gguf_deferred.py), as files of 256 MiB
 or more are converted (`SGLANG_GGUF_BLOCKS_IN_FILE=1` forces it for the tiny files here).
 
 The converted directory then holds the small float tensors alone (norms, routers), and reading it gives the same

@@ -1,11 +1,12 @@
 """Turn a GGUF checkpoint into a cached Hugging Face directory (config, float32 safetensors shards, tokenizer).
 
-Files of 1 GiB or more leave their block tensors in the file: the directory records where each is read from
-(model_loader/gguf_deferred.py) and stores the small float tensors alone, instead of 4 bytes per weight on disk.
+Files of 256 MiB or more leave their block tensors in the file: the directory records where each is read from
+(model_loader/gguf_deferred.py) and stores the small float tensors alone, instead of 4 bytes per weight on disk;
+their row order is learnt without dequantizing them (model_loader/gguf_tensor_stream.py).
 
-The dequantization is slow (tens of seconds for a 135M model), so the result is stored once per GGUF file under
-the cache root and published with an atomic rename: a process that races another one either sees no directory or
-a complete one, never a half-written one.
+The dequantization of a file converted whole is slow (tens of seconds for a 135M model), so the result is stored
+once per GGUF file under the cache root and published with an atomic rename: a process that races another one
+either sees no directory or a complete one, never a half-written one.
 
 The config is transformers' reading of the file's metadata, corrected where it leaves keys llama.cpp writes unread,
 or built from the metadata for the architectures transformers' reader cannot read (model_loader/gguf_configs.py).
