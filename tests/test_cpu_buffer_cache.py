@@ -143,14 +143,3 @@ def test_the_runner_says_what_it_keeps(monkeypatch):
         assert cpu_ops.buffer_cache_stats()[4] == 0
     finally:
         cpu_ops.configure_buffer_cache(cpu_buffers.CAP_BYTES, cpu_buffers.MIN_BYTES)
-
-
-def test_handing_back_what_is_kept_keeps_the_cap(cache):
-    first = block(64)
-    del first
-    assert kept() == (64 * MIB, 1)
-    cpu_buffers.hand_back_kept()
-    assert kept() == (0, 0) and cpu_ops.buffer_cache_stats()[4] == 256 * MIB
-    again = block(64)
-    del again
-    assert kept() == (64 * MIB, 1)  # still keeping

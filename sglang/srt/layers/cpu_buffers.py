@@ -15,10 +15,11 @@ per prefill gone; SmolLM2-135M's 4,096-token prefill 1.5-1.6k -> 1.68k tok/s.
 
 The cap is the resident memory it may keep between steps: CAP_BYTES (1 GiB, about one layer's intermediates of a
 7B model's 2,048-token prefill batch with room to spare), SGLANG_CPU_BUFFER_CACHE_MB=N to change it, 0 to keep
-none. The model runner installs it before the weights load: a load that makes blocks or GEMM copies allocates and
-frees a temporary per matrix, and a 7B Q4_0 file's load (int8 GEMM copies made from its blocks) took 82 s, most of
-it the kernel's page faults (26.6M), against 56 s with the buffers reused (2-core Zen 4). What the load leaves kept
-is handed back once the weights are final (`hand_back_kept`). Where the CPU extension is not built nothing changes.
+none. The model runner installs it once the weights are loaded (weights and their load-time copies never pass
+through it: installed before the load, it cut a 7B Q4_0 file's load from 82 to 57 s, most of that time the kernel's
+page faults, but raised the 1.7B load's peak from 5.4 to 7.3 GB and left the glibc heap small enough that the
+forwards' mid-sized blocks faulted again, ~99k faults a prefill). Where the CPU extension is not built nothing
+changes.
 """
 
 from __future__ import annotations
@@ -56,12 +57,3 @@ def reuse_large_buffers() -> str:
         return f"freed large buffers go back to the system ({ENV}=0)"
     return (f"freed buffers of {MIN_BYTES >> 20} MiB or more kept for reuse, up to {cap / (1 << 30):.2f} GiB "
             f"({ENV})")
-
-
-def hand_back_kept() -> None:
-    """Hand every kept buffer back to the system, the cap unchanged (the model runner, once the weights are final:
-    the load's temporaries are not the sizes a forward allocates)."""
-    if cpu_ops.available():
-        cap = cpu_ops.buffer_cache_stats()[4]
-        cpu_ops.configure_buffer_cache(0, MIN_BYTES)
-        cpu_ops.configure_buffer_cache(cap, MIN_BYTES)

@@ -20,7 +20,7 @@ from sglang.srt.forward_batch import ForwardBatch
 from sglang.srt.layers import cpu_ops
 from sglang.srt.layers.arithmetic import ArithmeticPlan
 from sglang.srt.layers.attention.torch_sdpa_backend import TorchSDPABackend
-from sglang.srt.layers.cpu_buffers import hand_back_kept, reuse_large_buffers
+from sglang.srt.layers.cpu_buffers import reuse_large_buffers
 from sglang.srt.layers.linear import held_parameter
 from sglang.srt.layers.pooler import Pooler
 from sglang.srt.layers.quantization.gguf_linear import set_gguf_activations
@@ -177,9 +177,6 @@ class ModelRunner:
         self.dtype = dtype
         self.hf_config = hf_config
         self.gguf_kernel_max_rows = gguf_kernel_max_rows
-        # The load's temporaries (blocks dequantized, GEMM copies quantized) reuse freed buffers too; what they leave
-        # kept is handed back once the weights are final.
-        buffers = reuse_large_buffers() if self.device.type == "cpu" else None
         # Built from the served config (--json-model-override-args applied), the one the KV pool is sized from.
         self.model = load_for_plan(model_dir, dtype, self.device, gguf_path, gguf_kernel_max_rows, arithmetic,
                                    config=hf_config)
@@ -189,9 +186,8 @@ class ModelRunner:
         self.weights_by_format: dict[str, int] = {}
         self.weight_bytes = 0
         self.account_weights()
-        if buffers is not None:
-            hand_back_kept()
-            logger.info("Activation buffers: %s", buffers)
+        if self.device.type == "cpu":  # after the load: weights and their load-time copies never pass through it
+            logger.info("Activation buffers: %s", reuse_large_buffers())
         self.attn_backend = TorchSDPABackend()
         if arithmetic is not None and self.device.type == "cpu" and cpu_ops.available():
             cpu_ops.set_extend_attention_bf16(arithmetic.prefill_attention == "bfloat16")
