@@ -118,7 +118,7 @@ def _rows_processed(processor: Any, tensor: Any, mapping: dict, config: dict) ->
     try:
         result = processor.process(weights=numbers, name=tensor.name, tensor_key_mapping=mapping,
                                    parsed_parameters=scratch)
-    except (ValueError, IndexError, KeyError, TypeError):  # a processor that needs the real columns
+    except Exception:  # a processor that needs the real columns: the full path runs it (and raises its errors)
         return None
     if scratch["tensors"] or result.name not in mapping:
         return None

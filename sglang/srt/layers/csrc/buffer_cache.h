@@ -12,6 +12,7 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #if defined(__GLIBC__)
@@ -27,7 +28,7 @@ namespace buffer_cache {
 
 struct State {
   std::mutex mu;
-  size_t min_bytes = 8u << 20;
+  std::atomic<size_t> min_bytes{8u << 20};  // read without the lock by every allocation
   size_t cap_bytes = 0;
   size_t cached_bytes = 0;
   int64_t reused = 0;
@@ -90,7 +91,7 @@ class CachingAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
     State& s = state();
     const c10::Device cpu(c10::DeviceType::CPU);
-    if (n < s.min_bytes) return base()->allocate(n);
+    if (n < s.min_bytes.load(std::memory_order_relaxed)) return base()->allocate(n);
     {
       std::lock_guard<std::mutex> lock(s.mu);
       size_t best = s.free.size();
@@ -128,7 +129,7 @@ inline void configure(int64_t cap_bytes, int64_t min_bytes) {
   {
     std::lock_guard<std::mutex> lock(s.mu);
     s.cap_bytes = static_cast<size_t>(cap_bytes);
-    s.min_bytes = static_cast<size_t>(min_bytes);
+    s.min_bytes.store(static_cast<size_t>(min_bytes), std::memory_order_relaxed);
     trim_locked(s, s.cap_bytes);
   }
   if (installed == nullptr && cap_bytes > 0) {
