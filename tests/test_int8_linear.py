@@ -130,3 +130,18 @@ def test_int8_matmul_native_where_the_cpu_has_integer_dot_products():
     assert int8_matmul_native(avx2 + "avx512f avx512bw avx512vl avx512_vnni".split())
     assert int8_matmul_native(avx2 + ["amx_int8"])
     assert int8_matmul_native(["asimd"], "aarch64")
+
+
+def test_the_int8_copy_made_in_slices_of_rows_equals_the_whole_matrix_quantized():
+    """Int8LinearMethod quantizes its weight QUANTIZE_SLICE_ROWS rows at a time (no whole-matrix float32
+    temporaries): the same int8 values and scales as quantize_rows of the whole matrix, in _int_mm's [K, N] layout."""
+    torch.manual_seed(3)
+    rows = 2 * L.QUANTIZE_SLICE_ROWS + 77  # two whole slices and a partial one
+    weight = torch.randn(rows, 96) * torch.rand(rows, 1) * 4
+    q, scale = L.quantize_rows(weight)
+    q_t, scale_sliced = L.quantized_transposed(weight.bfloat16().float())
+    q_bf16, scale_bf16 = L.quantize_rows(weight.bfloat16().float())
+    assert torch.equal(q_t, q_bf16.t()) and q_t.is_contiguous() and torch.equal(scale_sliced, scale_bf16)
+    method = L.Int8LinearMethod(weight)
+    assert torch.equal(method.weight_t, q.t()) and torch.equal(method.weight_scale, scale.view(1, -1))
+    assert method.weight_t.shape == (96, rows) and method.weight_t.is_contiguous()

@@ -68,6 +68,24 @@ def split_quantize_reference(x: torch.Tensor, k: int) -> tuple[torch.Tensor, tor
     return xq, scale, cols, xo
 
 
+# Rows of a weight quantized at a time when its int8 copy is made: the float32 temporaries of a slice stay in the
+# allocator's reused pages, where whole-matrix ones (180 MB each for a 7B model's MLP) were faulted in afresh.
+QUANTIZE_SLICE_ROWS = 1024
+
+
+def quantized_transposed(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (its per-row int8 values transposed [K, N], the float32 scale of each row [N, 1]): the values
+    of quantize_rows, made a slice of rows at a time."""
+    n, k = weight.shape
+    q_t = torch.empty(k, n, dtype=torch.int8)
+    scale = torch.empty(n, 1, dtype=torch.float32)
+    for start in range(0, n, QUANTIZE_SLICE_ROWS):
+        end = min(n, start + QUANTIZE_SLICE_ROWS)
+        q, scale[start:end] = quantize_rows(weight[start:end].float())
+        q_t[:, start:end] = q.t()
+    return q_t, scale
+
+
 # 127 * 127 * 1024 < 2**24: any partial sum over a chunk of this many products of int8 values is exact in float32.
 EXACT_FLOAT_CHUNK = 1024
 
@@ -103,8 +121,7 @@ class Int8LinearMethod(LinearMethod):
 
     def __init__(self, weight: torch.Tensor, outlier_dtype: torch.dtype = torch.float32, native: bool = True,
                  columns: Optional[GGUFQuantWeight] = None, out_dtype: Optional[torch.dtype] = None) -> None:
-        q, scale = quantize_rows(weight.detach().float())
-        self.weight_t = q.t().contiguous()  # [K, N], the layout _int_mm takes
+        self.weight_t, scale = quantized_transposed(weight.detach())  # [K, N], the layout _int_mm takes
         self.weight_scale = scale.view(1, -1)
         self.out_dtype = out_dtype or weight.dtype
         self.columns = columns
