@@ -53,18 +53,13 @@ def test_a_freed_large_block_serves_the_next_request_of_at_least_half_its_size(c
     del larger
 
 
-def test_the_best_fitting_block_is_taken():
-    cpu_ops.configure_buffer_cache(0, cpu_buffers.MIN_BYTES)
-    cpu_ops.configure_buffer_cache(256 * MIB, cpu_buffers.MIN_BYTES)
-    try:
-        a, b = block(100), block(60)
-        address_b = b.data_ptr()
-        del a, b
-        c = block(50)  # both fit; the 60 MiB block wastes less
-        assert c.data_ptr() == address_b
-        del c
-    finally:
-        cpu_ops.configure_buffer_cache(cpu_buffers.CAP_BYTES, cpu_buffers.MIN_BYTES)
+def test_the_best_fitting_block_is_taken(cache):
+    a, b = block(100), block(60)
+    address_b = b.data_ptr()
+    del a, b
+    c = block(50)  # both fit; the 60 MiB block wastes less
+    assert c.data_ptr() == address_b
+    del c
 
 
 def test_what_is_kept_stays_within_the_cap(cache):
@@ -133,13 +128,10 @@ def test_a_bad_cap_setting_is_refused(monkeypatch, value):
         cpu_buffers.cap_bytes()
 
 
-def test_the_runner_says_what_it_keeps(monkeypatch):
+def test_the_runner_says_what_it_keeps(monkeypatch, cache):
     monkeypatch.setenv(cpu_buffers.ENV, "300")
-    try:
-        line = cpu_buffers.reuse_large_buffers()
-        assert "up to 0.29 GiB" in line and cpu_ops.buffer_cache_stats()[4] == 300 * MIB
-        monkeypatch.setenv(cpu_buffers.ENV, "0")
-        assert "go back to the system" in cpu_buffers.reuse_large_buffers()
-        assert cpu_ops.buffer_cache_stats()[4] == 0
-    finally:
-        cpu_ops.configure_buffer_cache(cpu_buffers.CAP_BYTES, cpu_buffers.MIN_BYTES)
+    line = cpu_buffers.reuse_large_buffers()
+    assert "up to 0.29 GiB" in line and cpu_ops.buffer_cache_stats()[4] == 300 * MIB
+    monkeypatch.setenv(cpu_buffers.ENV, "0")
+    assert "go back to the system" in cpu_buffers.reuse_large_buffers()
+    assert cpu_ops.buffer_cache_stats()[4] == 0

@@ -406,4 +406,3 @@ class PortArgs:
             detokenizer_ipc_name=f"ipc://{os.path.join(base, 'detokenizer')}",
             ipc_dir=base,
         )
-

@@ -208,10 +208,9 @@ def _write_hf_dir(gguf_path: str, out_dir: Path) -> str:
     """Write the converted checkpoint of `gguf_path` to `out_dir`; returns the file's architecture."""
     from gguf import GGUFReader
 
-    src_dir, file_name = os.path.split(gguf_path)
     reader = GGUFReader(gguf_path)  # one parse of the file for its metadata and its tensors
     with _parsed_once(gguf_path, reader):
-        return _convert(gguf_path, out_dir, reader, src_dir, file_name)
+        return _convert(gguf_path, out_dir, reader)
 
 
 @contextlib.contextmanager
@@ -240,7 +239,7 @@ def _parsed_once(gguf_path: str, reader: Any) -> Iterator[None]:
             setattr(gguf, name, value)
 
 
-def _convert(gguf_path: str, out_dir: Path, reader: Any, src_dir: str, file_name: str) -> str:
+def _convert(gguf_path: str, out_dir: Path, reader: Any) -> str:
     import torch
     from transformers import (
         AutoConfig,
@@ -250,6 +249,7 @@ def _convert(gguf_path: str, out_dir: Path, reader: Any, src_dir: str, file_name
         PreTrainedTokenizerFast,
     )
 
+    src_dir, file_name = os.path.split(gguf_path)
     architecture, keys, shapes = _read_metadata(reader)
     config = config_from_keys(architecture, keys, shapes)
     if config is None:

@@ -65,13 +65,7 @@ class Deferrals:
         converted tensor) is checked against; returns whether it was left."""
         if not self.block_typed(file_name) or stored.ndim != 2 or value.shape != stored.shape:
             return False
-        for count in (None, *heads):
-            if count is not None and stored.shape[0] % (2 * count):
-                continue
-            if np.array_equal(_rows(stored, count), value):
-                self.defer(target, [file_name], count)
-                return True
-        return False
+        return self._defer_in_row_order(target, file_name, stored, value, heads)
 
     def defer_rows(self, target: str, file_name: str, order: np.ndarray, want: Optional[tuple[int, ...]],
                    columns: int, heads: tuple[int, ...]) -> bool:
@@ -81,10 +75,16 @@ class Deferrals:
         rows = len(order)
         if not self.block_typed(file_name) or want != (rows, columns):
             return False
+        return self._defer_in_row_order(target, file_name, np.arange(rows), order, heads)
+
+    def _defer_in_row_order(self, target: str, file_name: str, stored: np.ndarray, value: np.ndarray,
+                            heads: tuple[int, ...]) -> bool:
+        """Defer `target` where `value` is `stored` with its rows as they are or with the Q / K rows of one of
+        `heads` put back in the checkpoint's order (the first that matches); returns whether it was deferred."""
         for count in (None, *heads):
-            if count is not None and rows % (2 * count):
+            if count is not None and stored.shape[0] % (2 * count):
                 continue
-            if np.array_equal(_rows(np.arange(rows), count), order):
+            if np.array_equal(_rows(stored, count), value):
                 self.defer(target, [file_name], count)
                 return True
         return False

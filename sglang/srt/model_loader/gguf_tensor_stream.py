@@ -47,6 +47,7 @@ def stream_tensors(reader: Any, architecture: str, config: Any, skeleton, writer
              if arch == "llama" else ())
     for tensor in reader.tensors:
         target = mapping.get(tensor.name.removesuffix(".weight"))
+        counted = target if target is not None else mapping.get(tensor.name)  # the parameter this tensor is part of
         experts = (deferrals.expert_parts(tensor.name, target)
                    if deferrals is not None and arch in _GATHERS_EXPERTS else None)
         if experts is not None and target is not None:  # the processor's layout: gate rows, then up rows
@@ -58,7 +59,7 @@ def stream_tensors(reader: Any, architecture: str, config: Any, skeleton, writer
             rows = _rows_processed(processor, tensor, mapping, parsed["config"])
             if rows is not None and deferrals.defer_rows(rows[0], tensor.name, rows[1], shapes.get(rows[0]),
                                                          int(tensor.shape[0]), heads):
-                seen[mapping.get(tensor.name.removesuffix(".weight"), mapping.get(tensor.name))] += 1
+                seen[counted] += 1
                 continue
         weights = dequantize(tensor.data, tensor.tensor_type)
         placed = _file_part(architecture, tensor.name, weights, shapes, config, gathered)
@@ -79,7 +80,7 @@ def stream_tensors(reader: Any, architecture: str, config: Any, skeleton, writer
                 if deferrals is None or not deferrals.defer_matrix(name, tensor.name, weights, value.numpy(),
                                                                    heads):
                     writer.add(name, value)
-            seen[mapping.get(tensor.name.removesuffix(".weight"), mapping.get(tensor.name))] += 1
+            seen[counted] += 1
         for name in [n for n in gathered if n not in parts or seen[n] >= parts[n]]:
             writer.add(name, gathered.pop(name))
     if gathered:
