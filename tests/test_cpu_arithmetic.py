@@ -20,7 +20,7 @@ from sglang.srt.layers.bf16_linear import BF16LinearMethod
 from sglang.srt.layers.cpu_classes import AMX, AVX2, AVX512_BF16, OTHER, cpu_class
 from sglang.srt.layers.int8_linear import Int8LinearMethod
 from sglang.srt.layers.linear import DENSE, Linear
-from sglang.srt.layers.small_batch_rows import head_small_batch_rows
+from sglang.srt.layers.small_batch_rows import INT8_LARGE_MODEL_ROWS, head_small_batch_rows
 from sglang.srt.model_loader.dtype import parse_cpu_flags, read_cpu_flags
 from sglang.srt.model_loader.gemm_methods import attach_large_batch_gemm
 
@@ -240,13 +240,13 @@ def test_small_batch_rows_per_cpu_class():
         assert choose_arithmetic(*args).small_batch_max_rows == 64, args
     # int8 activations asked for on AVX2 run the portable loop: no reason to widen their share
     assert choose_arithmetic("cpu", "auto", "auto", AVX2_FLAGS, gguf_activations="int8").small_batch_max_rows == 64
-    # the int8 GEMM on a VNNI CPU takes batches above 48 rows of a model of 1B parameters or more whose Q8_0 blocks
+    # the int8 GEMM on a VNNI CPU takes batches above INT8_LARGE_MODEL_ROWS rows of a model of 1B parameters or more whose Q8_0 blocks
     # were made at load; a smaller model, a GGUF file's or a quantized checkpoint's blocks keep 64
     big, small = 4 << 30, 1 << 30
     for gemm, measured in (("int8", None), ("auto", {"bfloat16": 400, "int8": 600})):
         plan = choose_arithmetic("cpu", "auto", gemm, BF16_VNNI_FLAGS, measurements=measured, linear_float_bytes=big)
         assert (plan.large_batch_gemm, plan.small_batch_quantization, plan.small_batch_max_rows) == (
-            "int8", "q8_0", 48), gemm
+            "int8", "q8_0", INT8_LARGE_MODEL_ROWS), gemm
     int8 = functools.partial(choose_arithmetic, "cpu", "auto", "int8", BF16_VNNI_FLAGS)
     assert int8(linear_float_bytes=small).small_batch_max_rows == 64
     assert int8(linear_float_bytes=None).small_batch_max_rows == 64

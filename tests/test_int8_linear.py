@@ -145,3 +145,40 @@ def test_the_int8_copy_made_in_slices_of_rows_equals_the_whole_matrix_quantized(
     method = L.Int8LinearMethod(weight)
     assert torch.equal(method.weight_t, q.t()) and torch.equal(method.weight_scale, scale.view(1, -1))
     assert method.weight_t.shape == (96, rows) and method.weight_t.is_contiguous()
+
+
+needs_vnni_gemm = pytest.mark.skipif(not (cpu_ops.available() and cpu_ops.int8_gemm_vnni_takes(64, 64)),
+                                     reason="the compiled VNNI int8 GEMM needs AVX512-VNNI")
+
+
+@needs_vnni_gemm
+@pytest.mark.parametrize("rows, k, n", [(1, 4, 64), (5, 64, 128), (6, 96, 64), (7, 256, 192), (13, 2052, 128),
+                                        (64, 512, 1088), (70, 128, 64)])
+def test_vnni_gemm_equals_int_mm(rows, k, n):
+    torch.manual_seed(rows * k + n)
+    a = torch.randint(-128, 128, (rows, k), dtype=torch.int8)
+    b = torch.randint(-128, 128, (k, n), dtype=torch.int8)
+    a[0] = -128  # the extremes of both operands, whose sums are largest
+    b[:, 0] = -128
+    b[:, 1] = 127
+    expected = torch._int_mm(torch.cat([a, torch.zeros(17, k, dtype=torch.int8)]), b)[:rows]
+    assert torch.equal(cpu_ops.int8_gemm_vnni(a, b, b.sum(0, dtype=torch.int32)), expected)
+
+
+@needs_vnni_gemm
+def test_vnni_gemm_serves_few_rows_with_the_same_outputs():
+    torch.manual_seed(0)
+    weight = torch.randn(192, 256) * 0.05
+    method = L.Int8LinearMethod(weight, native=True)
+    assert method.weight_colsum is not None and torch.equal(method.weight_colsum, method.weight_t.sum(0, dtype=torch.int32))
+    for rows in (1, 9, L.VNNI_MAX_ROWS, L.VNNI_MAX_ROWS + 1):
+        x = _activations(rows, 256, rows)
+        fast = method.apply(weight, x, None)
+        colsum, method.weight_colsum = method.weight_colsum, None  # torch._int_mm alone
+        try:
+            assert torch.equal(method.apply(weight, x, None), fast), rows
+        finally:
+            method.weight_colsum = colsum
+    # shapes the kernel does not take stay on torch._int_mm
+    assert L.vnni_colsum(torch.zeros(256, 100, dtype=torch.int8)) is None
+    assert not cpu_ops.int8_gemm_vnni_takes(6, 64) and not cpu_ops.int8_gemm_vnni_takes(8, 100)

@@ -38,7 +38,7 @@ _EXTENSION = CpuExtension("sglang_cpu_ops", CSRC / "cpu_ops.cpp", "CPU decode ke
                           headers=[CSRC / "cpu_kernels.h", CSRC / "kv_types.h", CSRC / "kv_layout.h",
                                    CSRC / "decode_attention.h", CSRC / "decode_attention_avx512.h",
                                    CSRC / "extend_attention.h", CSRC / "extend_attention_bf16.h",
-                                   CSRC / "int8_rows.h", CSRC / "buffer_cache.h"])
+                                   CSRC / "int8_rows.h", CSRC / "int8_gemm_vnni.h", CSRC / "buffer_cache.h"])
 
 
 def available() -> bool:
@@ -133,6 +133,17 @@ def int8_rescale_add(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Te
                      add: Optional[torch.Tensor]) -> torch.Tensor:
     """int32 acc [M, N] * x_scale [M] * w_scale [N] (+ add [M, N], float32 or bf16) -> float32 [M, N]."""
     return _EXTENSION.module().int8_rescale_add(acc, x_scale, w_scale, add)
+
+
+def int8_gemm_vnni_takes(k: int, n: int) -> bool:
+    """Whether `int8_gemm_vnni` runs on this CPU and build for a weight of K inputs and N outputs."""
+    return bool(_EXTENSION.module().int8_gemm_vnni_takes(k, n))
+
+
+def int8_gemm_vnni(a: torch.Tensor, b: torch.Tensor, b_colsum: torch.Tensor) -> torch.Tensor:
+    """a [M, K] int8 @ b [K, N] int8 -> int32 [M, N], torch._int_mm's values, with AVX512-VNNI in panels of b
+    (faster than torch._int_mm for few rows); b_colsum is b.sum(0) as int32. Only where int8_gemm_vnni_takes."""
+    return _EXTENSION.module().int8_gemm_vnni(a, b, b_colsum)
 
 
 def _bf16_out(out_dtype: torch.dtype) -> bool:

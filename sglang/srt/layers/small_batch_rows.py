@@ -26,12 +26,14 @@ AMX_SMALL_BATCH_ROWS = 32
 # tokens 1.08-1.18x (2026-11-26).
 AVX2_SMALL_BATCH_ROWS = 2048
 # Where the int8 GEMM serves large batches and the small ones read Q8_0 blocks made at load with int8 activations,
-# a model of 1B parameters or more has layers large enough for the GEMM to win sooner: on a Zen 4 CPU (AVX512-BF16 /
-# VNNI, no AMX) at SmolLM2-1.7B's shape a decode step of 64 sequences took 776 ms layer by layer against 916 ms in
-# the fused step (1.18x), while at 48 the fused step stayed faster (654 against 704 ms); the layers' matmuls alone
-# cross at about 40 rows there and at 32 at the 7B shape, but at about 96 at SmolLM2-135M's (benchmarks/RESULTS.md,
-# 2026-11-29). The Q4_1 blocks of a Q4 file read half the bytes and cross later (about 60 rows at 1.7B): 64 stays.
-INT8_LARGE_MODEL_ROWS = 48
+# a model of 1B parameters or more has layers large enough for the GEMM to win sooner. On a Zen 4 CPU (AVX512-BF16 /
+# VNNI, no AMX) at SmolLM2-1.7B's shape, with few rows multiplied by the compiled VNNI kernel (int8_linear.int8_matmul)
+# and the outlier columns read from the blocks in one vector pass, a decode step of 24 sequences took 288 ms layer by
+# layer against 314 ms in the fused step (1.09x), 32: 345 against 407 ms, 48: 439 against 612 ms, while at 16 the
+# fused step stayed faster (198 against 241 ms) (benchmarks/RESULTS.md, "An int8 GEMM of few rows"; with torch._int_mm
+# the two crossed between 48 and 64). The Q4_1 blocks of a Q4 file read half the bytes and cross later (about 60
+# rows at 1.7B with torch._int_mm): 64 stays.
+INT8_LARGE_MODEL_ROWS = 20
 # A model of 1B parameters or more, by the float32 bytes of its linear weights (also where the CPU's prefill batches
 # get smaller: model_info.default_chunked_prefill_size).
 LARGE_MODEL_FLOAT_BYTES = 4 << 30

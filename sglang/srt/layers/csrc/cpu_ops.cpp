@@ -19,6 +19,7 @@
 #include "decode_attention.h"
 #include "extend_attention.h"
 #include "extend_attention_bf16.h"
+#include "int8_gemm_vnni.h"
 #include "int8_rows.h"
 #include "kv_layout.h"
 
@@ -412,6 +413,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_split_quantize", &int8_split_quantize,
         "Per-token int8 of a float32 matrix, its k largest columns kept apart in float32");
   m.def("int8_rescale_add", &int8_rescale_add, "An int32 product scaled per row and column, plus a matrix");
+  m.def("int8_gemm_vnni", &int8_gemm_vnni, "int8 [M, K] @ int8 [K, N] -> int32 with AVX512-VNNI (torch._int_mm's values)");
+  m.def("int8_gemm_vnni_takes", [](int64_t K, int64_t N) { return int8_gemm::supported() && int8_gemm::takes(K, N); },
+        "whether this CPU and build run int8_gemm_vnni for these K and N");
   m.def("store_kv", &store_kv, "Store float32 k/v rows at KV slots, converted to the cache dtype");
   m.def("set_decode_attention_avx512", &cpu_kernels::set_decode_attention_avx512,
         "turn the AVX512 path of bf16 decode attention on (where the CPU has it) or off; returns whether it was on",
