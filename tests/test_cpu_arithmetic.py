@@ -240,8 +240,8 @@ def test_small_batch_rows_per_cpu_class():
         assert choose_arithmetic(*args).small_batch_max_rows == 64, args
     # int8 activations asked for on AVX2 run the portable loop: no reason to widen their share
     assert choose_arithmetic("cpu", "auto", "auto", AVX2_FLAGS, gguf_activations="int8").small_batch_max_rows == 64
-    # the int8 GEMM on a VNNI CPU takes batches above INT8_LARGE_MODEL_ROWS rows of a model of 1B parameters or more whose Q8_0 blocks
-    # were made at load; a smaller model, a GGUF file's or a quantized checkpoint's blocks keep 64
+    # the int8 GEMM on a VNNI CPU takes batches above INT8_LARGE_MODEL_ROWS rows of a model of 1B parameters or more
+    # whose Q8_0 blocks were made at load; a smaller model, a GGUF file's or a quantized checkpoint's blocks keep 64
     big, small = 4 << 30, 1 << 30
     for gemm, measured in (("int8", None), ("auto", {"bfloat16": 400, "int8": 600})):
         plan = choose_arithmetic("cpu", "auto", gemm, BF16_VNNI_FLAGS, measurements=measured, linear_float_bytes=big)

@@ -170,7 +170,8 @@ def test_vnni_gemm_serves_few_rows_with_the_same_outputs():
     torch.manual_seed(0)
     weight = torch.randn(192, 256) * 0.05
     method = L.Int8LinearMethod(weight, native=True)
-    assert method.weight_colsum is not None and torch.equal(method.weight_colsum, method.weight_t.sum(0, dtype=torch.int32))
+    assert method.weight_colsum is not None
+    assert torch.equal(method.weight_colsum, method.weight_t.sum(0, dtype=torch.int32))
     for rows in (1, 9, L.VNNI_MAX_ROWS, L.VNNI_MAX_ROWS + 1):
         x = _activations(rows, 256, rows)
         fast = method.apply(weight, x, None)
