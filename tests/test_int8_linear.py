@@ -162,24 +162,32 @@ def test_vnni_gemm_equals_int_mm(rows, k, n):
     b[:, 0] = -128
     b[:, 1] = 127
     expected = torch._int_mm(torch.cat([a, torch.zeros(17, k, dtype=torch.int8)]), b)[:rows]
-    assert torch.equal(cpu_ops.int8_gemm_vnni(a, b, b.sum(0, dtype=torch.int32)), expected)
+    assert torch.equal(cpu_ops.int8_gemm_vnni(a, b), expected)
 
 
 @needs_vnni_gemm
-def test_vnni_gemm_serves_few_rows_with_the_same_outputs():
+def test_vnni_gemm_serves_few_rows_with_the_same_outputs(monkeypatch):
     torch.manual_seed(0)
     weight = torch.randn(192, 256) * 0.05
     method = L.Int8LinearMethod(weight, native=True)
-    assert method.weight_colsum is not None
-    assert torch.equal(method.weight_colsum, method.weight_t.sum(0, dtype=torch.int32))
+    assert method.vnni_rows == L.VNNI_MAX_ROWS  # a small weight: few rows only
     for rows in (1, 9, L.VNNI_MAX_ROWS, L.VNNI_MAX_ROWS + 1):
         x = _activations(rows, 256, rows)
         fast = method.apply(weight, x, None)
-        colsum, method.weight_colsum = method.weight_colsum, None  # torch._int_mm alone
+        method.vnni_rows = 0  # torch._int_mm alone
         try:
             assert torch.equal(method.apply(weight, x, None), fast), rows
         finally:
-            method.weight_colsum = colsum
-    # shapes the kernel does not take stay on torch._int_mm
-    assert L.vnni_colsum(torch.zeros(256, 100, dtype=torch.int8)) is None
+            method.vnni_rows = L.VNNI_MAX_ROWS
+    # which rows go where: up to vnni_rows through the kernel
+    seen = []
+    real = cpu_ops.int8_gemm_vnni
+    monkeypatch.setattr(cpu_ops, "int8_gemm_vnni", lambda a, b: seen.append(a.shape[0]) or real(a, b))
+    for rows in (1, L.VNNI_MAX_ROWS, L.VNNI_MAX_ROWS + 1):
+        method.apply(weight, _activations(rows, 256, rows), None)
+    assert seen == [1, L.VNNI_MAX_ROWS]
+    # a weight beyond the caches takes more rows; shapes the kernel does not take stay on torch._int_mm
+    big = torch.zeros(L.VNNI_LARGE_WEIGHT_BYTES // 1024, 1024, dtype=torch.int8)
+    assert L.vnni_max_rows(big) == L.VNNI_LARGE_WEIGHT_MAX_ROWS
+    assert L.Int8LinearMethod(torch.randn(100, 256), native=True).vnni_rows == 0
     assert not cpu_ops.int8_gemm_vnni_takes(6, 64) and not cpu_ops.int8_gemm_vnni_takes(8, 100)

@@ -140,10 +140,10 @@ def int8_gemm_vnni_takes(k: int, n: int) -> bool:
     return bool(_EXTENSION.module().int8_gemm_vnni_takes(k, n))
 
 
-def int8_gemm_vnni(a: torch.Tensor, b: torch.Tensor, b_colsum: torch.Tensor) -> torch.Tensor:
+def int8_gemm_vnni(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [M, K] int8 @ b [K, N] int8 -> int32 [M, N], torch._int_mm's values, with AVX512-VNNI in panels of b
-    (faster than torch._int_mm for few rows); b_colsum is b.sum(0) as int32. Only where int8_gemm_vnni_takes."""
-    return _EXTENSION.module().int8_gemm_vnni(a, b, b_colsum)
+    (faster than torch._int_mm for few rows). Only where int8_gemm_vnni_takes."""
+    return _EXTENSION.module().int8_gemm_vnni(a, b)
 
 
 def _bf16_out(out_dtype: torch.dtype) -> bool:

@@ -87,21 +87,23 @@ def quantized_transposed(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 # Rows up to which the compiled VNNI kernel (csrc/int8_gemm_vnni.h) multiplies instead of torch._int_mm, whose s8 x s8
-# path reorders the weight on every call: at the 1.7B shapes on a 2-core Zen 4, 16 rows 2.2x faster, 64 rows 0.9-1.3x,
-# 128 rows even (benchmarks/RESULTS.md, "An int8 GEMM of few rows").
-VNNI_MAX_ROWS = 64
+# path reorders the weight on every call. On a 2-core Zen 4: up to 16 rows it is 1.7-4x faster at every shape measured
+# (SmolLM2-135M's to 7B-class); from 24 rows it wins only where the weight is larger than the caches hold for the
+# reorder (12-33 MB at the 1.7B shapes: 1.0-1.3x at 64 rows) and loses up to 0.7x on weights of a few MB
+# (benchmarks/RESULTS.md, "An int8 GEMM of few rows").
+VNNI_MAX_ROWS = 16
+VNNI_LARGE_WEIGHT_MAX_ROWS = 64
+VNNI_LARGE_WEIGHT_BYTES = 8 << 20
 
 # 127 * 127 * 1024 < 2**24: any partial sum over a chunk of this many products of int8 values is exact in float32.
 EXACT_FLOAT_CHUNK = 1024
 
 
-def int8_matmul(xq: torch.Tensor, wq_t: torch.Tensor, native: bool = True,
-                colsum: Optional[torch.Tensor] = None) -> torch.Tensor:
+def int8_matmul(xq: torch.Tensor, wq_t: torch.Tensor, native: bool = True, vnni_rows: int = 0) -> torch.Tensor:
     """xq [M, K] int8 @ wq_t [K, N] int8 -> int32 [M, N]: torch._int_mm (`native`; the compiled VNNI kernel for up to
-    VNNI_MAX_ROWS rows where `colsum`, wq_t.sum(0) as int32, is given: vnni_colsum), or the same product from exact
-    float32 GEMMs."""
-    if native and colsum is not None and xq.shape[0] <= VNNI_MAX_ROWS:
-        return cpu_ops.int8_gemm_vnni(xq, wq_t, colsum)
+    `vnni_rows` rows: vnni_max_rows), or the same product from exact float32 GEMMs."""
+    if native and xq.shape[0] <= vnni_rows:
+        return cpu_ops.int8_gemm_vnni(xq, wq_t)
     if native:
         if xq.shape[0] <= 16:  # _int_mm wants more than 16 rows; pad small inputs
             pad = torch.zeros(17 - xq.shape[0], xq.shape[1], dtype=torch.int8)
@@ -115,12 +117,12 @@ def int8_matmul(xq: torch.Tensor, wq_t: torch.Tensor, native: bool = True,
     return acc
 
 
-def vnni_colsum(wq_t: torch.Tensor) -> Optional[torch.Tensor]:
-    """wq_t [K, N] int8 -> its column sums [N] int32 where the compiled VNNI kernel multiplies by it (int8_matmul),
-    None elsewhere."""
+def vnni_max_rows(wq_t: torch.Tensor) -> int:
+    """Up to how many rows the compiled VNNI kernel multiplies by wq_t [K, N] int8 on this CPU (int8_matmul); 0
+    where it cannot."""
     if not (cpu_ops.available() and cpu_ops.int8_gemm_vnni_takes(*wq_t.shape)):
-        return None
-    return wq_t.sum(0, dtype=torch.int32)
+        return 0
+    return VNNI_LARGE_WEIGHT_MAX_ROWS if wq_t.numel() >= VNNI_LARGE_WEIGHT_BYTES else VNNI_MAX_ROWS
 
 
 def rescale_add(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
@@ -145,14 +147,14 @@ class Int8LinearMethod(LinearMethod):
         self.outlier_dtype = outlier_dtype
         self.outliers = outlier_columns(weight.shape[1])
         self.native = native  # torch._int_mm, or its exact float32 form (int8_matmul)
-        self.weight_colsum = vnni_colsum(self.weight_t) if native else None
+        self.vnni_rows = vnni_max_rows(self.weight_t) if native else 0  # few rows: the compiled VNNI kernel
 
     def apply(self, weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).float().contiguous()
         xq, xs, cols, xo = split_quantize(x2, self.outliers)
         exact_float = not self.native and torch.get_float32_matmul_precision() == "highest"
-        acc = int8_matmul(xq, self.weight_t, native=not exact_float, colsum=self.weight_colsum)
+        acc = int8_matmul(xq, self.weight_t, native=not exact_float, vnni_rows=self.vnni_rows)
         outliers = None
         if self.outliers:
             source = weight.index_select(1, cols) if self.columns is None else self.columns.columns(cols)
@@ -165,8 +167,7 @@ class Int8LinearMethod(LinearMethod):
 
     @property
     def nbytes(self) -> int:
-        colsum = 0 if self.weight_colsum is None else self.weight_colsum.numel() * 4
-        return self.weight_t.numel() + self.weight_scale.numel() * 4 + colsum
+        return self.weight_t.numel() + self.weight_scale.numel() * 4
 
     @property
     def weight_format(self) -> str:

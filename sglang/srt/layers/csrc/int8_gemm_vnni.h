@@ -3,12 +3,13 @@
 // VNNI peak for hundreds of rows but 280-560 GOP/s for 17-64 rows (it reorders B on every call); this kernel reads B
 // once per call in panels of 64 columns.
 //
-// VPDPBUSD multiplies 4 unsigned bytes by 4 signed bytes and adds the four products into a 32-bit lane. A's rows are
-// made unsigned (a + 128, one XOR per byte) and 128 * sum_k B[k, n] (`colsum`, computed once per weight) is taken
-// off each column at the end: sum_k (a + 128) * b - 128 * sum_k b = sum_k a * b, exactly (|partial sums| < 2^31 for
-// K <= 65536). Each panel of B is interleaved once so that lane n holds B[k..k+3, n]: 4 rows of 64 bytes become 4
-// registers whose 128-bit lane L, dword j holds column 16 L + 4 i + j (register i) after two rounds of unpacks; the
-// accumulators are put back in column order once per row and panel. Compiled with function-level target attributes
+// VPDPBUSD multiplies 4 unsigned bytes by 4 signed bytes and adds the four products into a 32-bit lane. B is made
+// unsigned as it is packed (b + 128, one XOR per byte), A's 4 bytes stay signed and are broadcast from memory by the
+// instruction itself (no broadcast instruction beside it), and 128 * sum_k A[m, k] is taken off each row at the end:
+// sum_k a * (b + 128) - 128 * sum_k a = sum_k a * b, exactly (|partial sums| < 2^31 for K <= 65536). Each panel of
+// B is interleaved once so that lane n holds B[k..k+3, n]: 4 rows of 64 bytes become 4 registers whose 128-bit lane
+// L, dword j holds column 16 L + 4 i + j (register i) after two rounds of unpacks; the accumulators are put back in
+// column order once per row and panel. Compiled with function-level target attributes
 // and chosen at run time (`supported()`), so one binary runs on any CPU; callers use torch._int_mm elsewhere.
 #pragma once
 
@@ -72,25 +73,27 @@ INT8_GEMM_TARGET inline void pack_chunk(const int8_t* B, int64_t K, int64_t N, i
       const __m512i r2 = _mm512_loadu_si512(r + 2 * N), r3 = _mm512_loadu_si512(r + 3 * N);
       const __m512i a = _mm512_unpacklo_epi8(r0, r1), b = _mm512_unpackhi_epi8(r0, r1);
       const __m512i c = _mm512_unpacklo_epi8(r2, r3), d = _mm512_unpackhi_epi8(r2, r3);
+      const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));  // b + 128 as an unsigned byte
       __m512i* p = panels + j * kn + k;  // 4 registers per 4 rows
-      _mm512_store_si512(p, _mm512_unpacklo_epi16(a, c));
-      _mm512_store_si512(p + 1, _mm512_unpackhi_epi16(a, c));
-      _mm512_store_si512(p + 2, _mm512_unpacklo_epi16(b, d));
-      _mm512_store_si512(p + 3, _mm512_unpackhi_epi16(b, d));
+      _mm512_store_si512(p, _mm512_xor_si512(_mm512_unpacklo_epi16(a, c), sign));
+      _mm512_store_si512(p + 1, _mm512_xor_si512(_mm512_unpackhi_epi16(a, c), sign));
+      _mm512_store_si512(p + 2, _mm512_xor_si512(_mm512_unpacklo_epi16(b, d), sign));
+      _mm512_store_si512(p + 3, _mm512_xor_si512(_mm512_unpackhi_epi16(b, d), sign));
     }
   }
 }
 
-// acc += dpbusd(a, b) in place. GCC copies the accumulator of _mm512_dpbusd_epi32 before each use and then keeps the
-// accumulators on the stack (measured: 45% of the VNNI peak); the instruction written out keeps them in registers.
-INT8_GEMM_TARGET inline void dpbusd(__m512i& acc, __m512i a, __m512i b) {
-  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+// acc += dpbusd(p, the 4 signed bytes at a broadcast to every lane), in place, the broadcast inside the instruction.
+// GCC copies the accumulator of _mm512_dpbusd_epi32 before each use and then keeps the accumulators on the stack
+// (measured: 45% of the VNNI peak); the instruction written out keeps them in registers.
+INT8_GEMM_TARGET inline void dpbusd(__m512i& acc, __m512i p, const int8_t* a) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(p), "m"(*reinterpret_cast<const int32_t*>(a)));
 }
 
-// MT rows of unsigned A (kn bytes each, `lda` apart) against one packed panel of kn rows, added to the rows' 4
+// MT rows of A (kn bytes each, `lda` apart) against one packed panel of kn rows, added to the rows' 4
 // partial-sum registers each (`sums`, 4 per row, in the panel's column order).
 template <int MT>
-INT8_GEMM_TARGET void panel_rows(const uint8_t* A, int64_t lda, const __m512i* panel, int64_t kn, __m512i* sums) {
+INT8_GEMM_TARGET void panel_rows(const int8_t* A, int64_t lda, const __m512i* panel, int64_t kn, __m512i* sums) {
   // One array per panel register (a two-dimensional array of accumulators is kept on the stack by GCC).
   __m512i c0[MT], c1[MT], c2[MT], c3[MT];
 #pragma GCC unroll 8
@@ -106,11 +109,11 @@ INT8_GEMM_TARGET void panel_rows(const uint8_t* A, int64_t lda, const __m512i* p
     const __m512i p2 = _mm512_load_si512(p + 2), p3 = _mm512_load_si512(p + 3);
 #pragma GCC unroll 8
     for (int m = 0; m < MT; ++m) {
-      const __m512i a = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(A + m * lda + k));
-      dpbusd(c0[m], a, p0);
-      dpbusd(c1[m], a, p1);
-      dpbusd(c2[m], a, p2);
-      dpbusd(c3[m], a, p3);
+      const int8_t* a = A + m * lda + k;
+      dpbusd(c0[m], p0, a);
+      dpbusd(c1[m], p1, a);
+      dpbusd(c2[m], p2, a);
+      dpbusd(c3[m], p3, a);
     }
   }
 #pragma GCC unroll 8
@@ -122,27 +125,25 @@ INT8_GEMM_TARGET void panel_rows(const uint8_t* A, int64_t lda, const __m512i* p
   }
 }
 
-using PanelRowsFn = void (*)(const uint8_t*, int64_t, const __m512i*, int64_t, __m512i*);
+using PanelRowsFn = void (*)(const int8_t*, int64_t, const __m512i*, int64_t, __m512i*);
 constexpr PanelRowsFn kPanelRows[kMaxTile + 1] = {nullptr,       panel_rows<1>, panel_rows<2>, panel_rows<3>,
                                                   panel_rows<4>, panel_rows<5>, panel_rows<6>};
 
-// One row's 4 partial-sum registers of the panel at column n0, in column order, less 128 * colsum, into c.
-INT8_GEMM_TARGET inline void finish_row(const __m512i* sums, const int32_t* colsum, int64_t n0, int32_t* c) {
+// One row's 4 partial-sum registers of the panel at column n0, in column order, less 128 * the row's sum, into c.
+INT8_GEMM_TARGET inline void finish_row(const __m512i* sums, int32_t rowsum, int64_t n0, int32_t* c) {
   // 128-bit lane t of register i holds columns 16 t + 4 i .. + 3: a 4 x 4 transpose of lanes puts them in order.
   const __m512i lo01 = _mm512_shuffle_i32x4(sums[0], sums[1], 0x44), lo23 = _mm512_shuffle_i32x4(sums[2], sums[3], 0x44);
   const __m512i hi01 = _mm512_shuffle_i32x4(sums[0], sums[1], 0xEE), hi23 = _mm512_shuffle_i32x4(sums[2], sums[3], 0xEE);
   const __m512i out[4] = {_mm512_shuffle_i32x4(lo01, lo23, 0x88), _mm512_shuffle_i32x4(lo01, lo23, 0xDD),
                           _mm512_shuffle_i32x4(hi01, hi23, 0x88), _mm512_shuffle_i32x4(hi01, hi23, 0xDD)};
-  for (int t = 0; t < 4; ++t) {
-    const __m512i shift = _mm512_slli_epi32(_mm512_loadu_si512(colsum + n0 + 16 * t), 7);
-    _mm512_storeu_si512(c + n0 + 16 * t, _mm512_sub_epi32(out[t], shift));
-  }
+  const __m512i shift = _mm512_set1_epi32(rowsum * 128);
+  for (int t = 0; t < 4; ++t) _mm512_storeu_si512(c + n0 + 16 * t, _mm512_sub_epi32(out[t], shift));
 }
 
-// A [M, K] (already unsigned) @ B [K, N] - 128 * colsum -> C [M, N]. Each thread takes runs of up to kGroup panels;
+// A [M, K] @ B [K, N] -> C [M, N] (rowsum: each row's sum of A). Each thread takes runs of up to kGroup panels;
 // a run is packed kChunk rows of B at a time (row segments read contiguously) and multiplied by every tile of A's
 // rows, the partial sums kept per row and panel until the last chunk.
-inline void gemm(const uint8_t* A, const int8_t* B, const int32_t* colsum, int32_t* C, int64_t M, int64_t K,
+inline void gemm(const int8_t* A, const int8_t* B, const int32_t* rowsum, int32_t* C, int64_t M, int64_t K,
                  int64_t N) {
   const int64_t panels = N / kPanel;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
@@ -170,7 +171,7 @@ inline void gemm(const uint8_t* A, const int8_t* B, const int32_t* colsum, int32
         const int64_t mt = std::min(kMaxTile, M - m0);
         for (int64_t j = 0; j < np; ++j) {
           for (int64_t m = 0; m < mt; ++m) {
-            finish_row(sums + (m0 * group + j * mt + m) * 4, colsum, (p0 + j) * kPanel, C + (m0 + m) * N);
+            finish_row(sums + (m0 * group + j * mt + m) * 4, rowsum[m0 + m], (p0 + j) * kPanel, C + (m0 + m) * N);
           }
         }
       }
@@ -183,9 +184,9 @@ inline void gemm(const uint8_t* A, const int8_t* B, const int32_t* colsum, int32
 
 }  // namespace int8_gemm
 
-// a [M, K] int8 @ b [K, N] int8 (row-major) -> int32 [M, N], the values of torch._int_mm; b_colsum [N] int32 is
-// b.sum(0). Only where int8_gemm::supported() and int8_gemm::takes(K, N) (int8_gemm_vnni_takes).
-inline torch::Tensor int8_gemm_vnni(torch::Tensor a, torch::Tensor b, torch::Tensor b_colsum) {
+// a [M, K] int8 @ b [K, N] int8 (row-major) -> int32 [M, N], the values of torch._int_mm. Only where
+// int8_gemm::supported() and int8_gemm::takes(K, N) (int8_gemm_vnni_takes).
+inline torch::Tensor int8_gemm_vnni(torch::Tensor a, torch::Tensor b) {
   TORCH_CHECK(int8_gemm::supported(), "the VNNI int8 GEMM needs AVX512-VNNI");
   TORCH_CHECK(a.device().is_cpu() && a.scalar_type() == at::kChar && a.dim() == 2, "a must be an int8 matrix");
   TORCH_CHECK(b.device().is_cpu() && b.scalar_type() == at::kChar && b.dim() == 2 && b.size(0) == a.size(1),
@@ -193,17 +194,16 @@ inline torch::Tensor int8_gemm_vnni(torch::Tensor a, torch::Tensor b, torch::Ten
   const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
   TORCH_CHECK(int8_gemm::takes(K, N), "K must be a multiple of 4 up to ", int8_gemm::kMaxK, " and N of ",
               int8_gemm::kPanel);
-  TORCH_CHECK(b_colsum.scalar_type() == at::kInt && b_colsum.numel() == N, "b_colsum must be int32 [N]");
-  b = b.contiguous();
-  b_colsum = b_colsum.contiguous();
   a = a.contiguous();
-  // A made unsigned: a + 128 as a byte is a XOR 0x80.
-  std::vector<uint8_t> au(M * K);
-  const auto* ap = reinterpret_cast<const uint8_t*>(a.data_ptr<int8_t>());
-  for (int64_t i = 0; i < M * K; ++i) au[i] = ap[i] ^ 0x80u;
+  b = b.contiguous();
+  const int8_t* ap = a.data_ptr<int8_t>();
+  std::vector<int32_t> rowsum(M, 0);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < K; ++k) rowsum[m] += ap[m * K + k];
+  }
   auto out = torch::empty({M, N}, a.options().dtype(at::kInt));
 #ifdef INT8_GEMM_VNNI
-  int8_gemm::gemm(au.data(), b.data_ptr<int8_t>(), b_colsum.data_ptr<int32_t>(), out.data_ptr<int32_t>(), M, K, N);
+  int8_gemm::gemm(ap, b.data_ptr<int8_t>(), rowsum.data(), out.data_ptr<int32_t>(), M, K, N);
 #endif
   return out;
 }
