@@ -287,6 +287,18 @@ GGUF_VNNI_TARGET inline __m512i bcast_word(const int32_t* p) {
   return _mm512_set1_epi32(*p);
 }
 
+// acc += VPDPBUSD(u, s) in place (u: unsigned bytes, s: signed), and the same with s one 4-byte word broadcast from
+// memory by the instruction itself. The intrinsic _mm512_dpbusd_epi32 makes GCC copy each accumulator before every
+// use and keep the tile's accumulators on the stack; written out, they stay in registers (the same instruction, so
+// the same sums).
+GGUF_VNNI_TARGET inline void dpbusd(__m512i& acc, __m512i u, __m512i s) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
+}
+
+GGUF_VNNI_TARGET inline void dpbusd_word(__m512i& acc, __m512i u, const int32_t* s) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*s));
+}
+
 // acc[m] += (256 * i1[m] + i2[m]) * dx2[m] * d for the block's two terms (bdx: the block's scales; dx2 = dx1 / 256).
 template <int MT>
 GGUF_VNNI_TARGET inline void add_terms(__m512* acc, const __m512i* i1, const __m512i* i2, __m512 d,
@@ -317,10 +329,10 @@ GGUF_VNNI_TARGET void q4_1_group(const uint8_t* gp, int64_t nb, const int32_t* w
       const __m512i lo = _mm512_and_si512(v, low);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), low);
       for (int m = 0; m < MT; ++m) {
-        i1[m] = _mm512_dpbusd_epi32(i1[m], lo, bcast_word(w1 + (2 * j) * MT + m));
-        i2[m] = _mm512_dpbusd_epi32(i2[m], lo, bcast_word(w2 + (2 * j) * MT + m));
-        i1[m] = _mm512_dpbusd_epi32(i1[m], hi, bcast_word(w1 + (2 * j + 1) * MT + m));
-        i2[m] = _mm512_dpbusd_epi32(i2[m], hi, bcast_word(w2 + (2 * j + 1) * MT + m));
+        dpbusd_word(i1[m], lo, w1 + (2 * j) * MT + m);
+        dpbusd_word(i2[m], lo, w2 + (2 * j) * MT + m);
+        dpbusd_word(i1[m], hi, w1 + (2 * j + 1) * MT + m);
+        dpbusd_word(i2[m], hi, w2 + (2 * j + 1) * MT + m);
       }
     }
     add_terms<MT>(acc, i1, i2, load_half16(bp + L::d(0)), dx + b * 2 * MT);
@@ -348,10 +360,10 @@ GGUF_VNNI_TARGET void q8_0_group(const uint8_t* gp, int64_t nb, const int32_t* w
     for (int m = 0; m < MT; ++m) i1[m] = i2[m] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
       const __m512i v = _mm512_loadu_si512(bp + L::vec(j, 0));  // both halves: 16 rows
-      qsum = _mm512_dpbusd_epi32(qsum, ones, v);
+      dpbusd(qsum, ones, v);
       for (int m = 0; m < MT; ++m) {
-        i1[m] = _mm512_dpbusd_epi32(i1[m], bcast_word(w1 + j * MT + m), v);
-        i2[m] = _mm512_dpbusd_epi32(i2[m], bcast_word(w2 + j * MT + m), v);
+        dpbusd(i1[m], bcast_word(w1 + j * MT + m), v);
+        dpbusd(i2[m], bcast_word(w2 + j * MT + m), v);
       }
     }
     const __m512i shift = _mm512_slli_epi32(qsum, 7);  // each term was shifted by +128
