@@ -87,9 +87,9 @@ def quantized_transposed(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 # Rows up to which the compiled VNNI kernel (csrc/int8_gemm_vnni.h) multiplies instead of torch._int_mm, whose s8 x s8
-# path reorders the weight on every call. On a 2-core Zen 4: up to 16 rows it is 1.7-4x faster at every shape measured
-# (SmolLM2-135M's to 7B-class); from 24 rows it wins only where the weight is larger than the caches hold for the
-# reorder (12-33 MB at the 1.7B shapes: 1.0-1.3x at 64 rows) and loses up to 0.7x on weights of a few MB
+# path reorders the weight on every call. On a 2-core Zen 4: up to 16 rows it is 1.1-4.9x faster at every shape
+# measured (SmolLM2-135M's and 1.7B's); from 24 rows it wins only where the weight is larger than the caches hold for
+# the reorder (12-96 MB at the 1.7B shapes: 1.02-1.17x at 64 rows) and loses (0.45-0.97x) on weights of a few MB
 # (benchmarks/RESULTS.md, "An int8 GEMM of few rows").
 VNNI_MAX_ROWS = 16
 VNNI_LARGE_WEIGHT_MAX_ROWS = 64

@@ -31,10 +31,10 @@ namespace int8_gemm {
 
 constexpr int64_t kPanel = 64;    // columns of B per panel
 constexpr int64_t kMaxTile = 6;   // rows of A per pass over a panel: 6 x 4 accumulators + 4 panel registers
-constexpr int64_t kMaxK = 65536;
+constexpr int64_t kMaxK = 65536;  // |sum of K / 4 steps of 4 products of at most 255 * 128| < 2^31
 constexpr int64_t kGroup = 16;    // panels a thread packs together (rows of B read in segments of 1 KB)
 constexpr int64_t kAhead = 16;    // rows of B fetched ahead of their packing
-constexpr int64_t kChunk = 128;   // rows of B packed at a time (128 KB for 16 panels)  // |sum of K / 4 steps of 4 products of at most 255 * 128| < 2^31
+constexpr int64_t kChunk = 128;   // rows of B packed at a time (128 KB for 16 panels)
 
 // Whether this CPU runs the kernel (AVX512 F/BW/VL and VNNI). SGLANG_INT8_GEMM_VNNI=0 turns it off.
 inline bool supported() {
@@ -60,10 +60,11 @@ inline bool takes(int64_t K, int64_t N) { return K > 0 && K % 4 == 0 && K <= kMa
 
 // Rows [k0, k0 + kn) of B[:, n0 : n0 + np * 64] as np packed panels of kn / 4 groups of 4 registers (see the top of
 // the file), panel j at panels + j * kn. The rows are read as contiguous segments of np * 64 bytes.
-INT8_GEMM_TARGET inline void pack_chunk(const int8_t* B, int64_t K, int64_t N, int64_t k0, int64_t kn, int64_t n0, int64_t np,
-                                        __m512i* panels) {
+INT8_GEMM_TARGET inline void pack_chunk(const int8_t* B, int64_t K, int64_t N, int64_t k0, int64_t kn, int64_t n0,
+                                        int64_t np, __m512i* panels) {
   for (int64_t k = 0; k < kn; k += 4) {
     const int8_t* row = B + (k0 + k) * N + n0;
+    const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));  // b + 128 as an unsigned byte
     for (int64_t j = 0; j < np; ++j) {
       const int8_t* r = row + j * kPanel;
       if (k0 + k + kAhead + 4 <= K) {  // the same lines kAhead rows on (into the next chunk near the end of this one)
@@ -73,7 +74,6 @@ INT8_GEMM_TARGET inline void pack_chunk(const int8_t* B, int64_t K, int64_t N, i
       const __m512i r2 = _mm512_loadu_si512(r + 2 * N), r3 = _mm512_loadu_si512(r + 3 * N);
       const __m512i a = _mm512_unpacklo_epi8(r0, r1), b = _mm512_unpackhi_epi8(r0, r1);
       const __m512i c = _mm512_unpacklo_epi8(r2, r3), d = _mm512_unpackhi_epi8(r2, r3);
-      const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));  // b + 128 as an unsigned byte
       __m512i* p = panels + j * kn + k;  // 4 registers per 4 rows
       _mm512_store_si512(p, _mm512_xor_si512(_mm512_unpacklo_epi16(a, c), sign));
       _mm512_store_si512(p + 1, _mm512_xor_si512(_mm512_unpackhi_epi16(a, c), sign));
@@ -132,8 +132,10 @@ constexpr PanelRowsFn kPanelRows[kMaxTile + 1] = {nullptr,       panel_rows<1>, 
 // One row's 4 partial-sum registers of the panel at column n0, in column order, less 128 * the row's sum, into c.
 INT8_GEMM_TARGET inline void finish_row(const __m512i* sums, int32_t rowsum, int64_t n0, int32_t* c) {
   // 128-bit lane t of register i holds columns 16 t + 4 i .. + 3: a 4 x 4 transpose of lanes puts them in order.
-  const __m512i lo01 = _mm512_shuffle_i32x4(sums[0], sums[1], 0x44), lo23 = _mm512_shuffle_i32x4(sums[2], sums[3], 0x44);
-  const __m512i hi01 = _mm512_shuffle_i32x4(sums[0], sums[1], 0xEE), hi23 = _mm512_shuffle_i32x4(sums[2], sums[3], 0xEE);
+  const __m512i lo01 = _mm512_shuffle_i32x4(sums[0], sums[1], 0x44);
+  const __m512i lo23 = _mm512_shuffle_i32x4(sums[2], sums[3], 0x44);
+  const __m512i hi01 = _mm512_shuffle_i32x4(sums[0], sums[1], 0xEE);
+  const __m512i hi23 = _mm512_shuffle_i32x4(sums[2], sums[3], 0xEE);
   const __m512i out[4] = {_mm512_shuffle_i32x4(lo01, lo23, 0x88), _mm512_shuffle_i32x4(lo01, lo23, 0xDD),
                           _mm512_shuffle_i32x4(hi01, hi23, 0x88), _mm512_shuffle_i32x4(hi01, hi23, 0xDD)};
   const __m512i shift = _mm512_set1_epi32(rowsum * 128);
@@ -153,7 +155,8 @@ inline void gemm(const int8_t* A, const int8_t* B, const int32_t* rowsum, int32_
     std::unique_ptr<void, decltype(&std::free)> packed(std::aligned_alloc(64, group * chunk * kPanel), &std::free);
     std::unique_ptr<void, decltype(&std::free)> partial(std::aligned_alloc(64, M * group * 4 * 64), &std::free);
     auto* buf = static_cast<__m512i*>(packed.get());
-    auto* sums = static_cast<__m512i*>(partial.get());  // [M][group][4]
+    // per tile of rows (from m0, mt rows): [panel][row of the tile][4 registers], at (m0 * group + j * mt + m) * 4
+    auto* sums = static_cast<__m512i*>(partial.get());
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t p0 = g * group, np = std::min(group, panels - p0);
       std::memset(sums, 0, M * group * 4 * 64);
