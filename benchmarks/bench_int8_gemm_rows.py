@@ -11,9 +11,8 @@ median of 21 calls of each (ms and GOP/s) and checks the two products are equal.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
+import sys
+from pathlib import Path
 
 import torch
 
@@ -21,6 +20,9 @@ from sglang.huge_pages import move_to_huge_pages
 from sglang.srt.layers import cpu_ops
 from sglang.srt.layers.int8_linear import int8_matmul
 from sglang.srt.model_loader.q8_blocks import quantize_q8_0
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_small_batch_crossover import median_ms  # noqa: E402
 
 # (K, N) of qkv, o, gate/up and down, then the LM head
 SHAPES = {
@@ -30,14 +32,7 @@ SHAPES = {
 }
 
 
-def median_ms(fn: Callable[[], object], calls: int = 21) -> float:
-    fn()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+CALLS = 21
 
 
 def main() -> None:
@@ -56,15 +51,16 @@ def main() -> None:
         for rows in args.rows:
             x = torch.randint(-128, 128, (rows, k), dtype=torch.int8)
             assert torch.equal(int8_matmul(x, w), cpu_ops.int8_gemm_vnni(x, w))
-            ref = median_ms(lambda: int8_matmul(x, w))
-            ours = median_ms(lambda: cpu_ops.int8_gemm_vnni(x, w))
+            ref = median_ms(lambda: int8_matmul(x, w), CALLS)
+            ours = median_ms(lambda: cpu_ops.int8_gemm_vnni(x, w), CALLS)
             gop = 2 * rows * k * n / 1e6
             print(f"K={k:5d} N={n:5d} ({k * n / 2**20:5.1f} MiB) rows={rows:4d}: torch._int_mm {ref:7.3f} ms "
                   f"({gop / ref:4.0f} GOP/s)  VNNI kernel {ours:7.3f} ms ({gop / ours:4.0f} GOP/s)  {ref / ours:4.2f}x")
         blocks = quantize_q8_0(torch.randn(n, k) * 0.02)
         move_to_huge_pages([blocks.packed])
         cols = torch.randperm(k)[: args.columns].sort().values
-        print(f"  {args.columns} outlier columns of the [{n}, {k}] Q8_0 blocks: {median_ms(lambda: blocks.columns(cols)):.3f} ms")
+        ms = median_ms(lambda: blocks.columns(cols), CALLS)
+        print(f"  {args.columns} outlier columns of the [{n}, {k}] Q8_0 blocks: {ms:.3f} ms")
 
 
 if __name__ == "__main__":
