@@ -189,17 +189,17 @@ const int64_t* checked_index(const torch::Tensor& packed, bool q4, int64_t N, in
 }
 
 // Columns `cols` (int64, each in [0, K)) of the packed weight [N, K] as float32 [N, cols.size(0)] (a transposed view of
-// [cols.size(0), N] where the AVX512 path of Q8_0 writes it).
+// [cols.size(0), N] where the AVX512 path writes it).
 torch::Tensor gather_columns(const torch::Tensor& packed, bool q4, int64_t N, int64_t K, const torch::Tensor& cols) {
   const int64_t* cp = checked_index(packed, q4, N, K, cols, K, "column");
   const int64_t ncols = cols.size(0);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
 #ifdef GGUF_COLUMNS_AVX512
-  if (!q4 && ncols > 0 && int8::avx512_supported()) {  // written as [ncols, N]: the same values, a transposed view
+  if (ncols > 0 && int8::avx512_supported()) {  // written as [ncols, N]: the same values, a transposed view
     auto out_t = torch::empty({ncols, N}, packed.options().dtype(torch::kFloat32));
     float* op = out_t.data_ptr<float>();
     at::parallel_for(0, row_groups(N), 16, [&](int64_t a, int64_t b) {
-      rows::gather_columns_q8_0_t(wp, N, K, cp, ncols, a, b, op);
+      (q4 ? rows::gather_columns_t<true> : rows::gather_columns_t<false>)(wp, N, K, cp, ncols, a, b, op);
     });
     return out_t.t();
   }
