@@ -193,7 +193,10 @@ def test_run_batch_progress_bar(backend, capsys):
     assert len(states) == 3
     for state, country in zip(states, ["United Kingdom", "France", "Japan"]):
         assert country in state.messages()[1]["content"]
-        assert "\n" not in state["answer"]
+        # The answers are sampled: one cut by max_tokens keeps a newline its last token brought (finish reason
+        # "length" is checked before stop strings, as SGLang does); one that stopped never holds the stop string.
+        if state.get_meta_info("answer")["finish_reason"]["type"] != "length":
+            assert "\n" not in state["answer"]
     assert "3/3" in capsys.readouterr().err  # the tqdm bar
 
 
