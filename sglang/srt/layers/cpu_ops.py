@@ -38,7 +38,8 @@ _EXTENSION = CpuExtension("sglang_cpu_ops", CSRC / "cpu_ops.cpp", "CPU decode ke
                           headers=[CSRC / "cpu_kernels.h", CSRC / "kv_types.h", CSRC / "kv_layout.h",
                                    CSRC / "decode_attention.h", CSRC / "decode_attention_avx512.h",
                                    CSRC / "extend_attention.h", CSRC / "extend_attention_bf16.h",
-                                   CSRC / "int8_rows.h", CSRC / "int8_gemm_vnni.h", CSRC / "buffer_cache.h"])
+                                   CSRC / "int8_rows.h", CSRC / "int8_gemm_vnni.h", CSRC / "vpdpbusd.h",
+                                   CSRC / "buffer_cache.h"])
 
 
 def available() -> bool:

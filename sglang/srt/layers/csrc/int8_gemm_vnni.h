@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "torch_binding.h"
+#include "vpdpbusd.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define INT8_GEMM_VNNI 1
@@ -42,8 +43,7 @@ inline bool supported() {
   static const bool ok = [] {
     const char* env = std::getenv("SGLANG_INT8_GEMM_VNNI");
     if (env != nullptr && env[0] == '0') return false;
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    return vnni::cpu_avx512_vnni();
   }();
   return ok;
 #else
@@ -83,13 +83,6 @@ INT8_GEMM_TARGET inline void pack_chunk(const int8_t* B, int64_t K, int64_t N, i
   }
 }
 
-// acc += dpbusd(p, the 4 signed bytes at a broadcast to every lane), in place, the broadcast inside the instruction.
-// GCC copies the accumulator of _mm512_dpbusd_epi32 before each use and then keeps the accumulators on the stack
-// (measured: 45% of the VNNI peak); the instruction written out keeps them in registers.
-INT8_GEMM_TARGET inline void dpbusd(__m512i& acc, __m512i p, const int8_t* a) {
-  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(p), "m"(*reinterpret_cast<const int32_t*>(a)));
-}
-
 // MT rows of A (kn bytes each, `lda` apart) against one packed panel of kn rows, added to the rows' 4
 // partial-sum registers each (`sums`, 4 per row, in the panel's column order).
 template <int MT>
@@ -110,10 +103,10 @@ INT8_GEMM_TARGET void panel_rows(const int8_t* A, int64_t lda, const __m512i* pa
 #pragma GCC unroll 8
     for (int m = 0; m < MT; ++m) {
       const int8_t* a = A + m * lda + k;
-      dpbusd(c0[m], p0, a);
-      dpbusd(c1[m], p1, a);
-      dpbusd(c2[m], p2, a);
-      dpbusd(c3[m], p3, a);
+      vnni::dpbusd_word(c0[m], p0, a);
+      vnni::dpbusd_word(c1[m], p1, a);
+      vnni::dpbusd_word(c2[m], p2, a);
+      vnni::dpbusd_word(c3[m], p3, a);
     }
   }
 #pragma GCC unroll 8

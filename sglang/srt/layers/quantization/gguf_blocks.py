@@ -58,6 +58,7 @@ KERNEL_HEADERS = [_SOURCE.parent / name
                   for name in ("gguf_kernels.h", "gguf_avx2_kernels.h", "gguf_int8.h", "gguf_layout.h",
                                 "gguf_dequant_gemm.h", "gguf_dequant_rows.h", "gguf_kquant_rows.h",
                                 "gguf_kquant_checks.h")]
+KERNEL_HEADERS.append(_SOURCE.parent.parent.parent / "csrc" / "vpdpbusd.h")  # included by gguf_int8.h
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -218,6 +218,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma"))) inline void gather
     float* out) {
   const int64_t block_bytes = Q4 ? Q41Layout::kBlockBytes : Q80Layout::kBlockBytes;
   const int64_t nb = K / kQK, group_bytes = nb * block_bytes;
+  const int64_t d_at = Q4 ? Q41Layout::d(0) : Q80Layout::d(0);
   for (int64_t j = 0; j < ncols; ++j) {
     const int64_t i = cols[j] % kQK;
     const uint8_t* bp = packed + cols[j] / kQK * block_bytes;
@@ -230,7 +231,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma"))) inline void gather
       const int64_t nvalid = std::min<int64_t>(kRows, N - g * kRows);
       const __mmask16 mask = nvalid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << nvalid) - 1);
       const __m512i line = _mm512_loadu_si512(b + line_at);
-      const int64_t d_at = Q4 ? Q41Layout::d(0) : Q80Layout::d(0);
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + d_at)));
       __m512 v;
       if constexpr (Q4) {  // the nibble, unsigned; d * q + m

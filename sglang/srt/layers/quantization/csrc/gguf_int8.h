@@ -32,6 +32,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "../../csrc/vpdpbusd.h"
 #include "gguf_layout.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -59,7 +60,7 @@ inline bool avx512_supported() {
 // Whether the AVX512-VNNI kernels can run on this CPU.
 inline bool vnni_supported() {
 #ifdef GGUF_INT8_VNNI
-  static const bool ok = avx512_supported() && __builtin_cpu_supports("avx512vnni");
+  static const bool ok = avx512_supported() && vnni::cpu_avx512_vnni();
   return ok;
 #else
   return false;
@@ -287,17 +288,8 @@ GGUF_VNNI_TARGET inline __m512i bcast_word(const int32_t* p) {
   return _mm512_set1_epi32(*p);
 }
 
-// acc += VPDPBUSD(u, s) in place (u: unsigned bytes, s: signed), and the same with s one 4-byte word broadcast from
-// memory by the instruction itself. The intrinsic _mm512_dpbusd_epi32 makes GCC copy each accumulator before every
-// use and keep the tile's accumulators on the stack; written out, they stay in registers (the same instruction, so
-// the same sums).
-GGUF_VNNI_TARGET inline void dpbusd(__m512i& acc, __m512i u, __m512i s) {
-  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u), "v"(s));
-}
-
-GGUF_VNNI_TARGET inline void dpbusd_word(__m512i& acc, __m512i u, const int32_t* s) {
-  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*s));
-}
+using vnni::dpbusd;  // in place, accumulators kept in registers (layers/csrc/vpdpbusd.h)
+using vnni::dpbusd_word;
 
 // acc[m] += (256 * i1[m] + i2[m]) * dx2[m] * d for the block's two terms (bdx: the block's scales; dx2 = dx1 / 256).
 template <int MT>
