@@ -20,7 +20,7 @@ from sglang.srt.layers.bf16_linear import BF16LinearMethod
 from sglang.srt.layers.cpu_classes import AMX, AVX2, AVX512_BF16, OTHER, cpu_class
 from sglang.srt.layers.int8_linear import Int8LinearMethod
 from sglang.srt.layers.linear import DENSE, Linear
-from sglang.srt.layers.small_batch_rows import INT8_LARGE_MODEL_ROWS, head_small_batch_rows
+from sglang.srt.layers.small_batch_rows import INT8_LARGE_MODEL_Q4_ROWS, INT8_LARGE_MODEL_ROWS, head_small_batch_rows
 from sglang.srt.model_loader.dtype import parse_cpu_flags, read_cpu_flags
 from sglang.srt.model_loader.gemm_methods import attach_large_batch_gemm
 
@@ -241,7 +241,8 @@ def test_small_batch_rows_per_cpu_class():
     # int8 activations asked for on AVX2 run the portable loop: no reason to widen their share
     assert choose_arithmetic("cpu", "auto", "auto", AVX2_FLAGS, gguf_activations="int8").small_batch_max_rows == 64
     # the int8 GEMM on a VNNI CPU takes batches above INT8_LARGE_MODEL_ROWS rows of a model of 1B parameters or more
-    # whose Q8_0 blocks were made at load; a smaller model, a GGUF file's or a quantized checkpoint's blocks keep 64
+    # whose Q8_0 blocks were made at load or are most of a GGUF file's, above INT8_LARGE_MODEL_Q4_ROWS where they are
+    # Q4_1; a smaller model, a GGUF file of unknown blocks or a quantized checkpoint's blocks keep 64
     big, small = 4 << 30, 1 << 30
     for gemm, measured in (("int8", None), ("auto", {"bfloat16": 400, "int8": 600})):
         plan = choose_arithmetic("cpu", "auto", gemm, BF16_VNNI_FLAGS, measurements=measured, linear_float_bytes=big)
@@ -252,7 +253,13 @@ def test_small_batch_rows_per_cpu_class():
     assert int8(linear_float_bytes=None).small_batch_max_rows == 64
     assert int8(linear_float_bytes=big, gguf_checkpoint=True).small_batch_max_rows == 64
     assert int8(linear_float_bytes=big, quantized_checkpoint=True).small_batch_max_rows == 64
-    assert int8(linear_float_bytes=big, small_batch_quantization="q4_1").small_batch_max_rows == 64
+    gguf_file = functools.partial(int8, gguf_checkpoint=True)
+    assert gguf_file(linear_float_bytes=big, gguf_blocks="Q8_0").small_batch_max_rows == INT8_LARGE_MODEL_ROWS
+    assert gguf_file(linear_float_bytes=big, gguf_blocks="Q4_1").small_batch_max_rows == INT8_LARGE_MODEL_Q4_ROWS
+    assert gguf_file(linear_float_bytes=small, gguf_blocks="Q8_0").small_batch_max_rows == 64
+    q4_1 = int8(linear_float_bytes=big, small_batch_quantization="q4_1")
+    assert q4_1.small_batch_max_rows == INT8_LARGE_MODEL_Q4_ROWS
+    assert int8(linear_float_bytes=big, small_batch_quantization="none").small_batch_max_rows == 64
     assert int8(linear_float_bytes=big, gguf_activations="float32").small_batch_max_rows == 64
     assert choose_arithmetic("cpu", "auto", "auto", BF16_VNNI_FLAGS, linear_float_bytes=big).small_batch_max_rows == 64
     assert resolve_small_batch_rows(None, bf16) == 64

@@ -218,6 +218,30 @@ def test_converted_parts_packed_a_slice_at_a_time_equal_the_whole(types, monkeyp
     assert sliced is not None and whole is not None and torch.equal(sliced, whole)
 
 
+@pytest.mark.parametrize("parts,served", [((("Q4_K", 96), ("Q6_K", 32), ("F32", 512)), "Q4_1"),
+                                          ((("Q4_0", 32), ("Q6_K", 48), ("Q5_0", 32)), "Q8_0"),
+                                          ((("F32", 64),), None)])
+def test_file_served_type_counts_the_weights_of_each_served_block_type(tmp_path, parts, served):
+    """The block type most of a file's matrix weights are served as (the server's small-batch rows follow it), read
+    from the header: each stored type counted as SERVED_AS serves it, float and 1-D tensors not at all."""
+    from sglang.srt.model_loader.gguf_block_convert import file_served_type
+
+    path = tmp_path / "mixed.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for i, (qtype, rows) in enumerate(parts):
+        w = random_weights(rows, 256, seed=i)
+        if qtype == "F32":
+            writer.add_tensor(f"blk.{i}.w", w)
+        else:
+            writer.add_tensor(f"blk.{i}.w", quantize(w, qtype), raw_dtype=T[qtype])
+    writer.add_tensor("norm", np.ones(256, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert file_served_type(path) == served
+
+
 # Relative RMS error of each K-quant on Gaussian weights (llama.cpp's quantizer: 0.30, 0.14, 0.072, 0.036, 0.018).
 WRITER_ERROR = {"Q2_K": 0.33, "Q3_K": 0.15, "Q4_K": 0.08, "Q5_K": 0.04, "Q6_K": 0.02}
 

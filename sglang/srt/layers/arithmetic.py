@@ -210,6 +210,7 @@ def choose_arithmetic(
     linear_float_bytes: Optional[int] = None,
     quantized_checkpoint: bool = False,
     gguf_checkpoint: bool = False,
+    gguf_blocks: Optional[str] = None,
 ) -> ArithmeticPlan:
     """The arithmetic for a server: model dtype, the large-batch GEMM, the GGUF kernels' activations, the blocks
     made for a checkpoint without GGUF blocks and the KV cache dtype.
@@ -226,6 +227,7 @@ def choose_arithmetic(
     whose own blocks serve small batches whatever `small_batch_quantization` says (that setting then only concerns a
     float checkpoint a weight update may bring). For either, large batches read the blocks too where the model is not
     small: the user chose the quantized format for its size, and a dense float32 copy would hold 4 bytes per weight.
+    `gguf_blocks`: the block type most of the GGUF file's weights are served as ("Q4_1" / "Q8_0"; None: unknown).
     """
     if gguf_activations not in GGUF_ACTIVATIONS:
         raise ValueError(f"--gguf-activations must be one of {GGUF_ACTIVATIONS}, got {gguf_activations!r}")
@@ -262,7 +264,11 @@ def choose_arithmetic(
     plan = dataclasses.replace(plan, gguf_activations=act, gguf_activations_reason=why,
                                small_batch_quantization=small_batch_quantization, large_batch_weights=weights,
                                large_batch_weights_reason=weights_why, kv_cache_dtype=kv, kv_cache_dtype_reason=kv_why)
-    rows = small_batch_rows(plan, flags, act, linear_float_bytes, not (quantized_checkpoint or gguf_checkpoint))
+    if gguf_checkpoint:
+        blocks = gguf_blocks.lower() if gguf_blocks else None
+    else:
+        blocks = None if quantized_checkpoint or small_batch_quantization == "none" else small_batch_quantization
+    rows = small_batch_rows(plan, flags, act, linear_float_bytes, blocks)
     plan = dataclasses.replace(plan, small_batch_max_rows=rows)
     attention, attention_why = choose_prefill_attention(plan, flags, machine, prefill_attention)
     return dataclasses.replace(plan, prefill_attention=attention, prefill_attention_reason=attention_why)

@@ -25,33 +25,38 @@ AMX_SMALL_BATCH_ROWS = 32
 # prefill, 1.16x at 1,024 rows and 1.06-1.22x at 2,048 but 0.8-1.0x at 3,072-4,096, and whole prefills of 520-1,950
 # tokens 1.08-1.18x (2026-11-26).
 AVX2_SMALL_BATCH_ROWS = 2048
-# Where the int8 GEMM serves large batches and the small ones read Q8_0 blocks made at load with int8 activations,
-# a model of 1B parameters or more has layers large enough for the GEMM to win sooner. On a Zen 4 CPU (AVX512-BF16 /
-# VNNI, no AMX) at SmolLM2-1.7B's shape, with few rows multiplied by the compiled VNNI kernel (int8_linear.int8_matmul)
-# and the outlier columns read from the blocks in one vector pass, a decode step of 24 sequences took 288 ms layer by
-# layer against 314 ms in the fused step (1.09x), 32: 345 against 407 ms, 48: 439 against 612 ms, while at 16 the
-# fused step stayed faster (198 against 241 ms) (benchmarks/RESULTS.md, "An int8 GEMM of few rows"; with torch._int_mm
-# the two crossed between 48 and 64). The Q4_1 blocks of a Q4 file read half the bytes and cross later (about 60
-# rows at 1.7B with torch._int_mm): 64 stays.
+# Where the int8 GEMM serves large batches and the small ones read Q8_0 blocks (made at load or a GGUF file's) with
+# int8 activations, a model of 1B parameters or more has layers large enough for the GEMM to win sooner. On a Zen 4
+# CPU (AVX512-BF16 / VNNI, no AMX) at SmolLM2-1.7B's shape, with few rows multiplied by the compiled VNNI kernel
+# (int8_linear.int8_matmul) and the outlier columns read from the blocks in one vector pass, a decode step of 24
+# sequences took 288 ms layer by layer against 314 ms in the fused step (1.09x), 32: 345 against 407 ms, 48: 439
+# against 612 ms, while at 16 the fused step stayed faster (198 against 241 ms) (benchmarks/RESULTS.md, "An int8 GEMM
+# of few rows"; with torch._int_mm the two crossed between 48 and 64).
 INT8_LARGE_MODEL_ROWS = 20
+# Q4_1 blocks read half the bytes and cross later: a Q4_0 file of the 1.7B shape (served as Q4_1) decoded 24
+# sequences at 0.96x on the int8 GEMM, 32 at 1.0x, 48 at 1.14x (the same section).
+INT8_LARGE_MODEL_Q4_ROWS = 32
 # A model of 1B parameters or more, by the float32 bytes of its linear weights (also where the CPU's prefill batches
 # get smaller: model_info.default_chunked_prefill_size).
 LARGE_MODEL_FLOAT_BYTES = 4 << 30
 
 
 def small_batch_rows(plan: ArithmeticPlan, flags: frozenset[str] = frozenset(), activations: str = "float32",
-                     linear_float_bytes: Optional[int] = None, blocks_made_at_load: bool = False) -> int:
+                     linear_float_bytes: Optional[int] = None, blocks: Optional[str] = None) -> int:
     """The plan's small_batch_max_rows. `linear_float_bytes`: the float32 bytes of the model's linear weights (None
-    where unknown); `blocks_made_at_load`: a float checkpoint whose blocks are the plan's small_batch_quantization
-    (not a GGUF file's or a quantized checkpoint's own)."""
+    where unknown); `blocks`: the block type small batches read ("q8_0" or "q4_1": made at load or most of a GGUF
+    file's; None where unknown or the blocks of a quantized checkpoint)."""
     if plan.cpu_class == AMX and plan.large_batch_gemm == "bfloat16":
         return AMX_SMALL_BATCH_ROWS
     if (plan.cpu_class == AVX2 and "avx512f" not in flags and plan.large_batch_gemm == "float32"
             and activations == "float32"):
         return AVX2_SMALL_BATCH_ROWS
-    if (plan.large_batch_gemm == "int8" and activations == "int8" and blocks_made_at_load
-            and plan.small_batch_quantization == "q8_0" and (linear_float_bytes or 0) >= LARGE_MODEL_FLOAT_BYTES):
-        return INT8_LARGE_MODEL_ROWS
+    if (plan.large_batch_gemm == "int8" and activations == "int8"
+            and (linear_float_bytes or 0) >= LARGE_MODEL_FLOAT_BYTES):
+        if blocks == "q8_0":
+            return INT8_LARGE_MODEL_ROWS
+        if blocks == "q4_1":
+            return INT8_LARGE_MODEL_Q4_ROWS
     return SMALL_BATCH_ROWS
 
 

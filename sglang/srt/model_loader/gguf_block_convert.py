@@ -25,6 +25,7 @@ rules, bit for bit, on both cores: 0.9 s instead of 13.6 s for SmolLM2-1.7B's Q4
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
@@ -41,7 +42,7 @@ from sglang.srt.layers.quantization.gguf_blocks import (
     kernel_module,
     pack_stored,
 )
-from sglang.srt.model_loader.gguf_reader import GGML_BLOCK_TYPES, q4_0_as_q4_1
+from sglang.srt.model_loader.gguf_reader import GGML_BLOCK_TYPES, gguf_tensor_table, q4_0_as_q4_1
 
 # The block type each stored type is served as when a layer's parts all allow Q4_1; otherwise Q8_0.
 SERVED_AS = {"Q4_0": "Q4_1", "Q4_1": "Q4_1", "Q4_K": "Q4_1", "Q8_0": "Q8_0", "Q5_0": "Q8_0", "Q5_1": "Q8_0",
@@ -59,6 +60,17 @@ SLICE_VALUES = 1 << 20
 def served_type(qtypes: Iterable[str]) -> str:
     """The block type a layer stacking parts of `qtypes` is served as: Q4_1 where every part allows it, else Q8_0."""
     return "Q4_1" if all(SERVED_AS[t] == "Q4_1" for t in qtypes) else "Q8_0"
+
+
+def file_served_type(path: str | os.PathLike) -> Optional[str]:
+    """The block type most of a GGUF file's matrix weights are served as (by their count of weights; a layer's parts
+    counted one by one), or None where it holds none of `SERVED_AS`'s types. Reads the header only."""
+    counts: dict[str, int] = {}
+    for _, dims, ttype, _ in gguf_tensor_table(path)[1]:
+        name = GGML_BLOCK_TYPES.get(ttype, ("",))[0]
+        if name in SERVED_AS and len(dims) >= 2:
+            counts[SERVED_AS[name]] = counts.get(SERVED_AS[name], 0) + int(np.prod(dims))
+    return max(counts, key=lambda t: counts[t]) if counts else None
 
 
 def _numpy(raw: Any) -> np.ndarray:

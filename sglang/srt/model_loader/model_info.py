@@ -52,6 +52,7 @@ def load_model_info(server_args: ServerArgs) -> ModelInfo:
     from transformers import AutoConfig, GenerationConfig
 
     from sglang.srt.model_loader.gemm_measurement import linear_float_bytes, plan_for_this_machine
+    from sglang.srt.model_loader.gguf_block_convert import file_served_type
     from sglang.srt.model_loader.quant_config import quantization_settings, resolve_quantization
     from sglang.srt.model_loader.resolve import gguf_source_for, resolve_model_path
 
@@ -82,7 +83,8 @@ def load_model_info(server_args: ServerArgs) -> ModelInfo:
                                        large_batch_weights=server_args.large_batch_weights,
                                        embedding=bool(server_args.is_embedding),
                                        quantized_checkpoint=scheme is not None,
-                                       gguf_checkpoint=gguf_path is not None)
+                                       gguf_checkpoint=gguf_path is not None,
+                                       gguf_blocks=file_served_type(gguf_path) if gguf_path else None)
     if server_args.chunked_prefill_size is None:  # CPU: by the model's size (GPUs have theirs from ServerArgs)
         server_args.chunked_prefill_size = default_chunked_prefill_size(linear_float_bytes(hf_config))
     dtype = arithmetic.weight_dtype
