@@ -55,6 +55,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--gguf-activations", choices=["auto", "float32", "int8"], default="auto")
+    parser.add_argument("--gguf-kernel-max-rows", type=int, default=None,
+                        help="the server flag: batches above it run layer by layer on the large-batch GEMM")
     parser.add_argument("--cprofile", action="store_true")
     parser.add_argument("--stack-only", action="store_true")
     parser.add_argument("--seconds", type=float, default=8.0)
@@ -73,7 +75,8 @@ def main() -> None:
                              "(one call) and fed from Python (embedding, RoPE rows, head apart), alternated")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    server_args = ServerArgs(model_path=args.model_path, gguf_activations=args.gguf_activations)
+    server_args = ServerArgs(model_path=args.model_path, gguf_activations=args.gguf_activations,
+                             gguf_kernel_max_rows=args.gguf_kernel_max_rows)
     server_args.validate()
     ports = PortArgs.init_new()
     sched = Scheduler(server_args, ports, load_model_info(server_args), load_tokenizer_for(server_args))

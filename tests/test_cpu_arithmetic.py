@@ -20,7 +20,12 @@ from sglang.srt.layers.bf16_linear import BF16LinearMethod
 from sglang.srt.layers.cpu_classes import AMX, AVX2, AVX512_BF16, OTHER, cpu_class
 from sglang.srt.layers.int8_linear import Int8LinearMethod
 from sglang.srt.layers.linear import DENSE, Linear
-from sglang.srt.layers.small_batch_rows import INT8_LARGE_MODEL_Q4_ROWS, INT8_LARGE_MODEL_ROWS, head_small_batch_rows
+from sglang.srt.layers.small_batch_rows import (
+    INT8_LARGE_MODEL_Q4_ROWS,
+    INT8_LARGE_MODEL_ROWS,
+    ONE_TERM_ENV,
+    head_small_batch_rows,
+)
 from sglang.srt.model_loader.dtype import parse_cpu_flags, read_cpu_flags
 from sglang.srt.model_loader.gemm_methods import attach_large_batch_gemm
 
@@ -214,7 +219,7 @@ def test_small_batch_quantization_per_plan():
         choose_arithmetic("cpu", "bfloat16", "auto", AVX2_FLAGS, small_batch_quantization="q8_0")
 
 
-def test_small_batch_rows_per_cpu_class():
+def test_small_batch_rows_per_cpu_class(monkeypatch):
     """The quantized blocks (and the fused decode step) serve up to 64 rows whatever GEMM large batches run (the
     int8 fused step beats the AVX512 bf16 GEMM path up to there too), except on AMX CPUs, whose bf16 GEMM takes
     over above 32, and on CPUs whose widest FMAs are AVX2's, where the float32 blocks beat the float32 GEMM up to
@@ -240,9 +245,11 @@ def test_small_batch_rows_per_cpu_class():
         assert choose_arithmetic(*args).small_batch_max_rows == 64, args
     # int8 activations asked for on AVX2 run the portable loop: no reason to widen their share
     assert choose_arithmetic("cpu", "auto", "auto", AVX2_FLAGS, gguf_activations="int8").small_batch_max_rows == 64
-    # the int8 GEMM on a VNNI CPU takes batches above INT8_LARGE_MODEL_ROWS rows of a model of 1B parameters or more
-    # whose Q8_0 blocks were made at load or are most of a GGUF file's, above INT8_LARGE_MODEL_Q4_ROWS where they are
-    # Q4_1; a smaller model, a GGUF file of unknown blocks or a quantized checkpoint's blocks keep 64
+    # with both activation terms in every block (the one-term form off), the int8 GEMM on a VNNI CPU takes batches
+    # above INT8_LARGE_MODEL_ROWS rows of a model of 1B parameters or more whose Q8_0 blocks were made at load or are
+    # most of a GGUF file's, above INT8_LARGE_MODEL_Q4_ROWS where they are Q4_1; a smaller model, a GGUF file of
+    # unknown blocks or a quantized checkpoint's blocks keep 64 (tests/test_gguf_int8_one_term.py: the form on)
+    monkeypatch.setenv(ONE_TERM_ENV, "0")
     big, small = 4 << 30, 1 << 30
     for gemm, measured in (("int8", None), ("auto", {"bfloat16": 400, "int8": 600})):
         plan = choose_arithmetic("cpu", "auto", gemm, BF16_VNNI_FLAGS, measurements=measured, linear_float_bytes=big)

@@ -67,7 +67,7 @@ from sglang.srt.layers.cpu_classes import (
     int8_matmul_native,
     is_x86,
 )
-from sglang.srt.layers.small_batch_rows import small_batch_rows
+from sglang.srt.layers.small_batch_rows import one_term_rows, small_batch_rows
 from sglang.srt.mem_cache.kv_dtype import resolve_kv_cache_dtype
 from sglang.srt.model_loader.dtype import dtype_name, resolve_dtype
 
@@ -103,6 +103,8 @@ class ArithmeticPlan:
     # the most rows a matmul (and a decode batch, in the fused step) takes on the quantized blocks; above it the
     # large-batch GEMM and the layer-by-layer path. --gguf-kernel-max-rows overrides it.
     small_batch_max_rows: int = 64
+    # from how many rows int8 block matmuls take the one-term form of their input (0: never; small_batch_rows.py)
+    int8_one_term_rows: int = 0
     # what prefill / extend attention multiplies over the K/V cache: bfloat16 (dot products) | float32
     prefill_attention: str = "float32"
     prefill_attention_reason: str = ""
@@ -119,9 +121,14 @@ class ArithmeticPlan:
         where = f"CPU class {self.cpu_class}" if self.cpu_class else self.device
         return (f"Arithmetic: {where}; {stored}; prefill and large batches "
                 f"{self.large_batch_gemm} GEMM ({self.reason}); GGUF blocks with {self.gguf_activations} "
-                f"activations ({self.gguf_activations_reason}) up to {self.small_batch_max_rows} rows; "
+                f"activations ({self.gguf_activations_reason}{self._one_term()}) up to {self.small_batch_max_rows} "
+                "rows; "
                 f"checkpoints without GGUF blocks: {self._plain_checkpoints()}; "
                 f"prefill attention {self.prefill_attention} ({self.prefill_attention_reason})")
+
+    def _one_term(self) -> str:
+        rows = self.int8_one_term_rows
+        return f"; one term per block and each tile's largest columns in float32 from {rows} rows" if rows else ""
 
     def _plain_checkpoints(self) -> str:
         if self.large_batch_weights == "blocks":
@@ -148,6 +155,7 @@ class ArithmeticPlan:
             "large_batch_weights_reason": self.large_batch_weights_reason,
             "block_gemm": self.block_gemm,
             "small_batch_max_rows": self.small_batch_max_rows,
+            "int8_one_term_rows": self.int8_one_term_rows,
             "prefill_attention": self.prefill_attention,
             "prefill_attention_reason": self.prefill_attention_reason,
         }
@@ -268,6 +276,7 @@ def choose_arithmetic(
         blocks = gguf_blocks.lower() if gguf_blocks else None
     else:
         blocks = None if quantized_checkpoint or small_batch_quantization == "none" else small_batch_quantization
+    plan = dataclasses.replace(plan, int8_one_term_rows=one_term_rows(act, linear_float_bytes))
     rows = small_batch_rows(plan, flags, act, linear_float_bytes, blocks)
     plan = dataclasses.replace(plan, small_batch_max_rows=rows)
     attention, attention_why = choose_prefill_attention(plan, flags, machine, prefill_attention)

@@ -3,6 +3,7 @@ arithmetic plan (layers/arithmetic.py) takes over, per CPU class: the plan's `sm
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Optional
 
 from sglang.srt.layers.cpu_classes import AMX, AVX2
@@ -34,8 +35,13 @@ AVX2_SMALL_BATCH_ROWS = 2048
 # of few rows"; with torch._int_mm the two crossed between 48 and 64).
 INT8_LARGE_MODEL_ROWS = 20
 # Q4_1 blocks read half the bytes and cross later: a Q4_0 file of the 1.7B shape (served as Q4_1) decoded 24
-# sequences at 0.96x on the int8 GEMM, 32 at 1.0x, 48 at 1.14x (the same section).
+# sequences at 0.96x on the int8 GEMM, 32 at 1.0x, 48 at 1.14x (the same section). Both apply only where the blocks
+# take both activation terms: in the one-term form (below) the fused step outran the int8 GEMM at every row count up
+# to 64 (1.7B: 48 sequences 387 against 491 ms, 64: 521 against 615 ms), but not at the 7B shape, whose int8 GEMM
+# runs nearer its peak (32 sequences: 1,305 ms one-term fused, measured beside other work, against 992 ms), so from
+# ONE_TERM_FUSED_BELOW_FLOAT_BYTES of float32 linear weights (a model of about 4B parameters) the limits stay.
 INT8_LARGE_MODEL_Q4_ROWS = 32
+ONE_TERM_FUSED_BELOW_FLOAT_BYTES = 16 << 30
 # A model of 1B parameters or more, by the float32 bytes of its linear weights (also where the CPU's prefill batches
 # get smaller: model_info.default_chunked_prefill_size).
 LARGE_MODEL_FLOAT_BYTES = 4 << 30
@@ -51,13 +57,37 @@ def small_batch_rows(plan: ArithmeticPlan, flags: frozenset[str] = frozenset(), 
     if (plan.cpu_class == AVX2 and "avx512f" not in flags and plan.large_batch_gemm == "float32"
             and activations == "float32"):
         return AVX2_SMALL_BATCH_ROWS
-    if (plan.large_batch_gemm == "int8" and activations == "int8"
+    one_term_wins = plan.int8_one_term_rows and (linear_float_bytes or 0) < ONE_TERM_FUSED_BELOW_FLOAT_BYTES
+    if (plan.large_batch_gemm == "int8" and activations == "int8" and not one_term_wins
             and (linear_float_bytes or 0) >= LARGE_MODEL_FLOAT_BYTES):
         if blocks == "q8_0":
             return INT8_LARGE_MODEL_ROWS
         if blocks == "q4_1":
             return INT8_LARGE_MODEL_Q4_ROWS
     return SMALL_BATCH_ROWS
+
+
+# From how many rows the int8 block matmuls of a model of 1B parameters or more take their input in the one-term form
+# (layers/quantization/csrc/gguf_int8_input.h: one int8 term per block, each tile's 64 largest input columns in
+# float32): a decode step of several rows is bound by the integer work, which the form halves. Fused decode steps at
+# the 1.7B shape on a Zen 4 CPU (AVX512-VNNI), both terms against one: 4 sequences 65-67 against 72 ms (a step of few
+# rows is bound by reading the weights, and the columns cost their share), 8: 94-100 against 87 ms, 16: 179 against
+# 138 ms, 32: 350 against 256 ms (benchmarks/RESULTS.md, "One activation term"). Smaller models keep both terms.
+# SGLANG_GGUF_INT8_ONE_TERM_ROWS sets the row count for any model (0: never).
+INT8_ONE_TERM_MIN_ROWS = 8
+ONE_TERM_ENV = "SGLANG_GGUF_INT8_ONE_TERM_ROWS"
+
+
+def one_term_rows(activations: str, linear_float_bytes: Optional[int] = None) -> int:
+    """The plan's int8_one_term_rows: 0 (never) unless the block kernels take int8 activations."""
+    if activations != "int8":
+        return 0
+    env = os.environ.get(ONE_TERM_ENV)
+    if env is not None:
+        if not env.strip().isdigit():
+            raise ValueError(f"{ONE_TERM_ENV} must be a row count >= 0, got {env!r}")
+        return int(env)
+    return INT8_ONE_TERM_MIN_ROWS if (linear_float_bytes or 0) >= LARGE_MODEL_FLOAT_BYTES else 0
 
 
 # The LM head is one matmul outside the fused step, so it takes whichever kernel is faster at its row count: its

@@ -119,7 +119,7 @@ class FusedCpuDecode:
     name = "fused CPU decode step"
 
     def __init__(self, stack: Any, max_rows: int, int8_activations: bool = False, from_tokens: bool = False,
-                 with_head: bool = False) -> None:
+                 with_head: bool = False, one_term_rows: int = 0) -> None:
         self.stack = stack
         self.max_rows = max_rows
         # Whether the stack builds its input from the token ids (set_token_tables) and ends with the LM head.
@@ -128,7 +128,10 @@ class FusedCpuDecode:
         reach = ""
         if from_tokens:
             reach = " (token ids to logits)" if self.with_head else " (token ids to final hidden states)"
-        self.name = f"{FusedCpuDecode.name}{reach}{' with int8 activations' if int8_activations else ''}"
+        act = " with int8 activations" if int8_activations else ""
+        if int8_activations and one_term_rows:
+            act += f" (one term per block from {one_term_rows} rows)"
+        self.name = f"{FusedCpuDecode.name}{reach}{act}"
         self.lora_slots = LoraSlots(stack)
 
     def accepts(self, forward_batch: ForwardBatch, lora: Optional[LoraBatchState] = None) -> bool:
@@ -255,8 +258,11 @@ def build_fused_decode(model: Any, k_buffers: list[torch.Tensor], v_buffers: lis
                         *(None if n is None else n.weight.detach() for n in norms))
     stack.set_kv_cache(k_buffers, v_buffers)
     # The step quantizes activations to int8 when the layers' GGUF methods do (the arithmetic plan sets them all).
-    int8 = bool(layers[0].self_attn.qkv_proj.linear_method.int8_activations)
+    method = layers[0].self_attn.qkv_proj.linear_method
+    int8 = bool(method.int8_activations)
     stack.set_int8_activations(int8)
+    one_term = int(getattr(method, "one_term_rows", 0)) if int8 else 0
+    stack.set_one_term_rows(one_term)
     from_tokens = _plain_token_inputs(backbone)
     if from_tokens:
         table = backbone.embed_tokens
@@ -267,10 +273,10 @@ def build_fused_decode(model: Any, k_buffers: list[torch.Tensor], v_buffers: lis
             stack.set_token_blocks(blocks.packed, blocks.n, blocks.qtype, rotary.cos_cache, rotary.sin_cache)
         else:
             stack.set_token_tables(table.weight.detach(), rotary.cos_cache, rotary.sin_cache)
-        head = _fusable_head(model, max_rows, int8)
+        head = _fusable_head(model, max_rows, int8, one_term)
         if head is not None:
             stack.set_head(*head)
-    return FusedCpuDecode(stack, max_rows, int8, from_tokens, stack.has_head() if from_tokens else False)
+    return FusedCpuDecode(stack, max_rows, int8, from_tokens, stack.has_head() if from_tokens else False, one_term)
 
 
 def _plain_token_inputs(backbone: Any) -> bool:
@@ -283,12 +289,14 @@ def _plain_token_inputs(backbone: Any) -> bool:
             and rotary.cos_cache.is_contiguous() and rotary.sin_cache.is_contiguous())
 
 
-def _fusable_head(model: Any, max_rows: int, int8: bool) -> Optional[tuple[torch.Tensor, int, str]]:
+def _fusable_head(model: Any, max_rows: int, int8: bool, one_term: int) -> Optional[tuple[torch.Tensor, int, str]]:
     """(packed blocks, vocab, qtype) of an LM head the step can end with: GGUF blocks for every batch it runs,
-    computed like the layers (same int8 switch), with logits that need no scaling, bias or unpadding."""
+    computed like the layers (same int8 switch and one-term rows), with logits that need no scaling, bias or
+    unpadding."""
     processor = getattr(model, "logits_processor", None)
     method = getattr(processor, "head_method", None)
-    if not isinstance(method, GGUFLinearMethod) or method.max_rows < max_rows or method.int8_activations != int8:
+    if (not isinstance(method, GGUFLinearMethod) or method.max_rows < max_rows or method.int8_activations != int8
+            or (method.one_term_rows if int8 else 0) != one_term):
         return None
     weight = method.quant_weight
     if (processor.logit_scale != 1.0 or weight.n != processor.vocab_size or weight.qtype not in ("Q4_1", "Q8_0")

@@ -155,7 +155,7 @@ def attach_fast_paths(model: Any, gguf_path: Optional[str], hf_config: Any, gguf
             and param.dtype == torch.float32):
         quant_bytes += attach_large_batch_gemm(model, arithmetic.large_batch_gemm)
     if arithmetic is not None:
-        set_gguf_activations(model, arithmetic.gguf_activations)
+        set_gguf_activations(model, arithmetic.gguf_activations, arithmetic.int8_one_term_rows)
     release_made_blocks(model)  # blocks a quantized checkpoint's reading made that no layer took (none attached)
     if param.device.type == "cpu":  # the weights are final; the fused decode step takes their addresses later
         logger.info("Memory pages: %s", huge_pages.move_weights(model))

@@ -243,6 +243,14 @@ class DecodeStack {
   void set_int8_activations(bool on) { int8_ = on; }
   bool int8_activations() const { return int8_; }
 
+  // From how many rows the int8 matmuls take their input in the one-term form (gguf_int8_input.h; 0: never).
+  void set_one_term_rows(int64_t rows) {
+    TORCH_CHECK(rows >= 0, "one_term_rows must be >= 0");
+    one_term_rows_ = rows;
+  }
+  int64_t one_term_rows() const { return one_term_rows_; }
+  bool one_term(int64_t B) const { return int8_ && one_term_rows_ > 0 && B >= one_term_rows_; }
+
   // The tables forward_tokens builds the first layer's input from: the embedding table [vocab, hidden] and the
   // half-width RoPE tables [positions, rotary_dim / 2] (RotaryEmbedding.cos_cache / sin_cache), float32. The
   // embedding table may be bf16 (a bf16 checkpoint's table kept as stored): its rows widen to float32 exactly.
@@ -672,13 +680,13 @@ class DecodeStack {
       for (; item >= 0 && item < T; item = ph.claim(n)) {
         const int64_t m0 = item * gguf_kernels::kPrepareTile;
         input = build_rows(m0, std::min(gguf_kernels::kPrepareTile, B - m0), xin);
-        gguf_kernels::prepare_tile(lin.q4, input, B, K, m0, panels, sums, int8_);
+        gguf_kernels::prepare_tile(lin.q4, input, B, K, m0, panels, sums, int8_, one_term(B));
         ph.finish();
       }
       auto prepare = [&](gguf_kernels::PreparedInput& in) -> const float* {
         ph.wait(T);
         if (input == nullptr) input = build_rows(0, 0, xin);  // no rows: just where the input lives
-        in = gguf_kernels::prepared_view(lin.q4, input, B, K, panels, sums, int8_);
+        in = gguf_kernels::prepared_view(lin.q4, input, B, K, panels, sums, int8_, one_term(B));
         return input;
       };
       matmul_items_loop(s, ph, n, T, lin, prepare, y, item, site);
@@ -701,7 +709,8 @@ class DecodeStack {
         sc.panels.resize(static_cast<size_t>(gguf_kernels::panel_floats(B, K)));
         sc.sums.resize(static_cast<size_t>(gguf_kernels::sum_floats(B, K)));
       }
-      in = gguf_kernels::prepare_input(lin.q4, input, B, K, sc.panels.data(), sc.sums.data(), int8_, convert);
+      in = gguf_kernels::prepare_input(lin.q4, input, B, K, sc.panels.data(), sc.sums.data(), int8_, convert,
+                                       one_term(B));
       return input;
     };
     matmul_items_loop(s, ph, n, first, lin, prepare, y, item, site);
@@ -910,6 +919,7 @@ class DecodeStack {
   int64_t hidden_, heads_, kv_heads_, head_dim_, rotary_dim_, inter_;
   float eps_, scale_;
   bool int8_ = false;
+  int64_t one_term_rows_ = 0;
   bool share_input_ = true;
   int64_t items_per_thread_ = 1;
   int64_t head_items_per_thread_ = 4;
@@ -946,6 +956,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("num_layers", &DecodeStack::num_layers)
       .def("set_int8_activations", &DecodeStack::set_int8_activations, py::arg("on"))
       .def("int8_activations", &DecodeStack::int8_activations)
+      .def("set_one_term_rows", &DecodeStack::set_one_term_rows, py::arg("rows"))
+      .def("one_term_rows", &DecodeStack::one_term_rows)
       .def("set_matmul_items_per_thread", &DecodeStack::set_matmul_items_per_thread, py::arg("n"))
       .def("matmul_items_per_thread", &DecodeStack::matmul_items_per_thread)
       .def("set_head_items_per_thread", &DecodeStack::set_head_items_per_thread, py::arg("n"))

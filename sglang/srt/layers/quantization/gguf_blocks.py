@@ -55,10 +55,11 @@ DISABLE_ENV = "SGLANG_DISABLE_GGUF_KERNELS"
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "gguf_linear.cpp"
 # The headers of the kernels (decode_stack.cpp includes them too): part of each extension's build hash.
 KERNEL_HEADERS = [_SOURCE.parent / name
-                  for name in ("gguf_kernels.h", "gguf_avx2_kernels.h", "gguf_int8.h", "gguf_layout.h",
+                  for name in ("gguf_kernels.h", "gguf_avx2_kernels.h", "gguf_int8.h", "gguf_int8_input.h",
+                                "gguf_layout.h",
                                 "gguf_dequant_gemm.h", "gguf_dequant_rows.h", "gguf_kquant_rows.h",
                                 "gguf_kquant_checks.h")]
-KERNEL_HEADERS.append(_SOURCE.parent.parent.parent / "csrc" / "vpdpbusd.h")  # included by gguf_int8.h
+KERNEL_HEADERS.append(_SOURCE.parent.parent.parent / "csrc" / "vpdpbusd.h")  # included by gguf_int8_input.h
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -396,22 +397,24 @@ class GGUFQuantWeight:
             kernel = ext.q4_1_linear if self.qtype == "Q4_1" else ext.q8_0_linear
         else:
 
-            def kernel(x2: torch.Tensor, packed: torch.Tensor, n: int, k: int, int8: bool = False) -> torch.Tensor:
+            def kernel(x2: torch.Tensor, packed: torch.Tensor, n: int, k: int, int8: bool = False,
+                       one_term: bool = False) -> torch.Tensor:
                 return x2 @ self.dequantize().T  # without the extension x stays float32
 
         self._kernel = kernel
         return kernel
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, int8: bool = False) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, int8: bool = False,
+               one_term: bool = False) -> torch.Tensor:
         """x [..., k] -> [..., n] = x @ W.T (+ bias), computed in float32 and returned in x's dtype.
 
         With `int8` the kernel quantizes x to int8 per 32-value block first (csrc/gguf_int8.h: integer dot
-        products, AVX512-VNNI where the CPU has it). Whether the compiled kernel or the dense fallback is used is
-        decided on the first call.
+        products, AVX512-VNNI where the CPU has it); `one_term` in the one-term form (csrc/gguf_int8_input.h).
+        Whether the compiled kernel or the dense fallback is used is decided on the first call.
         """
         kernel = self._kernel or self._resolve_kernel()
         if bias is None and x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
-            return kernel(x, self.packed, self.n, self.k, int8)  # fast path: the kernel checks the shape
+            return kernel(x, self.packed, self.n, self.k, int8, one_term)  # fast path: the kernel checks the shape
         if x.shape[-1] != self.k:
             raise ValueError(f"expected input with last dim {self.k}, got {tuple(x.shape)}")
         out_dtype = x.dtype
@@ -419,7 +422,7 @@ class GGUFQuantWeight:
         x2 = x.reshape(-1, self.k)
         if x2.dtype != torch.float32:
             x2 = x2.to(torch.float32)
-        y = kernel(x2.contiguous(), self.packed, self.n, self.k, int8)
+        y = kernel(x2.contiguous(), self.packed, self.n, self.k, int8, one_term)
         if bias is not None:
             y = y + bias.to(torch.float32)
         if out_dtype != torch.float32:

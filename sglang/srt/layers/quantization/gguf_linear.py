@@ -24,12 +24,15 @@ class GGUFLinearMethod(LinearMethod):
         self.max_rows = max_rows
         # The method for more than `max_rows` rows (dense float, or a bf16 copy: layers/arithmetic.py).
         self.large = large
-        # Quantize x to int8 per 32-value block for the kernel (the plan's gguf_activations).
+        # Quantize x to int8 per 32-value block for the kernel (the plan's gguf_activations) ...
         self.int8_activations = int8_activations
+        # ... in the one-term form from this many rows (0: never; the plan's int8_one_term_rows)
+        self.one_term_rows = 0
 
     def apply(self, weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.max_rows:
-            return self.quant_weight.linear(x.to(weight.dtype), bias, self.int8_activations)
+            one_term = self.int8_activations and 0 < self.one_term_rows <= x.shape[0]
+            return self.quant_weight.linear(x.to(weight.dtype), bias, self.int8_activations, one_term)
         return self.large.apply(weight, x, bias)
 
     def apply_native(self, weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -42,16 +45,19 @@ class GGUFLinearMethod(LinearMethod):
 
     def describe(self) -> str:
         act = ", int8 activations" if self.int8_activations else ""
+        if self.int8_activations and self.one_term_rows:
+            act += f" (one term from {self.one_term_rows} rows)"
         return (f"GGUF {self.quant_weight.qtype} blocks{act} up to {self.max_rows} rows, "
                 f"{self.large.describe()} beyond")
 
 
-def set_gguf_activations(model: nn.Module, activations: str) -> int:
-    """Give every GGUF-blocks method of `model` (linear layers and the LM head) `activations` (float32 | int8);
-    returns how many methods it set."""
+def set_gguf_activations(model: nn.Module, activations: str, one_term_rows: int = 0) -> int:
+    """Give every GGUF-blocks method of `model` (linear layers and the LM head) `activations` (float32 | int8), int8
+    ones in the one-term form from `one_term_rows` rows (0: never); returns how many methods it set."""
     count = 0
     for method in linear_methods(model):
         if isinstance(method, GGUFLinearMethod):
             method.int8_activations = activations == "int8"
+            method.one_term_rows = one_term_rows if method.int8_activations else 0
             count += 1
     return count

@@ -24,217 +24,54 @@
 //   Q8_0: the weights are signed, so each term is shifted to unsigned (q + 128) and 128 * sum(weights) is
 //         subtracted, with that sum formed by one more VPDPBUSD against a vector of ones (shared by every row of x).
 // Integer sums are exact (|sum| < 2^28); the only error against the float kernels is the rounding of x.
+// In the one-term form (gguf_int8_input.h) the second term's dot products are skipped and each tile's outlier
+// columns are added in float32 after the blocks (add_outliers), from the weights the row group holds there.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
-#include "../../csrc/vpdpbusd.h"
-#include "gguf_layout.h"
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define GGUF_INT8_VNNI 1
-#include <immintrin.h>
-#endif
+#include "gguf_int8_input.h"
 
 namespace gguf_kernels {
 
 namespace int8 {
 
-// Whether the AVX512 code of this file can run on this CPU: AVX512 F/BW/VL and FMA (the block quantizer), plus
-// VNNI for the kernels. SGLANG_GGUF_INT8_PORTABLE=1 forces the portable loops (to test them on such a machine).
-inline bool avx512_supported() {
-#ifdef GGUF_INT8_VNNI
-  static const bool ok = std::getenv("SGLANG_GGUF_INT8_PORTABLE") == nullptr && __builtin_cpu_supports("avx512f") &&
-                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-                         __builtin_cpu_supports("fma");
-  return ok;
-#else
-  return false;
-#endif
-}
-
-// Whether the AVX512-VNNI kernels can run on this CPU.
-inline bool vnni_supported() {
-#ifdef GGUF_INT8_VNNI
-  static const bool ok = avx512_supported() && vnni::cpu_avx512_vnni();
-  return ok;
-#else
-  return false;
-#endif
-}
-
-constexpr int64_t kTermWords = 8;                    // 32 int8 values of one term, as 8 words of 4 bytes
-constexpr int64_t kWordsPerBlock = 2 * kTermWords;  // both terms
-constexpr int64_t kTile = 8;                        // rows of x per pass over a row group
-
-// Scratch floats quantize_rows needs for M rows of K inputs (words, then scales, then sums).
-inline int64_t scratch_floats(int64_t M, int64_t K) {
-  const int64_t nb = K / 32;
-  return M * nb * kWordsPerBlock + 3 * M * nb;
-}
-
-// x as the int8 kernels read it. Per tile of up to kTile rows starting at row m0 (mt rows), for block b, term s
-// (0 or 1), word w and row m of the tile:
-//   words[m0 * nb * 16 + (b * 16 + s * 8 + w) * mt + m], dx[m0 * nb * 2 + (b * 2 + s) * mt + m],
-//   sx[m0 * nb + b * mt + m] (the block's sum of the rounded x, for the Q4_1 minimum).
-struct QuantizedInput {
-  const int32_t* words;
-  const float* dx;
-  const float* sx;
-};
-
-// Rounds 32 values to int8 with scale max|v| / 127; returns the scale (0 for an all-zero block).
-inline float round_block(const float* v, int8_t* q) {
-  float amax = 0.0f;
-  for (int64_t k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(v[k]));
-  const float d = amax / 127.0f;
-  const float id = d > 0.0f ? 1.0f / d : 0.0f;
-  for (int64_t k = 0; k < 32; ++k) q[k] = static_cast<int8_t>(std::nearbyint(v[k] * id));
-  return d;
-}
-
-// One 32-value block as the kernels read it: the two terms' words (QuantizedInput), their scales and the block's
-// sum of the rounded x. For Q4_1 (q4) word 2j of a term holds q[8j + 2t] in byte t and word 2j + 1 holds
-// q[8j + 2t + 1]; for Q8_0 word j holds q[4j + t] + 128.
-struct QuantizedBlock {
-  int32_t words[2][kTermWords];
-  float d[2];
-  int32_t qsum[2];  // each term's sum of its int8 values
-
-  // The block's sum of the rounded x, computed one way for both quantizers (no contraction left to the compiler).
-  float sum() const { return std::fma(d[0], static_cast<float>(qsum[0]), d[1] * static_cast<float>(qsum[1])); }
-};
-
-// The scale of the second term: dx1 / 256, so the terms' integer sums combine exactly (256 * sum1 + sum2, a shift).
-constexpr int kSecondTermShift = 8;
-constexpr float kSecondTermSteps = 1 << kSecondTermShift;
-
-inline void quantize_block_portable(bool q4, const float* v, QuantizedBlock& out) {
-  int8_t q[2][32];
-  float rest[32];
-  out.d[0] = round_block(v, q[0]);
-  // The remainder rounded once (fma), as the vector path computes it, then in steps of dx1 / 256, saturated.
-  for (int64_t k = 0; k < 32; ++k) rest[k] = std::fma(-out.d[0], static_cast<float>(q[0][k]), v[k]);
-  const float id2 = (out.d[0] > 0.0f ? 1.0f / out.d[0] : 0.0f) * kSecondTermSteps;
-  for (int64_t k = 0; k < 32; ++k)
-    q[1][k] = static_cast<int8_t>(std::clamp(std::nearbyint(rest[k] * id2), -128.0f, 127.0f));
-  out.d[1] = out.d[0] / kSecondTermSteps;
-  out.qsum[0] = out.qsum[1] = 0;
-  for (int64_t k = 0; k < 32; ++k) {
-    out.qsum[0] += q[0][k];
-    out.qsum[1] += q[1][k];
-  }
-  for (int64_t s = 0; s < 2; ++s) {
-    for (int64_t w = 0; w < kTermWords; ++w) {
-      uint32_t word = 0;
-      for (int64_t t = 0; t < 4; ++t) {
-        const uint8_t byte = q4 ? static_cast<uint8_t>(q[s][8 * (w / 2) + 2 * t + (w % 2)])
-                                : static_cast<uint8_t>(q[s][4 * w + t] + 128);
-        word |= static_cast<uint32_t>(byte) << (8 * t);
-      }
-      out.words[s][w] = static_cast<int32_t>(word);
-    }
-  }
-}
-
-#ifdef GGUF_INT8_VNNI
-// The same block with AVX512 (bit for bit: the same products, the same round-to-nearest-even conversion, the
-// remainder as one fma). About ten times faster than the scalar loop, which a decode step runs for every input
-// block of every matmul (each thread builds the input it multiplies).
-__attribute__((target("avx512f,avx512bw,avx512vl,fma"))) inline void quantize_block_avx512(bool q4, const float* v,
-                                                                                          QuantizedBlock& out) {
-  // Q4_1: within each 8-byte group, the even bytes then the odd ones (the words of the low and high nibbles).
-  const __m256i order = _mm256_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15,  //
-                                         0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
-  __m512 x0 = _mm512_loadu_ps(v), x1 = _mm512_loadu_ps(v + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-  const float d1 = amax / 127.0f, id1 = d1 > 0.0f ? 1.0f / d1 : 0.0f;
-  for (int s = 0; s < 2; ++s) {  // the second term: the remainder in steps of d1 / 256, saturated
-    const float d = s == 0 ? d1 : d1 / kSecondTermSteps;
-    const __m512 id = _mm512_set1_ps(s == 0 ? id1 : id1 * kSecondTermSteps);
-    const __m512i lo = _mm512_set1_epi32(-128), hi = _mm512_set1_epi32(127);
-    const __m512i i0 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(x0, id)), lo), hi);
-    const __m512i i1 = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(x1, id)), lo), hi);
-    __m256i bytes = _mm256_set_m128i(_mm512_cvtsepi32_epi8(i1), _mm512_cvtsepi32_epi8(i0));
-    bytes = q4 ? _mm256_shuffle_epi8(bytes, order) : _mm256_xor_si256(bytes, _mm256_set1_epi8(static_cast<char>(0x80)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.words[s]), bytes);
-    out.d[s] = d;
-    out.qsum[s] = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
-    const __m512 nd = _mm512_set1_ps(-d);
-    x0 = _mm512_fmadd_ps(nd, _mm512_cvtepi32_ps(i0), x0);
-    x1 = _mm512_fmadd_ps(nd, _mm512_cvtepi32_ps(i1), x1);
-  }
-}
-#endif
-
-// Where the quantized rows of x[M, K] live in `scratch` (scratch_floats(M, K)): words, then scales, then sums.
-struct QuantizedParts {
-  int32_t* words;
-  float* dx;
-  float* sx;
-};
-
-inline QuantizedParts quantized_parts(int64_t M, int64_t K, float* scratch) {
-  const int64_t nb = K / 32;
-  float* dx = scratch + M * nb * kWordsPerBlock;
-  return {reinterpret_cast<int32_t*>(scratch), dx, dx + 2 * M * nb};
-}
-
-inline QuantizedInput quantized_view(int64_t M, int64_t K, float* scratch) {
-  const QuantizedParts parts = quantized_parts(M, K, scratch);
-  return {parts.words, parts.dx, parts.sx};
-}
-
-// Quantizes the rows [m0, m0 + mt) of x[M, K] (one tile: m0 a multiple of kTile, mt = min(kTile, M - m0)) into
-// their place in `scratch` (quantized_view). Tiles write disjoint parts, so threads can build one each. `vector`
-// picks the AVX512 block quantizer (only where avx512_supported()), which gives the same bits as the portable one.
-inline void quantize_tile(bool q4, const float* x, int64_t M, int64_t K, int64_t m0, float* scratch,
-                          bool vector = avx512_supported()) {
-  const int64_t nb = K / 32;
-  const int64_t mt = std::min(kTile, M - m0);
-  const QuantizedParts parts = quantized_parts(M, K, scratch);
-  int32_t* tw = parts.words + m0 * nb * kWordsPerBlock;
-  float* tdx = parts.dx + 2 * m0 * nb;
-  float* tsx = parts.sx + m0 * nb;
-  for (int64_t m = 0; m < mt; ++m) {
-    const float* row = x + (m0 + m) * K;
-    for (int64_t b = 0; b < nb; ++b) {
-      QuantizedBlock qb;
-#ifdef GGUF_INT8_VNNI
-      if (vector) {
-        quantize_block_avx512(q4, row + b * 32, qb);
-      } else {
-        quantize_block_portable(q4, row + b * 32, qb);
-      }
-#else
-      (void)vector;
-      quantize_block_portable(q4, row + b * 32, qb);
-#endif
-      tdx[(b * 2) * mt + m] = qb.d[0];
-      tdx[(b * 2 + 1) * mt + m] = qb.d[1];
-      tsx[b * mt + m] = qb.sum();
-      for (int64_t s = 0; s < 2; ++s)
-        for (int64_t w = 0; w < kTermWords; ++w) tw[(b * kWordsPerBlock + s * kTermWords + w) * mt + m] = qb.words[s][w];
-    }
-  }
-}
-
-// Quantizes rows x[M, K] (see QuantizedInput) into `scratch` (scratch_floats), tile by tile.
-inline QuantizedInput quantize_rows(bool q4, const float* x, int64_t M, int64_t K, float* scratch,
-                                    bool vector = avx512_supported()) {
-  for (int64_t m0 = 0; m0 < M; m0 += kTile) quantize_tile(q4, x, M, K, m0, scratch, vector);
-  return quantized_view(M, K, scratch);
-}
-
 // ---- portable path: the same integer sums, one row at a time ----
 
-// One row group against mt rows of quantized x (words of one tile), any CPU.
+// acc[row] += row m's values of the tile's outlier columns (the record at `rec`) times the row group's weights in
+// those columns, in column order (each weight d * q, or d * q + m, rounded once, as the vector path forms it).
+inline void add_outliers_portable(bool q4, const uint8_t* gp, const float* rec, int64_t mt, int64_t m, float* acc,
+                                  int64_t nvalid) {
+  const int64_t block_bytes = q4 ? Q41Layout::kBlockBytes : Q80Layout::kBlockBytes;
+  const int32_t* head = reinterpret_cast<const int32_t*>(rec);
+  const float* values = rec + 1 + kMaxOutliers;
+  for (int64_t j = 0; j < head[0]; ++j) {
+    const int64_t c = head[1 + j], i = c % 32;
+    const uint8_t* bp = gp + c / 32 * block_bytes;
+    const float xv = values[j * mt + m];
+    for (int64_t row = 0; row < nvalid; ++row) {
+      const int64_t h = row / 8, r = row % 8;
+      float w;
+      if (q4) {
+        const uint8_t byte = bp[Q41Layout::vec(i / 8, h) + 4 * r + (i % 8) / 2];
+        const float q = static_cast<float>(i % 2 ? byte >> 4 : byte & 0x0F);
+        w = std::fma(fp16_to_fp32(bp + Q41Layout::d(h) + 2 * r), q, fp16_to_fp32(bp + Q41Layout::m(h) + 2 * r));
+      } else {
+        const int8_t q = static_cast<int8_t>(bp[Q80Layout::vec(i / 4, h) + 4 * r + i % 4]);
+        w = fp16_to_fp32(bp + Q80Layout::d(h) + 2 * r) * static_cast<float>(q);
+      }
+      acc[row] = std::fma(xv, w, acc[row]);
+    }
+  }
+}
+
+// One row group against mt rows of quantized x (words of one tile; `rec`: its outlier record in the one-term form,
+// else null), any CPU.
 inline void group_portable(bool q4, const uint8_t* gp, int64_t nb, int64_t mt, const int32_t* words,
-                           const float* dx, const float* sx, float* y, int64_t ldy, int64_t nvalid) {
+                           const float* dx, const float* sx, const float* rec, float* y, int64_t ldy,
+                           int64_t nvalid) {
   const int64_t block_bytes = q4 ? Q41Layout::kBlockBytes : Q80Layout::kBlockBytes;
   for (int64_t m = 0; m < mt; ++m) {
     float acc[16] = {0.0f};
@@ -267,6 +104,7 @@ inline void group_portable(bool q4, const uint8_t* gp, int64_t nb, int64_t mt, c
         if (q4) acc[row] += fp16_to_fp32(bp + Q41Layout::m(h) + 2 * r) * sx[b * mt + m];
       }
     }
+    if (rec != nullptr) add_outliers_portable(q4, gp, rec, mt, m, acc, nvalid);
     for (int64_t row = 0; row < nvalid; ++row) y[m * ldy + row] = acc[row];
   }
 }
@@ -301,10 +139,37 @@ GGUF_VNNI_TARGET inline void add_terms(__m512* acc, const __m512i* i1, const __m
   }
 }
 
-// One Q4_1 row group (Q41Layout, 320 bytes per block) against MT rows of quantized x.
-template <int MT>
+// acc[m] += the MT rows' values of the tile's outlier columns (the record at `rec`) times the row group's weights in
+// those columns: each column's 16 weights read from the block's line (as gather_columns_t reads them).
+template <int MT, bool Q4>
+GGUF_VNNI_TARGET inline void add_outliers(const uint8_t* gp, const float* rec, __m512* acc) {
+  const int64_t block_bytes = Q4 ? Q41Layout::kBlockBytes : Q80Layout::kBlockBytes;
+  const int32_t* head = reinterpret_cast<const int32_t*>(rec);
+  const float* values = rec + 1 + kMaxOutliers;
+  for (int64_t j = 0; j < head[0]; ++j) {
+    const int64_t c = head[1 + j], i = c % 32;
+    const uint8_t* bp = gp + c / 32 * block_bytes;
+    __m512 w;
+    if constexpr (Q4) {
+      const __m512i line = _mm512_loadu_si512(bp + Q41Layout::vec(i / 8, 0));
+      const auto shift = static_cast<unsigned>(8 * ((i % 8) / 2) + 4 * (i % 2));
+      const __m512i q = _mm512_and_si512(_mm512_srli_epi32(line, shift), _mm512_set1_epi32(0x0F));
+      w = _mm512_fmadd_ps(load_half16(bp + Q41Layout::d(0)), _mm512_cvtepi32_ps(q), load_half16(bp + Q41Layout::m(0)));
+    } else {
+      const __m512i line = _mm512_loadu_si512(bp + Q80Layout::vec(i / 4, 0));
+      const auto shift = static_cast<unsigned>(8 * (3 - i % 4));
+      const __m512i q = _mm512_srai_epi32(_mm512_slli_epi32(line, shift), 24);
+      w = _mm512_mul_ps(load_half16(bp + Q80Layout::d(0)), _mm512_cvtepi32_ps(q));
+    }
+    for (int m = 0; m < MT; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(values[j * MT + m]), w, acc[m]);
+  }
+}
+
+// One Q4_1 row group (Q41Layout, 320 bytes per block) against MT rows of quantized x; TWO: both terms, otherwise the
+// one-term form with the tile's outlier record at `rec`.
+template <int MT, bool TWO>
 GGUF_VNNI_TARGET void q4_1_group(const uint8_t* gp, int64_t nb, const int32_t* words, const float* dx,
-                                 const float* sx, float* y, int64_t ldy, int64_t nvalid) {
+                                 const float* sx, const float* rec, float* y, int64_t ldy, int64_t nvalid) {
   using L = Q41Layout;
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512 acc[MT];
@@ -322,22 +187,24 @@ GGUF_VNNI_TARGET void q4_1_group(const uint8_t* gp, int64_t nb, const int32_t* w
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(v, 4), low);
       for (int m = 0; m < MT; ++m) {
         dpbusd_word(i1[m], lo, w1 + (2 * j) * MT + m);
-        dpbusd_word(i2[m], lo, w2 + (2 * j) * MT + m);
+        if constexpr (TWO) dpbusd_word(i2[m], lo, w2 + (2 * j) * MT + m);
         dpbusd_word(i1[m], hi, w1 + (2 * j + 1) * MT + m);
-        dpbusd_word(i2[m], hi, w2 + (2 * j + 1) * MT + m);
+        if constexpr (TWO) dpbusd_word(i2[m], hi, w2 + (2 * j + 1) * MT + m);
       }
     }
     add_terms<MT>(acc, i1, i2, load_half16(bp + L::d(0)), dx + b * 2 * MT);
     const __m512 mn = load_half16(bp + L::m(0));
     for (int m = 0; m < MT; ++m) acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sx[b * MT + m]), acc[m]);
   }
+  if constexpr (!TWO) add_outliers<MT, true>(gp, rec, acc);
   store_rows16(acc, MT, y, ldy, nvalid);
 }
 
-// One Q8_0 row group (Q80Layout, 544 bytes per block) against MT rows of quantized x (shifted to unsigned).
-template <int MT>
+// One Q8_0 row group (Q80Layout, 544 bytes per block) against MT rows of quantized x (shifted to unsigned); TWO as
+// for q4_1_group.
+template <int MT, bool TWO>
 GGUF_VNNI_TARGET void q8_0_group(const uint8_t* gp, int64_t nb, const int32_t* words, const float* dx,
-                                 const float* /*unused*/, float* y, int64_t ldy, int64_t nvalid) {
+                                 const float* /*unused*/, const float* rec, float* y, int64_t ldy, int64_t nvalid) {
   using L = Q80Layout;
   const __m512i ones = _mm512_set1_epi8(1);
   __m512 acc[MT];
@@ -355,25 +222,33 @@ GGUF_VNNI_TARGET void q8_0_group(const uint8_t* gp, int64_t nb, const int32_t* w
       dpbusd(qsum, ones, v);
       for (int m = 0; m < MT; ++m) {
         dpbusd(i1[m], bcast_word(w1 + j * MT + m), v);
-        dpbusd(i2[m], bcast_word(w2 + j * MT + m), v);
+        if constexpr (TWO) dpbusd(i2[m], bcast_word(w2 + j * MT + m), v);
       }
     }
     const __m512i shift = _mm512_slli_epi32(qsum, 7);  // each term was shifted by +128
     for (int m = 0; m < MT; ++m) {
       i1[m] = _mm512_sub_epi32(i1[m], shift);
-      i2[m] = _mm512_sub_epi32(i2[m], shift);
+      if constexpr (TWO) i2[m] = _mm512_sub_epi32(i2[m], shift);  // one term: the zero second term's sum is 0
     }
     add_terms<MT>(acc, i1, i2, load_half16(bp + L::d(0)), dx + b * 2 * MT);
   }
+  if constexpr (!TWO) add_outliers<MT, false>(gp, rec, acc);
   store_rows16(acc, MT, y, ldy, nvalid);
 }
 
-using GroupFn = void (*)(const uint8_t*, int64_t, const int32_t*, const float*, const float*, float*, int64_t,
-                         int64_t);
-constexpr GroupFn kQ41[kTile + 1] = {nullptr,       q4_1_group<1>, q4_1_group<2>, q4_1_group<3>, q4_1_group<4>,
-                                     q4_1_group<5>, q4_1_group<6>, q4_1_group<7>, q4_1_group<8>};
-constexpr GroupFn kQ80[kTile + 1] = {nullptr,       q8_0_group<1>, q8_0_group<2>, q8_0_group<3>, q8_0_group<4>,
-                                     q8_0_group<5>, q8_0_group<6>, q8_0_group<7>, q8_0_group<8>};
+using GroupFn = void (*)(const uint8_t*, int64_t, const int32_t*, const float*, const float*, const float*, float*,
+                         int64_t, int64_t);
+// [one term][rows of the tile]
+constexpr GroupFn kQ41[2][kTile + 1] = {
+    {nullptr, q4_1_group<1, true>, q4_1_group<2, true>, q4_1_group<3, true>, q4_1_group<4, true>,
+     q4_1_group<5, true>, q4_1_group<6, true>, q4_1_group<7, true>, q4_1_group<8, true>},
+    {nullptr, q4_1_group<1, false>, q4_1_group<2, false>, q4_1_group<3, false>, q4_1_group<4, false>,
+     q4_1_group<5, false>, q4_1_group<6, false>, q4_1_group<7, false>, q4_1_group<8, false>}};
+constexpr GroupFn kQ80[2][kTile + 1] = {
+    {nullptr, q8_0_group<1, true>, q8_0_group<2, true>, q8_0_group<3, true>, q8_0_group<4, true>,
+     q8_0_group<5, true>, q8_0_group<6, true>, q8_0_group<7, true>, q8_0_group<8, true>},
+    {nullptr, q8_0_group<1, false>, q8_0_group<2, false>, q8_0_group<3, false>, q8_0_group<4, false>,
+     q8_0_group<5, false>, q8_0_group<6, false>, q8_0_group<7, false>, q8_0_group<8, false>}};
 
 #undef GGUF_VNNI_TARGET
 #endif  // GGUF_INT8_VNNI
@@ -386,13 +261,14 @@ inline void group(bool q4, const uint8_t* gp, int64_t nb, int64_t M, QuantizedIn
     const int32_t* words = in.words + m0 * nb * kWordsPerBlock;
     const float* dx = in.dx + 2 * m0 * nb;
     const float* sx = in.sx + m0 * nb;
+    const float* rec = tile_outliers(in, m0);
 #ifdef GGUF_INT8_VNNI
     if (vnni_supported()) {
-      (q4 ? kQ41 : kQ80)[mt](gp, nb, words, dx, sx, y + m0 * ldy, ldy, nvalid);
+      (q4 ? kQ41 : kQ80)[rec != nullptr][mt](gp, nb, words, dx, sx, rec, y + m0 * ldy, ldy, nvalid);
       continue;
     }
 #endif
-    group_portable(q4, gp, nb, mt, words, dx, sx, y + m0 * ldy, ldy, nvalid);
+    group_portable(q4, gp, nb, mt, words, dx, sx, rec, y + m0 * ldy, ldy, nvalid);
   }
 }
 

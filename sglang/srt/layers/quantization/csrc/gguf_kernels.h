@@ -141,7 +141,7 @@ constexpr int64_t group_block_bytes(bool q4) {
 
 // Scratch floats prepare_input needs for M rows of K inputs: panels, then block sums.
 inline int64_t panel_floats(int64_t M, int64_t K) {
-  return M * K;  // also covers the int8 layout (int8::scratch_floats: 19/32 of it)
+  return std::max(M * K, int8::scratch_floats(M, K));  // the float panels or the int8 layout
 }
 inline int64_t sum_floats(int64_t M, int64_t K) {
   return M * (K / kQK);
@@ -172,11 +172,12 @@ inline bool reads_x_as_is(bool q4, int64_t M) {
 
 // Lays out the rows [m0, m0 + min(kPrepareTile, M - m0)) of x[M, K] (m0 a multiple of kPrepareTile) for
 // matmul_groups, into their place in `panels` (panel_floats) and `sums` (sum_floats); with int8_activations
-// quantized to int8 per 32-value block (into `panels`). Tiles write disjoint parts: threads can build one each.
+// quantized to int8 per 32-value block (into `panels`; `one_term`: in the one-term form, gguf_int8_input.h). Tiles
+// write disjoint parts: threads can build one each.
 inline void prepare_tile(bool q4, const float* x, int64_t M, int64_t K, int64_t m0, float* panels, float* sums,
-                         bool int8_activations = false) {
+                         bool int8_activations = false, bool one_term = false) {
   if (int8_activations) {
-    int8::quantize_tile(q4, x, M, K, m0, panels);
+    int8::quantize_tile(q4, x, M, K, m0, panels, int8::avx512_supported(), one_term);
     return;
   }
 #ifdef GGUF_LINEAR_AVX2
@@ -192,11 +193,11 @@ inline void prepare_tile(bool q4, const float* x, int64_t M, int64_t K, int64_t 
 
 // The prepared input of x[M, K] once every tile is built (prepare_tile), as matmul_groups reads it.
 inline PreparedInput prepared_view(bool q4, const float* x, int64_t M, int64_t K, float* panels, float* sums,
-                                   bool int8_activations = false) {
+                                   bool int8_activations = false, bool one_term = false) {
   if (int8_activations) {
     PreparedInput in{panels, nullptr};
     in.quantized = true;
-    in.q = int8::quantized_view(M, K, panels);
+    in.q = int8::quantized_view(M, K, panels, one_term);
     return in;
   }
 #ifdef GGUF_LINEAR_AVX2
@@ -212,14 +213,17 @@ inline PreparedInput prepared_view(bool q4, const float* x, int64_t M, int64_t K
 // With int8_activations x is quantized to int8 per 32-value block instead (into `panels`); with convert_groups
 // (converts_groups) x is read as it is and the scratch is not used.
 inline PreparedInput prepare_input(bool q4, const float* x, int64_t M, int64_t K, float* panels, float* sums,
-                                   bool int8_activations = false, bool convert_groups = false) {
+                                   bool int8_activations = false, bool convert_groups = false,
+                                   bool one_term = false) {
   if (convert_groups) {
     PreparedInput in{x, nullptr};
     in.dequantized_groups = true;
     return in;
   }
-  for (int64_t m0 = 0; m0 < M; m0 += kPrepareTile) prepare_tile(q4, x, M, K, m0, panels, sums, int8_activations);
-  return prepared_view(q4, x, M, K, panels, sums, int8_activations);
+  for (int64_t m0 = 0; m0 < M; m0 += kPrepareTile) {
+    prepare_tile(q4, x, M, K, m0, panels, sums, int8_activations, one_term);
+  }
+  return prepared_view(q4, x, M, K, panels, sums, int8_activations, one_term);
 }
 
 // y[:, 16 g0 .. 16 g1) (row stride ldy) = x @ W.T for the row groups [g0, g1) of packed weights W [N, K].

@@ -61,7 +61,8 @@ void check_args(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, 
 }
 
 torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, int64_t K, bool q4,
-                           bool int8_activations) {
+                           bool int8_activations, bool one_term) {
+  TORCH_CHECK(int8_activations || !one_term, "one_term needs int8 activations");
   check_args(x, packed, N, K, group_block_bytes(q4), q4 ? "q4_1_linear" : "q8_0_linear");
   const int64_t M = x.size(0);
   auto y = torch::empty({M, N}, x.options());
@@ -73,7 +74,8 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& packed, 
   const bool convert = converts_groups(M, int8_activations);
   std::vector<float> panels(convert ? 0 : static_cast<size_t>(panel_floats(M, K)));
   std::vector<float> sums(convert ? 0 : static_cast<size_t>(sum_floats(M, K)));
-  const PreparedInput in = prepare_input(q4, xp, M, K, panels.data(), sums.data(), int8_activations, convert);
+  const PreparedInput in =
+      prepare_input(q4, xp, M, K, panels.data(), sums.data(), int8_activations, convert, one_term);
   const int64_t group_bytes = K / kQK * group_block_bytes(q4);
   for_each_group_range(row_groups(N), group_bytes, M, [&](int64_t g0, int64_t g1) {
     matmul_groups(q4, wp, N, K, M, xp, in, yp, N, g0, g1);
@@ -83,12 +85,14 @@ torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& packed, 
 
 }  // namespace
 
-torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, int64_t K, bool int8) {
-  return quant_linear(x, packed, N, K, /*q4=*/true, int8);
+torch::Tensor q4_1_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, int64_t K, bool int8,
+                          bool one_term) {
+  return quant_linear(x, packed, N, K, /*q4=*/true, int8, one_term);
 }
 
-torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, int64_t K, bool int8) {
-  return quant_linear(x, packed, N, K, /*q4=*/false, int8);
+torch::Tensor q8_0_linear(const torch::Tensor& x, const torch::Tensor& packed, int64_t N, int64_t K, bool int8,
+                          bool one_term) {
+  return quant_linear(x, packed, N, K, /*q4=*/false, int8, one_term);
 }
 
 // Minimum weight bytes per thread before a call is split between threads (see for_each_group_range); returns the
@@ -116,8 +120,9 @@ bool has_int8_vnni_path() {
 
 // x[M, K] quantized the way the int8 kernels read it (gguf_int8.h quantize_rows): the words [M, K/32, 2, 8]
 // (int32, four int8 values each), the scales [M, K/32, 2] and the sums of the rounded x [M, K/32], in row order.
-// `vector` asks for the AVX512 quantizer (an error where it cannot run), otherwise the portable one.
-std::vector<torch::Tensor> int8_quantize(const torch::Tensor& x, bool q4, bool vector) {
+// `vector` asks for the AVX512 quantizer (an error where it cannot run), otherwise the portable one; `one_term`: the
+// one-term form, each row a tile of its own (its outlier columns zero in the blocks).
+std::vector<torch::Tensor> int8_quantize(const torch::Tensor& x, bool q4, bool vector, bool one_term) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat && x.dim() == 2 && x.is_contiguous(),
               "x must be a contiguous float32 CPU matrix");
   const int64_t M = x.size(0), K = x.size(1), nb = K / kQK;
@@ -130,7 +135,7 @@ std::vector<torch::Tensor> int8_quantize(const torch::Tensor& x, bool q4, bool v
   std::vector<float> scratch(static_cast<size_t>(int8::scratch_floats(1, K)));
   for (int64_t m = 0; m < M; ++m) {
     const int8::QuantizedInput in =
-        int8::quantize_rows(q4, x.data_ptr<float>() + m * K, 1, K, scratch.data(), vector);
+        int8::quantize_rows(q4, x.data_ptr<float>() + m * K, 1, K, scratch.data(), vector, one_term);
     const int64_t row_words = nb * int8::kWordsPerBlock;
     std::copy(in.words, in.words + row_words, words.data_ptr<int32_t>() + m * row_words);
     std::copy(in.dx, in.dx + 2 * nb, dx.data_ptr<float>() + m * 2 * nb);
@@ -311,13 +316,15 @@ bool has_openmp() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_1_linear", &q4_1_linear,
-        "y[M, N] = x[M, K] @ W.T for Q4_1 weights packed in row groups; int8: x quantized to int8 per 32 values",
+        "y[M, N] = x[M, K] @ W.T for Q4_1 weights packed in row groups; int8: x quantized to int8 per 32 values "
+        "(one_term: in the one-term form)",
         py::arg("x"), py::arg("packed"), py::arg("N"), py::arg("K"), py::arg("int8") = false,
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("one_term") = false, py::call_guard<py::gil_scoped_release>());
   m.def("q8_0_linear", &q8_0_linear,
-        "y[M, N] = x[M, K] @ W.T for Q8_0 weights packed in row groups; int8: x quantized to int8 per 32 values",
+        "y[M, N] = x[M, K] @ W.T for Q8_0 weights packed in row groups; int8: x quantized to int8 per 32 values "
+        "(one_term: in the one-term form)",
         py::arg("x"), py::arg("packed"), py::arg("N"), py::arg("K"), py::arg("int8") = false,
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("one_term") = false, py::call_guard<py::gil_scoped_release>());
   m.def("set_min_thread_bytes", &set_min_thread_bytes,
         "minimum weight bytes per thread before a call is split between threads; returns the previous value",
         py::arg("bytes"));
@@ -332,7 +339,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_quantize", &int8_quantize,
         "x[M, K] quantized as the int8 kernels read it: (words [M, K/32, 2, 8] int32, scales [M, K/32, 2], sums "
         "[M, K/32]); vector: the AVX512 quantizer instead of the portable one",
-        py::arg("x"), py::arg("q4"), py::arg("vector"));
+        py::arg("x"), py::arg("q4"), py::arg("vector"), py::arg("one_term") = false);
   m.def("has_vector_quantize", &has_vector_quantize, "whether the AVX512 int8 quantizer can run on this CPU");
   m.def("dequant_rows", &dequant_rows,
         "rows [row0, row0 + out.size(0)) of packed Q4_1 / Q8_0 weights [N, K] into out (bf16 or float32); vector: "
