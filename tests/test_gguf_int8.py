@@ -74,13 +74,14 @@ def test_int8_kernels_equal_the_emulated_rounding(qtype, n, k):
         assert vs_float < 2e-4, (m, vs_float)
 
 
-def test_portable_int8_loop_equals_the_emulated_rounding():
-    """The loop CPUs without AVX512-VNNI run (forced with SGLANG_GGUF_INT8_PORTABLE=1 in a fresh process)."""
+def portable_errors(module: str, shapes: str, batches: str) -> list[tuple[float, float]]:
+    """`module`.check_case for Q4_1 and Q8_0 at `shapes` and `batches` (Python literals) on the loop CPUs without
+    AVX512-VNNI run (forced with SGLANG_GGUF_INT8_PORTABLE=1 in a fresh process)."""
     code = (
         "import json\n"
         "from sglang.srt.layers.quantization import gguf_blocks as gb\n"
-        "from tests.test_gguf_int8 import check_case\n"
-        "errors = [check_case(q, n, k, m) for q in ('Q4_1', 'Q8_0') for n, k in [(40, 96)] for m in (1, 5, 13)]\n"
+        f"from {module} import check_case\n"
+        f"errors = [check_case(q, n, k, m) for q in ('Q4_1', 'Q8_0') for n, k in {shapes} for m in {batches}]\n"
         "print(json.dumps({'vnni': gb.kernel_module().has_int8_vnni_path(), 'errors': errors}))\n"
     )
     env = {**os.environ, "SGLANG_GGUF_INT8_PORTABLE": "1", "PYTHONPATH": str(ROOT)}
@@ -88,7 +89,11 @@ def test_portable_int8_loop_equals_the_emulated_rounding():
                          timeout=300, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["vnni"] is False
-    for vs_emulated, vs_float in result["errors"]:
+    return result["errors"]
+
+
+def test_portable_int8_loop_equals_the_emulated_rounding():
+    for vs_emulated, vs_float in portable_errors("tests.test_gguf_int8", "[(40, 96)]", "(1, 5, 13)"):
         assert vs_emulated < 2e-6 and vs_float < 2e-4
 
 

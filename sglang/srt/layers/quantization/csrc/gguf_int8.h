@@ -45,12 +45,11 @@ namespace int8 {
 inline void add_outliers_portable(bool q4, const uint8_t* gp, const float* rec, int64_t mt, int64_t m, float* acc,
                                   int64_t nvalid) {
   const int64_t block_bytes = q4 ? Q41Layout::kBlockBytes : Q80Layout::kBlockBytes;
-  const int32_t* head = reinterpret_cast<const int32_t*>(rec);
-  const float* values = rec + 1 + kMaxOutliers;
-  for (int64_t j = 0; j < head[0]; ++j) {
-    const int64_t c = head[1 + j], i = c % 32;
+  const OutlierColumns out(rec);
+  for (int64_t j = 0; j < out.count; ++j) {
+    const int64_t c = out.cols[j], i = c % 32;
     const uint8_t* bp = gp + c / 32 * block_bytes;
-    const float xv = values[j * mt + m];
+    const float xv = out.values[j * mt + m];
     for (int64_t row = 0; row < nvalid; ++row) {
       const int64_t h = row / 8, r = row % 8;
       float w;
@@ -144,10 +143,9 @@ GGUF_VNNI_TARGET inline void add_terms(__m512* acc, const __m512i* i1, const __m
 template <int MT, bool Q4>
 GGUF_VNNI_TARGET inline void add_outliers(const uint8_t* gp, const float* rec, __m512* acc) {
   const int64_t block_bytes = Q4 ? Q41Layout::kBlockBytes : Q80Layout::kBlockBytes;
-  const int32_t* head = reinterpret_cast<const int32_t*>(rec);
-  const float* values = rec + 1 + kMaxOutliers;
-  for (int64_t j = 0; j < head[0]; ++j) {
-    const int64_t c = head[1 + j], i = c % 32;
+  const OutlierColumns out(rec);
+  for (int64_t j = 0; j < out.count; ++j) {
+    const int64_t c = out.cols[j], i = c % 32;
     const uint8_t* bp = gp + c / 32 * block_bytes;
     __m512 w;
     if constexpr (Q4) {
@@ -161,7 +159,7 @@ GGUF_VNNI_TARGET inline void add_outliers(const uint8_t* gp, const float* rec, _
       const __m512i q = _mm512_srai_epi32(_mm512_slli_epi32(line, shift), 24);
       w = _mm512_mul_ps(load_half16(bp + Q80Layout::d(0)), _mm512_cvtepi32_ps(q));
     }
-    for (int m = 0; m < MT; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(values[j * MT + m]), w, acc[m]);
+    for (int m = 0; m < MT; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(out.values[j * MT + m]), w, acc[m]);
   }
 }
 

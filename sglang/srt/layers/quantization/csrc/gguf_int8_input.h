@@ -91,6 +91,18 @@ inline const float* tile_outliers(const QuantizedInput& in, int64_t m0) {
   return in.outliers == nullptr ? nullptr : in.outliers + m0 / kTile * kOutlierRecord;
 }
 
+// An outlier record read: column j is cols[j], its value in row m of the tile (mt rows) values[j * mt + m].
+struct OutlierColumns {
+  int64_t count;
+  const int32_t* cols;
+  const float* values;
+
+  explicit OutlierColumns(const float* rec)
+      : count(reinterpret_cast<const int32_t*>(rec)[0]),
+        cols(reinterpret_cast<const int32_t*>(rec) + 1),
+        values(rec + 1 + kMaxOutliers) {}
+};
+
 // Rounds 32 values to int8 with scale max|v| / 127; returns the scale (0 for an all-zero block).
 inline float round_block(const float* v, int8_t* q) {
   float amax = 0.0f;
