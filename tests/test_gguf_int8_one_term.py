@@ -127,6 +127,9 @@ def test_plan_takes_one_term_from_eight_rows_for_models_of_1b_parameters_with_in
                    {"linear_float_bytes": big, "gguf_activations": "float32"}):
         assert choose_arithmetic("cpu", "auto", "int8", BF16_VNNI_FLAGS, **kwargs).int8_one_term_rows == 0, kwargs
     assert choose_arithmetic("cpu", "auto", "auto", AVX2_FLAGS, linear_float_bytes=big).int8_one_term_rows == 0
+    # speculative decoding's verify steps compute each token as plain decoding would: rows computed independently
+    spec = choose_arithmetic("cpu", "auto", "int8", BF16_VNNI_FLAGS, linear_float_bytes=big, row_independent=True)
+    assert spec.int8_one_term_rows == 0 and spec.small_batch_max_rows == INT8_LARGE_MODEL_ROWS
     monkeypatch.setenv(ONE_TERM_ENV, "3")  # any model, from 3 rows
     assert choose_arithmetic("cpu", "auto", "int8", BF16_VNNI_FLAGS, linear_float_bytes=small).int8_one_term_rows == 3
     monkeypatch.setenv(ONE_TERM_ENV, "0")  # never: the int8 GEMM takes 1B+ batches above 20 rows again
@@ -214,3 +217,24 @@ def test_one_term_form_keeps_smollm2_greedy_tokens_up_to_near_ties(monkeypatch, 
         outputs.append(engine.generate(prompt=PROMPTS[0], sampling_params=params)["output_ids"])
     for prompt, ours, expected in zip(prompts + PROMPTS[:1], outputs, reference(prompts + PROMPTS[:1])):
         assert_same_or_near_tie(smollm2_hf, smollm2_tokenizer, prompt, ours, expected[: len(ours)], BF16_MARGIN)
+
+
+def test_a_speculative_server_plans_rows_computed_alone(tmp_path, cache_dir, monkeypatch):
+    """A server of a 1B+ model takes the form from its plan, one with --speculative-algorithm does not (its verify
+    steps must compute each draft token as plain decoding would)."""
+    import json
+
+    from transformers import LlamaConfig
+
+    from sglang.srt.layers.small_batch_rows import INT8_ONE_TERM_MIN_ROWS, ONE_TERM_ENV
+    from sglang.srt.model_loader.model_info import load_model_info
+    from sglang.srt.server_args import ServerArgs
+    from tests.test_chunked_prefill_default import LARGE
+
+    monkeypatch.delenv(ONE_TERM_ENV, raising=False)
+    config = LlamaConfig(**LARGE).to_dict()
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLM"]}))
+    flags = dict(model_path=str(tmp_path), device="cpu", cpu_gemm="int8", gguf_activations="int8")
+    assert load_model_info(ServerArgs(**flags)).arithmetic.int8_one_term_rows == INT8_ONE_TERM_MIN_ROWS
+    spec = load_model_info(ServerArgs(**flags, speculative_algorithm="NGRAM"))
+    assert spec.arithmetic.int8_one_term_rows == 0

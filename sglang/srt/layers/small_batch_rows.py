@@ -37,8 +37,9 @@ INT8_LARGE_MODEL_ROWS = 20
 # Q4_1 blocks read half the bytes and cross later: a Q4_0 file of the 1.7B shape (served as Q4_1) decoded 24
 # sequences at 0.96x on the int8 GEMM, 32 at 1.0x, 48 at 1.14x (the same section). Both apply only where the blocks
 # take both activation terms: in the one-term form (below) the fused step outran the int8 GEMM at every row count up
-# to 64 (1.7B: 48 sequences 387 against 491 ms, 64: 521 against 615 ms), but not at the 7B shape, whose int8 GEMM
-# runs nearer its peak (32 sequences: 1,305 ms one-term fused, measured beside other work, against 992 ms), so from
+# to 64 (1.7B: 48 sequences 387 against 491 ms, 64: 521 against 615 ms; its Q4_0 file, served as Q4_1: 24 sequences
+# 191 against 339 ms, 48: 368 against 465 ms), but not at the 7B shape, whose int8 GEMM runs nearer its peak (32
+# sequences: 1,305 ms one-term fused, measured beside other work, against 992 ms), so from
 # ONE_TERM_FUSED_BELOW_FLOAT_BYTES of float32 linear weights (a model of about 4B parameters) the limits stay.
 INT8_LARGE_MODEL_Q4_ROWS = 32
 ONE_TERM_FUSED_BELOW_FLOAT_BYTES = 16 << 30
