@@ -122,7 +122,7 @@ def test_plan_takes_one_term_from_eight_rows_for_models_of_1b_parameters_with_in
                                   gguf_checkpoint=True, gguf_blocks="Q4_1")
     assert (gguf_file.int8_one_term_rows, gguf_file.small_batch_max_rows) == (8, SMALL_BATCH_ROWS)
     seven_b = choose_arithmetic("cpu", "auto", "int8", BF16_VNNI_FLAGS, linear_float_bytes=24 << 30)
-    assert (seven_b.int8_one_term_rows, seven_b.small_batch_max_rows) == (8, INT8_LARGE_MODEL_ROWS)
+    assert (seven_b.int8_one_term_rows, seven_b.small_batch_max_rows) == (8, SMALL_BATCH_ROWS)
     for kwargs in ({"linear_float_bytes": small}, {"linear_float_bytes": None},
                    {"linear_float_bytes": big, "gguf_activations": "float32"}):
         assert choose_arithmetic("cpu", "auto", "int8", BF16_VNNI_FLAGS, **kwargs).int8_one_term_rows == 0, kwargs

@@ -38,11 +38,9 @@ INT8_LARGE_MODEL_ROWS = 20
 # sequences at 0.96x on the int8 GEMM, 32 at 1.0x, 48 at 1.14x (the same section). Both apply only where the blocks
 # take both activation terms: in the one-term form (below) the fused step outran the int8 GEMM at every row count up
 # to 64 (1.7B: 48 sequences 387 against 491 ms, 64: 521 against 615 ms; its Q4_0 file, served as Q4_1: 24 sequences
-# 191 against 339 ms, 48: 368 against 465 ms), but not at the 7B shape, whose int8 GEMM runs nearer its peak (32
-# sequences: 1,305 ms one-term fused, measured beside other work, against 992 ms), so from
-# ONE_TERM_FUSED_BELOW_FLOAT_BYTES of float32 linear weights (a model of about 4B parameters) the limits stay.
+# 191 against 339 ms, 48: 368 against 465 ms; the 7B shape: 32 sequences 774 against 1,003 ms, 64: 1,467 against
+# 1,519 ms).
 INT8_LARGE_MODEL_Q4_ROWS = 32
-ONE_TERM_FUSED_BELOW_FLOAT_BYTES = 16 << 30
 # A model of 1B parameters or more, by the float32 bytes of its linear weights (also where the CPU's prefill batches
 # get smaller: model_info.default_chunked_prefill_size).
 LARGE_MODEL_FLOAT_BYTES = 4 << 30
@@ -58,8 +56,7 @@ def small_batch_rows(plan: ArithmeticPlan, flags: frozenset[str] = frozenset(), 
     if (plan.cpu_class == AVX2 and "avx512f" not in flags and plan.large_batch_gemm == "float32"
             and activations == "float32"):
         return AVX2_SMALL_BATCH_ROWS
-    one_term_wins = plan.int8_one_term_rows and (linear_float_bytes or 0) < ONE_TERM_FUSED_BELOW_FLOAT_BYTES
-    if (plan.large_batch_gemm == "int8" and activations == "int8" and not one_term_wins
+    if (plan.large_batch_gemm == "int8" and activations == "int8" and not plan.int8_one_term_rows
             and (linear_float_bytes or 0) >= LARGE_MODEL_FLOAT_BYTES):
         if blocks == "q8_0":
             return INT8_LARGE_MODEL_ROWS
