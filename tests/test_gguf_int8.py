@@ -53,15 +53,17 @@ def inputs(m: int, k: int, seed: int) -> torch.Tensor:
     return x
 
 
-def check_case(qtype: str, n: int, k: int, m: int) -> tuple[float, float]:
-    """(error against the emulated rounding, error against float x), each relative to the output's norm."""
+def check_case(qtype: str, n: int, k: int, m: int, one_term: bool = False,
+               emulate=round_terms) -> tuple[float, float]:
+    """(error against the rounding `emulate` emulates, error against float x), each relative to the output's norm;
+    `one_term`: the kernels' one-term form."""
     raw = random_raw(qtype, n, k, seed=n + k)
     weight = gb.GGUFQuantWeight(qtype, raw, n, k)
     w = torch.from_numpy(reference_dequantize(qtype, raw, n, k)).double()
     x = inputs(m, k, seed=m)
-    y = weight.linear(x, int8=True).double()
+    y = weight.linear(x, int8=True, one_term=one_term).double()
     exact = x.double() @ w.T
-    emulated = round_terms(x) @ w.T
+    emulated = emulate(x) @ w.T
     return float((y - emulated).norm() / exact.norm()), float((y - exact).norm() / exact.norm())
 
 

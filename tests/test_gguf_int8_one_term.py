@@ -15,6 +15,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from sglang.srt.layers.quantization import gguf_blocks as gb  # noqa: E402
+from tests.test_gguf_int8 import check_case as int8_check_case  # noqa: E402
 from tests.test_gguf_int8 import decode_terms, inputs, portable_errors, quantizer_inputs  # noqa: E402
 from tests.test_gguf_kernels import random_raw, reference_dequantize  # noqa: E402
 
@@ -48,13 +49,7 @@ def round_one_term(x: torch.Tensor) -> torch.Tensor:
 
 def check_case(qtype: str, n: int, k: int, m: int) -> tuple[float, float]:
     """(error against the emulated rounding, error against float x), each relative to the output's norm."""
-    raw = random_raw(qtype, n, k, seed=n + k)
-    weight = gb.GGUFQuantWeight(qtype, raw, n, k)
-    w = torch.from_numpy(reference_dequantize(qtype, raw, n, k)).double()
-    x = inputs(m, k, seed=m)
-    y = weight.linear(x, int8=True, one_term=True).double()
-    exact = x.double() @ w.T
-    return (float((y - round_one_term(x) @ w.T).norm() / exact.norm()), float((y - exact).norm() / exact.norm()))
+    return int8_check_case(qtype, n, k, m, one_term=True, emulate=round_one_term)
 
 
 # N not a multiple of 16; K = 96 (12 columns taken out), 576 and 2,048 (64): a tile's columns span several blocks
