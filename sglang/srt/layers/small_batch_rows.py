@@ -68,9 +68,10 @@ def small_batch_rows(plan: ArithmeticPlan, flags: frozenset[str] = frozenset(), 
 # From how many rows the int8 block matmuls of a model of 1B parameters or more take their input in the one-term form
 # (layers/quantization/csrc/gguf_int8_input.h: one int8 term per block, each tile's 64 largest input columns in
 # float32): a decode step of several rows is bound by the integer work, which the form halves. Fused decode steps at
-# the 1.7B shape on a Zen 4 CPU (AVX512-VNNI), both terms against one: 4 sequences 65-67 against 72 ms (a step of few
-# rows is bound by reading the weights, and the columns cost their share), 8: 94-100 against 87 ms, 16: 179 against
-# 138 ms, 32: 350 against 256 ms (benchmarks/RESULTS.md, "One activation term"). Smaller models keep both terms.
+# the 1.7B shape on a Zen 4 CPU (AVX512-VNNI), both terms against one: 4 sequences 62-69 against 64-69 ms and 6:
+# 73-80 against 80-81 ms (a step of few rows is bound by reading the weights, and the columns cost their share), 8:
+# 94-100 against 87 ms, 16: 179 against 138 ms, 32: 350 against 256 ms (benchmarks/RESULTS.md, "One activation
+# term"). Smaller models keep both terms.
 # SGLANG_GGUF_INT8_ONE_TERM_ROWS sets the row count for any model (0: never).
 INT8_ONE_TERM_MIN_ROWS = 8
 ONE_TERM_ENV = "SGLANG_GGUF_INT8_ONE_TERM_ROWS"
