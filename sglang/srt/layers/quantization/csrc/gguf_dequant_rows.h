@@ -35,24 +35,6 @@ inline uint16_t bf16_bits(float f) {
 inline void put(uint16_t* o, float v) { *o = bf16_bits(v); }
 inline void put(float* o, float v) { *o = v; }
 
-// Where row `row` (0-15 in its row group) of one packed block bp keeps its values: its scale d and, for Q4_1, its
-// minimum m (Q8_0: none), and the quantized value of its input i (0-31). The weight is `block_weight`.
-inline void block_scales(bool q4, const uint8_t* bp, int64_t row, float* d, float* m) {
-  const int64_t h = row / kHalf, r = row % kHalf;
-  *d = fp16_to_fp32(bp + (q4 ? Q41Layout::d(h) : Q80Layout::d(h)) + 2 * r);
-  *m = q4 ? fp16_to_fp32(bp + Q41Layout::m(h) + 2 * r) : 0.0f;
-}
-
-inline int block_quant(bool q4, const uint8_t* bp, int64_t row, int64_t i) {
-  const int64_t h = row / kHalf, r = row % kHalf;
-  if (q4) return (bp[Q41Layout::vec(i / 8, h) + 4 * r + (i % 8) / 2] >> (4 * (i % 2))) & 0xF;
-  return static_cast<int8_t>(bp[Q80Layout::vec(i / 4, h) + 4 * r + i % 4]);
-}
-
-inline float block_weight(bool q4, float d, float m, int q) {
-  return q4 ? d * static_cast<float>(q) + m : d * static_cast<float>(q);
-}
-
 // The 32 values of row `row` (0-15 in its row group) in one packed block bp, at o.
 template <typename Out>
 inline void block_row(bool q4, const uint8_t* bp, int64_t row, Out* o) {
@@ -206,41 +188,25 @@ inline void gather_columns(bool q4, const uint8_t* packed, int64_t N, int64_t K,
 constexpr int64_t kGatherAhead = 8;  // row groups fetched ahead in gather_columns_t (prefetches never fault)
 
 // gather_columns with AVX512 (where int8::avx512_supported()), written transposed: out [ncols, N] (column j of the
-// weight at out + j * N), row groups [g0, g1). A block keeps the 16 rows' quantized values of input i in one 64-byte
-// line, a 4-byte lane per row (Q8_0: byte i % 4 of the lane at vec(i / 4, 0); Q4_1: nibble i % 2 of byte (i % 8) / 2
-// at vec(i / 8, 0)), and their fp16 scales (and Q4_1's minima) in the 32 bytes at d(0) (m(0)), so a row group's values
-// of one column are one line shifted, converted and scaled: the same values (each product d * q is exact in float32,
-// so Q4_1's d * q + m rounds once, fused or not) as the scalar loop. Column by column, so that the lines read follow
-// one stride (a row group's bytes) and the stores are contiguous.
+// weight at out + j * N), row groups [g0, g1). A row group's values of one column are one line of its block
+// (column_weights: the same values as the scalar loop). Column by column, so that the lines read follow one stride (a
+// row group's bytes) and the stores are contiguous.
 template <bool Q4>
 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma"))) inline void gather_columns_t(
     const uint8_t* packed, int64_t N, int64_t K, const int64_t* cols, int64_t ncols, int64_t g0, int64_t g1,
     float* out) {
   const int64_t block_bytes = Q4 ? Q41Layout::kBlockBytes : Q80Layout::kBlockBytes;
   const int64_t nb = K / kQK, group_bytes = nb * block_bytes;
-  const int64_t d_at = Q4 ? Q41Layout::d(0) : Q80Layout::d(0);
   for (int64_t j = 0; j < ncols; ++j) {
     const int64_t i = cols[j] % kQK;
     const uint8_t* bp = packed + cols[j] / kQK * block_bytes;
-    const int64_t line_at = Q4 ? Q41Layout::vec(i / 8, 0) : Q80Layout::vec(i / 4, 0);
-    const auto shift = static_cast<unsigned>(Q4 ? 8 * ((i % 8) / 2) + 4 * (i % 2) : 8 * (3 - i % 4));
     for (int64_t g = g0; g < g1; ++g) {
       const uint8_t* b = bp + g * group_bytes;
-      _mm_prefetch(reinterpret_cast<const char*>(b + kGatherAhead * group_bytes + line_at), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(b + kGatherAhead * group_bytes + column_line<Q4>(i)), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(b + kGatherAhead * group_bytes), _MM_HINT_T0);
       const int64_t nvalid = std::min<int64_t>(kRows, N - g * kRows);
       const __mmask16 mask = nvalid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << nvalid) - 1);
-      const __m512i line = _mm512_loadu_si512(b + line_at);
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + d_at)));
-      __m512 v;
-      if constexpr (Q4) {  // the nibble, unsigned; d * q + m
-        const __m512i q = _mm512_and_si512(_mm512_srli_epi32(line, shift), _mm512_set1_epi32(0xF));
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + Q41Layout::m(0))));
-        v = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(q), m);
-      } else {  // the byte, sign-extended; d * q
-        v = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(line, shift), 24)));
-      }
-      _mm512_mask_storeu_ps(out + j * N + g * kRows, mask, v);
+      _mm512_mask_storeu_ps(out + j * N + g * kRows, mask, column_weights<Q4>(b, i));
     }
   }
 }

@@ -41,27 +41,19 @@ namespace int8 {
 // ---- portable path: the same integer sums, one row at a time ----
 
 // acc[row] += row m's values of the tile's outlier columns (the record at `rec`) times the row group's weights in
-// those columns, in column order (each weight d * q, or d * q + m, rounded once, as the vector path forms it).
+// those columns, in column order (block_weight, the values the vector path reads).
 inline void add_outliers_portable(bool q4, const uint8_t* gp, const float* rec, int64_t mt, int64_t m, float* acc,
                                   int64_t nvalid) {
   const int64_t block_bytes = q4 ? Q41Layout::kBlockBytes : Q80Layout::kBlockBytes;
   const OutlierColumns out(rec);
   for (int64_t j = 0; j < out.count; ++j) {
-    const int64_t c = out.cols[j], i = c % 32;
-    const uint8_t* bp = gp + c / 32 * block_bytes;
+    const int64_t c = out.cols[j];
+    const uint8_t* bp = gp + c / kQK * block_bytes;
     const float xv = out.values[j * mt + m];
     for (int64_t row = 0; row < nvalid; ++row) {
-      const int64_t h = row / 8, r = row % 8;
-      float w;
-      if (q4) {
-        const uint8_t byte = bp[Q41Layout::vec(i / 8, h) + 4 * r + (i % 8) / 2];
-        const float q = static_cast<float>(i % 2 ? byte >> 4 : byte & 0x0F);
-        w = std::fma(fp16_to_fp32(bp + Q41Layout::d(h) + 2 * r), q, fp16_to_fp32(bp + Q41Layout::m(h) + 2 * r));
-      } else {
-        const int8_t q = static_cast<int8_t>(bp[Q80Layout::vec(i / 4, h) + 4 * r + i % 4]);
-        w = fp16_to_fp32(bp + Q80Layout::d(h) + 2 * r) * static_cast<float>(q);
-      }
-      acc[row] = std::fma(xv, w, acc[row]);
+      float d, mn;
+      block_scales(q4, bp, row, &d, &mn);
+      acc[row] = std::fma(xv, block_weight(q4, d, mn, block_quant(q4, bp, row, c % kQK)), acc[row]);
     }
   }
 }
@@ -139,26 +131,14 @@ GGUF_VNNI_TARGET inline void add_terms(__m512* acc, const __m512i* i1, const __m
 }
 
 // acc[m] += the MT rows' values of the tile's outlier columns (the record at `rec`) times the row group's weights in
-// those columns: each column's 16 weights read from the block's line (as gather_columns_t reads them).
+// those columns: each column's 16 weights read from the block's line (column_weights).
 template <int MT, bool Q4>
 GGUF_VNNI_TARGET inline void add_outliers(const uint8_t* gp, const float* rec, __m512* acc) {
   const int64_t block_bytes = Q4 ? Q41Layout::kBlockBytes : Q80Layout::kBlockBytes;
   const OutlierColumns out(rec);
   for (int64_t j = 0; j < out.count; ++j) {
-    const int64_t c = out.cols[j], i = c % 32;
-    const uint8_t* bp = gp + c / 32 * block_bytes;
-    __m512 w;
-    if constexpr (Q4) {
-      const __m512i line = _mm512_loadu_si512(bp + Q41Layout::vec(i / 8, 0));
-      const auto shift = static_cast<unsigned>(8 * ((i % 8) / 2) + 4 * (i % 2));
-      const __m512i q = _mm512_and_si512(_mm512_srli_epi32(line, shift), _mm512_set1_epi32(0x0F));
-      w = _mm512_fmadd_ps(load_half16(bp + Q41Layout::d(0)), _mm512_cvtepi32_ps(q), load_half16(bp + Q41Layout::m(0)));
-    } else {
-      const __m512i line = _mm512_loadu_si512(bp + Q80Layout::vec(i / 4, 0));
-      const auto shift = static_cast<unsigned>(8 * (3 - i % 4));
-      const __m512i q = _mm512_srai_epi32(_mm512_slli_epi32(line, shift), 24);
-      w = _mm512_mul_ps(load_half16(bp + Q80Layout::d(0)), _mm512_cvtepi32_ps(q));
-    }
+    const int64_t c = out.cols[j];
+    const __m512 w = column_weights<Q4>(gp + c / kQK * block_bytes, c % kQK);
     for (int m = 0; m < MT; ++m) acc[m] = _mm512_fmadd_ps(_mm512_set1_ps(out.values[j * MT + m]), w, acc[m]);
   }
 }
