@@ -2,16 +2,17 @@
 copy-heavy prompts (the answer repeats the prompt) and free prompts, against servers this script starts.
 
     python benchmarks/bench_speculative_ngram.py [--model HuggingFaceTB/SmolLM2-135M-Instruct] [--max-new-tokens 128]
-        [--num-draft-tokens N] [--tree-breadth 10]
+        [--num-draft-tokens N] [--tree-breadth 10] [--rounds 1]
 
 With --tree-breadth a third server drafts trees of that breadth (--speculative-ngram-max-bfs-breadth; SGLang's
 default is 10) beside the default (chains on CPU).
 
-After one warm-up request, each prompt runs once, one request at a time (then the 16-concurrent workload: 16 prompts
-at once), streamed; the figures are output tokens over wall time, and decoding alone: the tokens after the first over
-the time after the first token (no prefill), summed over the requests.
-Every prompt is new to the server, so drafts come from the request itself (a repeated prompt would also be drafted
-from the n-gram cache of earlier requests). Outputs of both servers are compared token for token.
+All servers are started first (each warmed up by one request); then each workload runs on one server after the
+other: each prompt once, one request at a time (then the 16-concurrent workload: 16 prompts at once), streamed; the
+figures are output tokens over wall time, and decoding alone: the tokens after the first over the time after the
+first token (no prefill), summed over the requests. Each workload starts from flushed caches, so every prompt is new
+to the servers and drafts come from the request itself (within a workload, finished requests join NGRAM's cache).
+With --rounds N all of it runs N times, the servers still in turn. Outputs are compared token for token.
 """
 
 from __future__ import annotations
@@ -95,19 +96,34 @@ def workloads() -> dict[str, list[str]]:
 CONCURRENCY = {"16 concurrent": 16}
 
 
-def measure(model: str, configs: dict[str, list[str]], max_new: int) -> Results:
-    """(config, workload) -> run()'s figures, one server per config (its extra flags), each warmed up first."""
-    results: Results = {}
-    for name, extra in configs.items():
-        url = f"http://127.0.0.1:{find_free_port()}"
-        proc = popen_launch_server(model, url, other_args=extra)
-        try:
+# Each server's KV pool: all of them are up at once (plenty for these prompts).
+KV_TOKENS = 65536
+
+
+def measure(model: str, configs: dict[str, list[str]], max_new: int, rounds: int) -> list[Results]:
+    """Per round, (config, workload) -> run()'s figures. One server per config (its extra flags), all started first
+    and warmed up; each round runs every workload on every server in turn, so that a drift of the machine's speed
+    falls on all configurations alike. Each workload starts from flushed caches (/flush_cache: the prefix cache and
+    NGRAM's cache of earlier requests), so every round's prompts are new to the servers."""
+    servers = {}
+    try:
+        for name, extra in configs.items():
+            url = f"http://127.0.0.1:{find_free_port()}"
+            servers[name] = (url, popen_launch_server(model, url, other_args=[
+                *extra, "--max-total-tokens", str(KV_TOKENS)]))
             run(url, [chat("Say hello.")], 8)  # warm-up
+        out = []
+        for _ in range(rounds):
+            results: Results = {}
             for workload, prompts in workloads().items():
-                results[(name, workload)] = run(url, prompts, max_new, CONCURRENCY.get(workload, 1))
-        finally:
+                for name, (url, _proc) in servers.items():
+                    requests.post(f"{url}/flush_cache", timeout=60).raise_for_status()
+                    results[(name, workload)] = run(url, prompts, max_new, CONCURRENCY.get(workload, 1))
+            out.append(results)
+        return out
+    finally:
+        for _url, proc in servers.values():
             terminate_process(proc)
-    return results
 
 
 def report(results: Results, spec: str, label: str) -> None:
@@ -127,6 +143,7 @@ def main() -> None:
     parser.add_argument("--num-draft-tokens", type=int, default=None,
                         help="--speculative-num-draft-tokens (default: the server's, 8 or 4 on a CPU without VNNI)")
     parser.add_argument("--tree-breadth", type=int, default=0, help="also a server drafting trees of this breadth")
+    parser.add_argument("--rounds", type=int, default=1, help="passes over the workloads, servers in turn")
     args = parser.parse_args()
     ngram = ["--speculative-algorithm", "NGRAM"]
     if args.num_draft_tokens is not None:
@@ -134,13 +151,15 @@ def main() -> None:
     configs = {"plain": [], "ngram": ngram}
     if args.tree_breadth:
         configs["tree"] = [*ngram, "--speculative-ngram-max-bfs-breadth", str(args.tree_breadth)]
-    results = measure(args.model, configs, args.max_new_tokens)
+    rounds = measure(args.model, configs, args.max_new_tokens, args.rounds)
     per_step = (f"up to {args.num_draft_tokens} tokens" if args.num_draft_tokens
                 else "the server's default number of tokens")
     print(f"# {args.model}, batch 1, greedy, {args.max_new_tokens} new tokens, {per_step} verified per step")
-    report(results, "ngram", "NGRAM")
-    if args.tree_breadth:
-        report(results, "tree", f"NGRAM trees of breadth {args.tree_breadth}")
+    for i, results in enumerate(rounds):
+        print(f"## round {i + 1}")
+        report(results, "ngram", "NGRAM")
+        if args.tree_breadth:
+            report(results, "tree", f"NGRAM trees of breadth {args.tree_breadth}")
 
 
 if __name__ == "__main__":

@@ -179,6 +179,25 @@ def test_speculation_happens_on_copy_prompts(servers):
     assert_clean(spec)
 
 
+def test_flush_cache_empties_the_ngram_cache(servers):
+    """A finished request's tokens draft later requests (the shared n-gram cache); /flush_cache forgets them, as
+    SGLang's NGRAM worker does, so the same request then drafts as it did the first time."""
+    _, spec = servers
+    prompt, params = chat(QUESTIONS[4]), {"temperature": 0, "max_new_tokens": 40}
+
+    def verify_steps() -> tuple[int, list[int]]:
+        out = generate(spec, prompt, params)
+        return out["meta_info"]["spec_verify_ct"], out["output_ids"]
+
+    assert requests.post(f"{spec}/flush_cache", timeout=30).status_code == 200
+    first, ids = verify_steps()
+    again, same = verify_steps()
+    assert same == ids and again < first  # its own earlier output drafts it now
+    assert requests.post(f"{spec}/flush_cache", timeout=30).status_code == 200
+    assert verify_steps() == (first, ids)
+    assert_clean(spec)
+
+
 def test_logprobs_and_mixed_sampling_match(servers):
     plain, spec = servers
     prompt = copy_prompts()[0]

@@ -395,6 +395,8 @@ class Scheduler:
         if not self.is_idle():
             return False
         self.mem.clear()
+        if self.speculator is not None:
+            self.speculator.flush()
         logger.info("Cache flushed successfully!")
         return True
 

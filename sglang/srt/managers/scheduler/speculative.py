@@ -119,6 +119,9 @@ class Speculator:
         """With no request running: what the algorithm still holds that it should not, or None."""
         return None
 
+    def flush(self) -> None:
+        """/flush_cache with no request running: forget what earlier requests left (as the prefix cache does)."""
+
     def draft_used_tokens(self) -> int:
         return 0
 
@@ -258,6 +261,10 @@ class NgramSpeculator(Speculator):
         """A finished request's tokens join the shared n-gram cache."""
         if req.finished():
             self.shared.add(req.all_ids())
+
+    def flush(self) -> None:
+        """The shared n-gram cache emptied (SGLang's NGRAM worker clears its cache on /flush_cache too)."""
+        self.shared = NgramCache(self.min_window, self.max_window, self.shared.capacity)
 
 
 class StandaloneSpeculator(Speculator):
