@@ -99,12 +99,7 @@ def test_one_term_needs_int8_activations():
 
 def test_plan_takes_one_term_from_eight_rows_for_models_of_1b_parameters_with_int8_activations(monkeypatch):
     from sglang.srt.layers.arithmetic import choose_arithmetic
-    from sglang.srt.layers.small_batch_rows import (
-        INT8_LARGE_MODEL_ROWS,
-        INT8_ONE_TERM_MIN_ROWS,
-        ONE_TERM_ENV,
-        SMALL_BATCH_ROWS,
-    )
+    from sglang.srt.layers.small_batch_rows import INT8_ONE_TERM_MIN_ROWS, ONE_TERM_ENV, SMALL_BATCH_ROWS
     from tests.test_cpu_arithmetic import AVX2_FLAGS, BF16_VNNI_FLAGS
 
     monkeypatch.delenv(ONE_TERM_ENV, raising=False)
@@ -122,9 +117,6 @@ def test_plan_takes_one_term_from_eight_rows_for_models_of_1b_parameters_with_in
                    {"linear_float_bytes": big, "gguf_activations": "float32"}):
         assert choose_arithmetic("cpu", "auto", "int8", BF16_VNNI_FLAGS, **kwargs).int8_one_term_rows == 0, kwargs
     assert choose_arithmetic("cpu", "auto", "auto", AVX2_FLAGS, linear_float_bytes=big).int8_one_term_rows == 0
-    # speculative decoding's verify steps compute each token as plain decoding would: rows computed independently
-    spec = choose_arithmetic("cpu", "auto", "int8", BF16_VNNI_FLAGS, linear_float_bytes=big, row_independent=True)
-    assert spec.int8_one_term_rows == 0 and spec.small_batch_max_rows == INT8_LARGE_MODEL_ROWS
     monkeypatch.setenv(ONE_TERM_ENV, "3")  # any model, from 3 rows
     assert choose_arithmetic("cpu", "auto", "int8", BF16_VNNI_FLAGS, linear_float_bytes=small).int8_one_term_rows == 3
     monkeypatch.setenv(ONE_TERM_ENV, "0")  # never: the int8 GEMM takes 1B+ batches above 20 rows again
@@ -137,7 +129,7 @@ def test_plan_takes_one_term_from_eight_rows_for_models_of_1b_parameters_with_in
 
 def test_gguf_method_takes_one_term_from_its_row_count():
     from sglang.srt.layers.linear import Linear
-    from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod, set_gguf_activations
+    from sglang.srt.layers.quantization.gguf_linear import GGUFLinearMethod, rows_alone, set_gguf_activations
 
     raw = random_raw("Q8_0", 40, 96)
     blocks = gb.GGUFQuantWeight("Q8_0", raw, 40, 96)
@@ -150,6 +142,13 @@ def test_gguf_method_takes_one_term_from_its_row_count():
     for rows, one_term in ((3, False), (4, True), (13, True)):
         x = inputs(rows, 96, seed=rows)
         assert torch.equal(method.apply(weight, x, None), blocks.linear(x, int8=True, one_term=one_term))
+    x = inputs(6, 96, seed=6)
+    with rows_alone():  # a verify step's rows: both terms, each row as it would be alone
+        alone = method.apply(weight, x, None)
+    assert torch.equal(alone, blocks.linear(x, int8=True, one_term=False))
+    assert torch.equal(alone[2:3], method.apply(weight, x[2:3], None))
+    with rows_alone(False):
+        assert torch.equal(method.apply(weight, x, None), blocks.linear(x, int8=True, one_term=True))
     set_gguf_activations(layer, "float32", 4)  # float activations have no terms
     assert method.one_term_rows == 0
 
@@ -214,9 +213,10 @@ def test_one_term_form_keeps_smollm2_greedy_tokens_up_to_near_ties(monkeypatch, 
         assert_same_or_near_tie(smollm2_hf, smollm2_tokenizer, prompt, ours, expected[: len(ours)], BF16_MARGIN)
 
 
-def test_a_speculative_server_plans_rows_computed_alone(tmp_path, cache_dir, monkeypatch):
-    """A server of a 1B+ model takes the form from its plan, one with --speculative-algorithm does not (its verify
-    steps must compute each draft token as plain decoding would)."""
+def test_a_speculative_server_plans_the_form_as_a_plain_one(tmp_path, cache_dir, monkeypatch):
+    """A server of a 1B+ model takes the form from its plan, with --speculative-algorithm too: only its verify steps
+    compute without it (test_a_verify_step_computes_each_row_as_alone), its plain decode steps (speculation paused
+    above SPEC_MAX_BATCH running requests) run as a plain server's."""
     import json
 
     from transformers import LlamaConfig
@@ -232,4 +232,38 @@ def test_a_speculative_server_plans_rows_computed_alone(tmp_path, cache_dir, mon
     flags = dict(model_path=str(tmp_path), device="cpu", cpu_gemm="int8", gguf_activations="int8")
     assert load_model_info(ServerArgs(**flags)).arithmetic.int8_one_term_rows == INT8_ONE_TERM_MIN_ROWS
     spec = load_model_info(ServerArgs(**flags, speculative_algorithm="NGRAM"))
-    assert spec.arithmetic.int8_one_term_rows == 0
+    assert spec.arithmetic.int8_one_term_rows == INT8_ONE_TERM_MIN_ROWS
+
+
+def test_a_verify_step_computes_each_row_as_alone(tmp_path):
+    """The fused step on rows that share sequences (a speculative verify step) keeps both activation terms even where
+    its row count takes the one-term form: its logits are, bit for bit, those of the same step with the form off,
+    and a step of the same rows from distinct sequences does take the form."""
+    from sglang.srt.layers.quantization.gguf_linear import set_gguf_activations
+    from tests.test_fused_decode import quantize_head, quantize_linears
+    from tests.test_fused_shared_rows import FEED, prefilled, shared_rows_step
+    from tests.test_models import build_models, prompt_of, tiny_config
+
+    config = tiny_config("llama", max_position_embeddings=1024)
+    _, ours = build_models(tmp_path, config)
+    quantize_linears(ours)
+    quantize_head(ours)
+    set_gguf_activations(ours, "int8", 1)  # the form from one row: every step but a verify step's
+    prompts = {0: prompt_of(9, 1), 1: prompt_of(5, 2)}
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        runs = {}
+        for rows in (1, 0):
+            cache = prefilled(ours, config, prompts)
+            assert cache.decode_strategy.with_head
+            cache.decode_strategy.stack.set_one_term_rows(rows)
+            runs[rows] = shared_rows_step(ours, cache, FEED)
+        assert torch.equal(runs[1], runs[0])
+        cache = prefilled(ours, config, prompts)  # one row per sequence: the form applies
+        one_term = cache.forward(ours, [(row, [tokens[0]]) for row, tokens in FEED.items()])
+        cache = prefilled(ours, config, prompts)
+        cache.decode_strategy.stack.set_one_term_rows(0)
+        assert not torch.equal(one_term, cache.forward(ours, [(row, [tokens[0]]) for row, tokens in FEED.items()]))
+    finally:
+        torch.set_num_threads(before)

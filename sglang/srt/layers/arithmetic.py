@@ -219,7 +219,6 @@ def choose_arithmetic(
     quantized_checkpoint: bool = False,
     gguf_checkpoint: bool = False,
     gguf_blocks: Optional[str] = None,
-    row_independent: bool = False,
 ) -> ArithmeticPlan:
     """The arithmetic for a server: model dtype, the large-batch GEMM, the GGUF kernels' activations, the blocks
     made for a checkpoint without GGUF blocks and the KV cache dtype.
@@ -237,8 +236,8 @@ def choose_arithmetic(
     float checkpoint a weight update may bring). For either, large batches read the blocks too where the model is not
     small: the user chose the quantized format for its size, and a dense float32 copy would hold 4 bytes per weight.
     `gguf_blocks`: the block type most of the GGUF file's weights are served as ("Q4_1" / "Q8_0"; None: unknown).
-    `row_independent`: every row of a small batch computed as it would be alone (speculative decoding's verify steps
-    then compute each token as plain decoding does), so no one-term form, whose columns a tile's rows share.
+    A speculative server plans as any other: its verify steps compute without the one-term form
+    (gguf_linear.rows_alone, and the fused step on rows that share sequences).
     """
     if gguf_activations not in GGUF_ACTIVATIONS:
         raise ValueError(f"--gguf-activations must be one of {GGUF_ACTIVATIONS}, got {gguf_activations!r}")
@@ -279,7 +278,7 @@ def choose_arithmetic(
         blocks = gguf_blocks.lower() if gguf_blocks else None
     else:
         blocks = None if quantized_checkpoint or small_batch_quantization == "none" else small_batch_quantization
-    one_term = 0 if row_independent else one_term_rows(act, linear_float_bytes)
+    one_term = one_term_rows(act, linear_float_bytes)
     plan = dataclasses.replace(plan, int8_one_term_rows=one_term)
     rows = small_batch_rows(plan, flags, act, linear_float_bytes, blocks)
     plan = dataclasses.replace(plan, small_batch_max_rows=rows)

@@ -23,7 +23,7 @@ from sglang.srt.layers.attention.torch_sdpa_backend import TorchSDPABackend
 from sglang.srt.layers.cpu_buffers import reuse_large_buffers
 from sglang.srt.layers.linear import held_parameter
 from sglang.srt.layers.pooler import Pooler
-from sglang.srt.layers.quantization.gguf_linear import set_gguf_activations
+from sglang.srt.layers.quantization.gguf_linear import rows_alone, set_gguf_activations
 from sglang.srt.layers.sampler import SampleOutput, Sampler, compute_logprobs
 from sglang.srt.lora.layers import LoraBatchState, lora_rows
 from sglang.srt.mem_cache.kv_pool import KVPool
@@ -265,6 +265,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _forward_logits(self, forward_batch: ForwardBatch) -> Optional[torch.Tensor]:
+        # A verify step's rows (several positions of a sequence) are each computed as plain decoding computes them.
+        with rows_alone(forward_batch.rows_share_sequences):
+            return self._forward_rows(forward_batch)
+
+    def _forward_rows(self, forward_batch: ForwardBatch) -> Optional[torch.Tensor]:
         fused = self.decode_plan.fused if self.decode_plan is not None else None
         sink = self.hidden_sink
         # The fused decode step adds the LoRA deltas of adapter rows itself; prefills and batches it does not accept

@@ -172,8 +172,7 @@ def plan_for_this_machine(device: str, dtype: str, cpu_gemm: str,
                           hf_config: Optional[object] = None, threads: Optional[int] = None,
                           measure: bool = True, large_batch_weights: str = "auto",
                           embedding: bool = False, quantized_checkpoint: bool = False,
-                          gguf_checkpoint: bool = False, gguf_blocks: Optional[str] = None,
-                          row_independent: bool = False) -> ArithmeticPlan:
+                          gguf_checkpoint: bool = False, gguf_blocks: Optional[str] = None) -> ArithmeticPlan:
     """`choose_arithmetic` with this machine's CPU flags, measuring (on the model's MLP shapes, on `threads` threads
     as the scheduler will run: --num-threads) only what the flags do not settle. `measure=False` decides from the
     flags alone: the nodes of a multi-node server each make their plan, and flags agree where timings may not."""
@@ -195,6 +194,5 @@ def plan_for_this_machine(device: str, dtype: str, cpu_gemm: str,
                     ", ".join(f"{g} {r:.0f}" for g, r in measurements.items()), source)
     plan = choose_arithmetic(device, dtype, cpu_gemm, flags, machine, measurements, config_dtype, gguf_activations,
                              small_batch_quantization, kv_cache_dtype, prefill_attention, large_batch_weights,
-                             linear_float_bytes(hf_config), quantized_checkpoint, gguf_checkpoint, gguf_blocks,
-                             row_independent)
+                             linear_float_bytes(hf_config), quantized_checkpoint, gguf_checkpoint, gguf_blocks)
     return plan if settled is None else dataclasses.replace(plan, reason=settled[1])

@@ -84,9 +84,7 @@ def load_model_info(server_args: ServerArgs) -> ModelInfo:
                                        embedding=bool(server_args.is_embedding),
                                        quantized_checkpoint=scheme is not None,
                                        gguf_checkpoint=gguf_path is not None,
-                                       gguf_blocks=file_served_type(gguf_path) if gguf_path else None,
-                                       # verify steps compute each draft token as plain decoding would
-                                       row_independent=bool(server_args.speculative_algorithm))
+                                       gguf_blocks=file_served_type(gguf_path) if gguf_path else None)
     if server_args.chunked_prefill_size is None:  # CPU: by the model's size (GPUs have theirs from ServerArgs)
         server_args.chunked_prefill_size = default_chunked_prefill_size(linear_float_bytes(hf_config))
     dtype = arithmetic.weight_dtype

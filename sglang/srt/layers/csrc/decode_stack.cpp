@@ -243,13 +243,14 @@ class DecodeStack {
   void set_int8_activations(bool on) { int8_ = on; }
   bool int8_activations() const { return int8_; }
 
-  // From how many rows the int8 matmuls take their input in the one-term form (gguf_int8_input.h; 0: never).
+  // From how many rows the int8 matmuls take their input in the one-term form (gguf_int8_input.h; 0: never). Never
+  // in a step whose rows share sequences (a speculative verify step): a tile's rows share its outlier columns, and a
+  // verified position must be computed as plain decoding computes it, alone.
   void set_one_term_rows(int64_t rows) {
     TORCH_CHECK(rows >= 0, "one_term_rows must be >= 0");
     one_term_rows_ = rows;
   }
   int64_t one_term_rows() const { return one_term_rows_; }
-  bool one_term(int64_t B) const { return int8_ && one_term_rows_ > 0 && B >= one_term_rows_; }
 
   // The tables forward_tokens builds the first layer's input from: the embedding table [vocab, hidden] and the
   // half-width RoPE tables [positions, rotary_dim / 2] (RotaryEmbedding.cos_cache / sin_cache), float32. The
@@ -536,6 +537,7 @@ class DecodeStack {
     s.phases = std::make_unique<Phase[]>(kPhasesPerLayer * layers_.size() + 2);
     s.split = std::make_unique<attention_split::Plan>(lens, B, kv_heads_, heads_ / kv_heads_, head_dim_, num_layers());
     if (rows_share_sequences) s.store_phases = std::make_unique<Phase[]>(layers_.size());
+    s.one_term = int8_ && one_term_rows_ > 0 && B >= one_term_rows_ && !rows_share_sequences;
     std::unique_ptr<lora_deltas::StepLora> lora;
     if (lora_slots.has_value() && lora_slots->defined()) {
       TORCH_CHECK(lora_slots->device().is_cpu() && lora_slots->scalar_type() == torch::kLong &&
@@ -591,6 +593,7 @@ class DecodeStack {
     std::unique_ptr<attention_split::Plan> split;
     // One K/V store phase per layer, ahead of its attention items, when rows share sequences (null otherwise).
     std::unique_ptr<Phase[]> store_phases;
+    bool one_term = false;  // the int8 matmuls' input in the one-term form (set_one_term_rows)
     // The input of the current matmul phase and its prepared form, when the team builds it once (shared_input).
     std::vector<float> xin, panels, sums;
     lora_deltas::StepLora* lora = nullptr;  // the rows' LoRA adapters; null when no row has one
@@ -680,13 +683,13 @@ class DecodeStack {
       for (; item >= 0 && item < T; item = ph.claim(n)) {
         const int64_t m0 = item * gguf_kernels::kPrepareTile;
         input = build_rows(m0, std::min(gguf_kernels::kPrepareTile, B - m0), xin);
-        gguf_kernels::prepare_tile(lin.q4, input, B, K, m0, panels, sums, int8_, one_term(B));
+        gguf_kernels::prepare_tile(lin.q4, input, B, K, m0, panels, sums, int8_, s.one_term);
         ph.finish();
       }
       auto prepare = [&](gguf_kernels::PreparedInput& in) -> const float* {
         ph.wait(T);
         if (input == nullptr) input = build_rows(0, 0, xin);  // no rows: just where the input lives
-        in = gguf_kernels::prepared_view(lin.q4, input, B, K, panels, sums, int8_, one_term(B));
+        in = gguf_kernels::prepared_view(lin.q4, input, B, K, panels, sums, int8_, s.one_term);
         return input;
       };
       matmul_items_loop(s, ph, n, T, lin, prepare, y, item, site);
@@ -710,7 +713,7 @@ class DecodeStack {
         sc.sums.resize(static_cast<size_t>(gguf_kernels::sum_floats(B, K)));
       }
       in = gguf_kernels::prepare_input(lin.q4, input, B, K, sc.panels.data(), sc.sums.data(), int8_, convert,
-                                       one_term(B));
+                                       s.one_term);
       return input;
     };
     matmul_items_loop(s, ph, n, first, lin, prepare, y, item, site);

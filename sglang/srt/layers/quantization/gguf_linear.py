@@ -8,6 +8,8 @@ where their dequantized values equal the float weight bit for bit, so both paths
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Optional
 
 import torch
@@ -15,6 +17,23 @@ from torch import nn
 
 from sglang.srt.layers.linear import DENSE, LinearMethod, linear_methods
 from sglang.srt.layers.quantization.gguf_blocks import GGUFQuantWeight
+
+
+# Whether the running forward computes every row as it would be computed alone (rows_alone).
+_rows_alone = False
+
+
+@contextmanager
+def rows_alone(on: bool = True) -> Iterator[None]:
+    """Within: the int8 block matmuls keep both activation terms whatever their row count, so each row's output is
+    the one it would have alone (the one-term form's columns are shared by a tile's rows). A speculative verify
+    step runs so: each verified position must be computed as plain decoding computes it."""
+    global _rows_alone
+    before, _rows_alone = _rows_alone, _rows_alone or on
+    try:
+        yield
+    finally:
+        _rows_alone = before
 
 
 class GGUFLinearMethod(LinearMethod):
@@ -31,7 +50,7 @@ class GGUFLinearMethod(LinearMethod):
 
     def apply(self, weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= self.max_rows:
-            one_term = self.int8_activations and 0 < self.one_term_rows <= x.shape[0]
+            one_term = self.int8_activations and 0 < self.one_term_rows <= x.shape[0] and not _rows_alone
             return self.quant_weight.linear(x.to(weight.dtype), bias, self.int8_activations, one_term)
         return self.large.apply(weight, x, bias)
 
@@ -46,7 +65,7 @@ class GGUFLinearMethod(LinearMethod):
     def describe(self) -> str:
         act = ", int8 activations" if self.int8_activations else ""
         if self.int8_activations and self.one_term_rows:
-            act += f" (one term from {self.one_term_rows} rows)"
+            act += f" (one term from {self.one_term_rows} rows, but in speculative verify steps)"
         return (f"GGUF {self.quant_weight.qtype} blocks{act} up to {self.max_rows} rows, "
                 f"{self.large.describe()} beyond")
 
