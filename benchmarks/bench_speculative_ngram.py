@@ -85,7 +85,7 @@ Results = dict[tuple[str, str], tuple[float, list[list[int]], float, float]]
 
 
 def workloads() -> dict[str, list[str]]:
-    """Batch 1: copy-heavy and free prompts; then both kinds, 16 at a time (speculation pauses above 8 running)."""
+    """Batch 1: copy-heavy and free prompts; then both kinds, 16 at a time (NGRAM pauses above 4 running)."""
     copy = [chat(f"Repeat this text exactly: {t}") for t in TEXTS]
     free = [chat(q) for q in FREE]
     mixed = copy + free + [chat(f"Copy this, word for word: {t}") for t in TEXTS[:2]] + [

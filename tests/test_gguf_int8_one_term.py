@@ -216,7 +216,7 @@ def test_one_term_form_keeps_smollm2_greedy_tokens_up_to_near_ties(monkeypatch, 
 def test_a_speculative_server_plans_the_form_as_a_plain_one(tmp_path, cache_dir, monkeypatch):
     """A server of a 1B+ model takes the form from its plan, with --speculative-algorithm too: only its verify steps
     compute without it (test_a_verify_step_computes_each_row_as_alone), its plain decode steps (speculation paused
-    above SPEC_MAX_BATCH running requests) run as a plain server's."""
+    above its batch limit) run as a plain server's."""
     import json
 
     from transformers import LlamaConfig

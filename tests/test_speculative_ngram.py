@@ -272,6 +272,31 @@ def test_sampled_speculation_follows_target_distribution(servers, smollm2_tokeni
     assert_clean(spec)
 
 
+def test_ngram_pauses_above_four_running_requests(monkeypatch):
+    """NGRAM drafts while at most NGRAM_MAX_BATCH (4) requests run; a draft model's speculation up to
+    SPEC_MAX_BATCH (8): beyond, a verified row costs more than the tokens NGRAM's drafts win."""
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.scheduler.speculative import NGRAM_MAX_BATCH, SPEC_MAX_BATCH, NgramSpeculator
+
+    args = prepare_server_args(["--model-path", "m", "--speculative-algorithm", "NGRAM"])
+    args.validate()
+    spec = NgramSpeculator(args)
+    assert spec.max_batch == NGRAM_MAX_BATCH == 4 and SPEC_MAX_BATCH == 8
+
+    class Proposed(Exception):
+        pass
+
+    def propose(sched, reqs):
+        raise Proposed(len(reqs))
+
+    monkeypatch.setattr(spec, "propose", propose)
+    req = SimpleNamespace(mm_inputs=None, lora_path=None)
+    assert spec.verify_batch(SimpleNamespace(running=[req] * 5, mem=None)) is None  # a plain decode step
+    with pytest.raises(Proposed):
+        spec.verify_batch(SimpleNamespace(running=[req] * 4, mem=None))
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--speculative-algorithm", "LOOKAHEAD"], "not supported yet"),
     (["--speculative-algorithm", "FOO"], "not supported yet"),

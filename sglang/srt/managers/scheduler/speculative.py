@@ -49,8 +49,15 @@ logger = logging.getLogger(__name__)
 # Speculation is off for steps with more running sequences than this: verifying k tokens per sequence costs about k
 # times the compute of a decode step, which is free while a step is bound by reading the weights (small batches on
 # CPU) and a loss once it is bound by the matrix products. 8 sequences of 8 verified tokens also fill the fused CPU
-# step's default 64 rows.
+# step's default 64 rows. A drafted row pays when its token is accepted with a probability above b*c / (a + b*c)
+# for b running sequences, a step costing a + c per row: on a 2-core Zen 4, SmolLM2-135M (c ~ a / 3) needs 0.57 at 4
+# sequences and 0.72 at 8; the 1.7B shape less per row but its verify rows keep both activation terms where a plain
+# step of 8 rows takes one.
 SPEC_MAX_BATCH = 8
+# NGRAM's drafts are accepted less often (~0.65 of drafted tokens on copy-heavy answers, ~0.45 on free chat; a draft
+# model's ~0.95): measured with a mix of both, 2 / 4 / 8 concurrent requests ran 1.18x / 0.97-1.05x / 0.92-0.97x the
+# plain server's tok/s (benchmarks/RESULTS.md, "Speculative decoding on the Zen 4 class"), so NGRAM stops above 4.
+NGRAM_MAX_BATCH = 4
 
 
 # After a verify step in which a request kept none of its draft, it drafts again only after this many plain steps,
@@ -87,8 +94,9 @@ class Speculator:
 
     name = ""
 
-    def __init__(self, max_draft: int) -> None:
+    def __init__(self, max_draft: int, max_batch: int = SPEC_MAX_BATCH) -> None:
         self.max_draft = max_draft
+        self.max_batch = max_batch  # speculation pauses while more requests than this run
         self.logged_large_batch = False
         # Accept length (tokens a request gains per verify, the bonus token included) since the last decode log,
         # and the last logged value (for /metrics).
@@ -147,10 +155,9 @@ class Speculator:
         # one token at a time, and so does the step they are in.
         if any(req.mm_inputs is not None or req.lora_path is not None for req in reqs):
             return None
-        if len(reqs) > SPEC_MAX_BATCH:
+        if len(reqs) > self.max_batch:
             if not self.logged_large_batch:
-                logger.info("Speculative decoding pauses while more than %d requests run (SPEC_MAX_BATCH)",
-                            SPEC_MAX_BATCH)
+                logger.info("Speculative decoding pauses while more than %d requests run", self.max_batch)
                 self.logged_large_batch = True
             return None
         drafts = fit_trees(sched.mem, self.propose(sched, reqs))
@@ -222,7 +229,7 @@ class NgramSpeculator(Speculator):
 
     def __init__(self, args: ServerArgs) -> None:
         assert args.speculative_num_draft_tokens is not None
-        super().__init__(args.speculative_num_draft_tokens - 1)
+        super().__init__(args.speculative_num_draft_tokens - 1, NGRAM_MAX_BATCH)
         self.min_window = args.speculative_ngram_min_match_window_size
         self.max_window = args.speculative_ngram_max_match_window_size
         self.shared = NgramCache(self.min_window, self.max_window, args.speculative_ngram_capacity)
@@ -233,7 +240,7 @@ class NgramSpeculator(Speculator):
                     "branches of up to %d tokens), match window %d-%d, cache of %d tokens, off above %d running "
                     "requests", args.speculative_num_draft_tokens, self.shape.match_type, self.shape.min_breadth,
                     self.shape.max_breadth, self.shape.branch_length, self.min_window, self.max_window,
-                    args.speculative_ngram_capacity, SPEC_MAX_BATCH)
+                    args.speculative_ngram_capacity, self.max_batch)
 
     def propose(self, sched: Scheduler, reqs: list[Req]) -> list[DraftTree]:
         table = sched.mem.req_to_token_pool.req_to_token
@@ -281,7 +288,7 @@ class StandaloneSpeculator(Speculator):
         logger.info("Speculative decoding: %s, %s, %d steps (%d tokens verified per step, %s), "
                     "draft KV cache of %d tokens, off above %d running requests", self.name, draft.description,
                     args.speculative_num_steps, args.speculative_num_draft_tokens, shape,
-                    draft.mem.max_total_num_tokens, SPEC_MAX_BATCH)
+                    draft.mem.max_total_num_tokens, self.max_batch)
 
     def propose(self, sched: Scheduler, reqs: list[Req]) -> list[DraftTree]:
         table = sched.mem.req_to_token_pool.req_to_token
