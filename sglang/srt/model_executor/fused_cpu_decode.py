@@ -130,7 +130,7 @@ class FusedCpuDecode:
             reach = " (token ids to logits)" if self.with_head else " (token ids to final hidden states)"
         act = " with int8 activations" if int8_activations else ""
         if int8_activations and one_term_rows:
-            act += f" (one term per block from {one_term_rows} rows, but in speculative verify steps)"
+            act += f" (one term per block from {one_term_rows} rows, except in speculative verify steps)"
         self.name = f"{FusedCpuDecode.name}{reach}{act}"
         self.lora_slots = LoraSlots(stack)
 

@@ -65,7 +65,7 @@ class GGUFLinearMethod(LinearMethod):
     def describe(self) -> str:
         act = ", int8 activations" if self.int8_activations else ""
         if self.int8_activations and self.one_term_rows:
-            act += f" (one term from {self.one_term_rows} rows, but in speculative verify steps)"
+            act += f" (one term from {self.one_term_rows} rows, except in speculative verify steps)"
         return (f"GGUF {self.quant_weight.qtype} blocks{act} up to {self.max_rows} rows, "
                 f"{self.large.describe()} beyond")
 
