@@ -18,7 +18,6 @@ from torch import nn
 from sglang.srt.layers.linear import DENSE, LinearMethod, linear_methods
 from sglang.srt.layers.quantization.gguf_blocks import GGUFQuantWeight
 
-
 # Whether the running forward computes every row as it would be computed alone (rows_alone).
 _rows_alone = False
 
