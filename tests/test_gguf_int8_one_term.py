@@ -267,3 +267,29 @@ def test_a_verify_step_computes_each_row_as_alone(tmp_path):
         assert not torch.equal(one_term, cache.forward(ours, [(row, [tokens[0]]) for row, tokens in FEED.items()]))
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_the_runner_runs_verify_rows_alone(verify):
+    """ModelRunner computes a verify forward (rows sharing sequences) under gguf_linear.rows_alone (here layer by
+    layer; the fused step decides from the batch itself: test_a_verify_step_computes_each_row_as_alone), and any
+    other forward without it."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.quantization import gguf_linear
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    seen = []
+
+    def model(input_ids, positions, forward_batch):
+        seen.append(gguf_linear._rows_alone)
+        return torch.zeros(2, 4)
+
+    runner = object.__new__(ModelRunner)
+    runner.decode_plan, runner.hidden_sink, runner.lora_state = None, None, None
+    runner.attn_backend = SimpleNamespace(init_forward_metadata=lambda forward_batch: None)
+    runner.model = model
+    batch = SimpleNamespace(rows_share_sequences=verify, input_ids=None, positions=None, lora_ids=None,
+                            extend_seq_lens_cpu=[1, 1])
+    assert runner._forward_logits(batch).shape == (2, 4)
+    assert seen == [verify] and gguf_linear._rows_alone is False
