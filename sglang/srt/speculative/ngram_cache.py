@@ -84,7 +84,11 @@ class NgramCache:
         self.min_window = min_window
         self.max_window = max_window
         self.capacity = capacity
-        self.index = TokenIndex(min_window, max_window)
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget every sequence."""
+        self.index = TokenIndex(self.min_window, self.max_window)
 
     def add(self, tokens: list[int]) -> None:
         if self.capacity <= self.min_window + 1 or len(tokens) <= self.min_window:
@@ -96,7 +100,7 @@ class NgramCache:
             kept = kept[kept.index(_SEPARATOR) + 1 :] if _SEPARATOR in kept else []
             if len(kept) + len(tokens) + 1 > self.capacity:
                 kept = []
-            self.index = TokenIndex(self.min_window, self.max_window)
+            self.clear()
             self.index.extend(kept)
         self.index.extend(list(tokens) + [_SEPARATOR])
 

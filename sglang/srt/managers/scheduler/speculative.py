@@ -55,8 +55,8 @@ logger = logging.getLogger(__name__)
 # step of 8 rows takes one.
 SPEC_MAX_BATCH = 8
 # NGRAM's drafts are accepted less often (~0.65 of drafted tokens on copy-heavy answers, ~0.45 on free chat; a draft
-# model's ~0.95): measured with a mix of both, 2 / 4 / 8 concurrent requests ran 1.18x / 0.97-1.05x / 0.92-0.97x the
-# plain server's tok/s (benchmarks/RESULTS.md, "Speculative decoding on the Zen 4 class"), so NGRAM stops above 4.
+# model's ~0.95): measured with a mix of both, 2 / 4 / 8 concurrent requests ran 1.18-1.19x / 0.97-1.05x / 0.92-0.99x
+# the plain server's tok/s (benchmarks/RESULTS.md, "Speculative decoding on the Zen 4 class"), so NGRAM stops above 4.
 NGRAM_MAX_BATCH = 4
 
 
@@ -271,7 +271,7 @@ class NgramSpeculator(Speculator):
 
     def flush(self) -> None:
         """The shared n-gram cache emptied (SGLang's NGRAM worker clears its cache on /flush_cache too)."""
-        self.shared = NgramCache(self.min_window, self.max_window, self.shared.capacity)
+        self.shared.clear()
 
 
 class StandaloneSpeculator(Speculator):
